@@ -1,0 +1,87 @@
+"""Command line: ``python -m cnr {train,inspect,bench} ...``. Errors exit 2 with one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import sys
+from typing import List, Optional
+
+from cnr.errors import CnrError
+
+BENCHMARKS = ("full_checkpoint", "quantize")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from cnr.config import load_config
+    from cnr.launch import launch
+    from cnr.train import prepare_job, run_rank
+
+    config = load_config(args.config, args.set)
+    job = prepare_job(config, args.storage, args.resume, args.nproc)
+    summary = launch(run_rank, args.nproc, job)
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cnr.manifest import list_checkpoints
+    from cnr.storage import open_storage
+
+    storage = open_storage(args.uri)
+    infos = list_checkpoints(storage)
+    rows = [
+        {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base}
+        for i in infos
+    ]
+    if args.json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
+    else:
+        print(f"{'id':<22} {'step':>8} {'kind':<12} {'bits':>4} {'rows':>10} {'bytes':>12}  status")
+        for r in rows:
+            print(f"{r['id']:<22} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['rows']:>10} {r['bytes']:>12}  {r['status']}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"cnr.bench.{args.name}")
+    result = module.run(args.args)
+    print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
+    t.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
+    t.add_argument("--storage", default="./checkpoints", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    t.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint first")
+    t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
+    t.set_defaults(func=_train)
+    i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
+    i.add_argument("uri")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_inspect)
+    b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
+    b.add_argument("name", choices=BENCHMARKS)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("cnr").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except CnrError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,276 @@
+"""Validated configuration: YAML file + dotted ``--set`` overrides -> frozen dataclasses.
+
+Every bad value is rejected with a ConfigError naming the key, the value and what is allowed,
+before any process is spawned or anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import yaml
+
+from cnr.errors import ConfigError
+from cnr.types import ShardingKind, TableSpec
+
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
+DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
+ARCHES = ("dlrm", "dcn")
+DATA_SOURCES = ("synthetic", "tsv")
+MALFORMED_POLICIES = ("reject", "skip")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table. ``features`` are the sparse feature names it serves."""
+
+    name: str
+    rows: int
+    features: List[str]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DLRM shape. ``dense_arch[-1]`` must equal ``embedding_dim`` (DLRM's interaction)."""
+
+    arch: str = "dlrm"
+    embedding_dim: int = 16
+    tables: List[TableConfig] = field(default_factory=list)
+    dense_arch: List[int] = field(default_factory=lambda: [32, 16])
+    over_arch: List[int] = field(default_factory=lambda: [32, 1])
+    dcn_num_layers: int = 2
+    dcn_low_rank_dim: int = 8
+    sharding_types: List[str] = field(default_factory=lambda: ["table_wise", "column_wise"])
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids."""
+
+    source: str = "synthetic"
+    num_dense: int = 13
+    ids_per_feature: int = 1
+    power_law_exponent: float = 1.1
+    tsv_paths: List[str] = field(default_factory=list)
+    eval_tsv_paths: List[str] = field(default_factory=list)
+    on_malformed: str = "reject"
+    eval_batches: int = 8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop. ``batch_size`` is per rank; ``eval_interval`` 0 = eval only at the end."""
+
+    steps: int = 100
+    batch_size: int = 128
+    seed: int = 0
+    sparse_optimizer: str = "rowwise_adagrad"
+    sparse_lr: float = 0.05
+    dense_optimizer: str = "adagrad"
+    dense_lr: float = 0.05
+    eval_interval: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk."""
+
+    enabled: bool = True
+    interval: int = 50
+    chunk_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole job configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def table_specs(self) -> Tuple[TableSpec, ...]:
+        """The tables as shared TableSpec values, in config order."""
+        return tuple(
+            TableSpec(t.name, t.rows, self.model.embedding_dim, tuple(t.features))
+            for t in self.model.tables
+        )
+
+    def feature_rows(self) -> List[Tuple[str, int]]:
+        """(feature name, rows of its table) for every sparse feature, in config order."""
+        return [(f, t.rows) for t in self.model.tables for f in t.features]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain nested dict (JSON/YAML-serialisable) of every value."""
+        return dataclasses.asdict(self)
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML; None = defaults), apply ``key=value`` overrides, validate."""
+    raw: Dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+        raw = loaded or {}
+    for item in overrides:
+        _apply_override(raw, item)
+    config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _apply_override(raw: Dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not allowed: use dotted.key=value, e.g. train.steps=200")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"--set key {key!r} is not allowed: use dotted.key=value")
+    node = raw
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set key {key!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section {where or '<top>'!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        prefix = where + "." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix + str(unknown[0])!r}; allowed keys in "
+            f"{where or 'the top level'}: {', '.join(names)}"
+        )
+    values = {}
+    for name in names:
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], f"{where}.{name}" if where else name)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    origin = typing.get_origin(hint)
+    if origin in (list, List):
+        (item_hint,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
+        return [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key {key!r} has an unsupported type {hint!r}")  # a bug in cnr
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
+    _require(value in allowed, f"config key {key!r} = {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, f"config key {key!r} = {value!r} is not allowed; it must be > 0")
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks; raises ConfigError naming the offending key and value."""
+    m, d, t, c = config.model, config.data, config.train, config.checkpoint
+    _one_of("model.arch", m.arch, ARCHES)
+    _positive("model.embedding_dim", m.embedding_dim)
+    _require(bool(m.tables), "config key 'model.tables' is empty; at least one table is required")
+    _validate_tables(m.tables)
+    for key, sizes in (("model.dense_arch", m.dense_arch), ("model.over_arch", m.over_arch)):
+        _require(bool(sizes) and all(s > 0 for s in sizes), f"config key {key!r} = {sizes!r} must be a non-empty list of positive sizes")
+    _require(m.dense_arch[-1] == m.embedding_dim,
+             f"config key 'model.dense_arch' ends with {m.dense_arch[-1]}, but DLRM needs it to equal model.embedding_dim = {m.embedding_dim}")
+    _require(m.over_arch[-1] == 1, f"config key 'model.over_arch' ends with {m.over_arch[-1]}; it must end with 1 (one logit)")
+    _positive("model.dcn_num_layers", m.dcn_num_layers)
+    _positive("model.dcn_low_rank_dim", m.dcn_low_rank_dim)
+    allowed_sharding = [k.value for k in ShardingKind]
+    _require(bool(m.sharding_types), "config key 'model.sharding_types' is empty; allowed: " + ", ".join(allowed_sharding))
+    for s in m.sharding_types:
+        _one_of("model.sharding_types", s, allowed_sharding)
+    _one_of("data.source", d.source, DATA_SOURCES)
+    _positive("data.num_dense", d.num_dense)
+    _positive("data.ids_per_feature", d.ids_per_feature)
+    _positive("data.power_law_exponent", d.power_law_exponent)
+    _positive("data.eval_batches", d.eval_batches)
+    _one_of("data.on_malformed", d.on_malformed, MALFORMED_POLICIES)
+    if d.source == "tsv":
+        _require(bool(d.tsv_paths), "config key 'data.tsv_paths' is empty; data.source = 'tsv' needs at least one file")
+    _positive("train.steps", t.steps)
+    _positive("train.batch_size", t.batch_size)
+    _require(t.seed >= 0, f"config key 'train.seed' = {t.seed} is not allowed; it must be >= 0")
+    _one_of("train.sparse_optimizer", t.sparse_optimizer, SPARSE_OPTIMIZERS)
+    _one_of("train.dense_optimizer", t.dense_optimizer, DENSE_OPTIMIZERS)
+    _positive("train.sparse_lr", t.sparse_lr)
+    _positive("train.dense_lr", t.dense_lr)
+    _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
+    _positive("checkpoint.interval", c.interval)
+    _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+
+
+def _validate_tables(tables: Sequence[TableConfig]) -> None:
+    seen_tables: set = set()
+    seen_features: Dict[str, str] = {}
+    for i, table in enumerate(tables):
+        key = f"model.tables[{i}]"
+        _require(bool(table.name) and table.name.replace("_", "").isalnum(),
+                 f"config key '{key}.name' = {table.name!r} is not allowed; use letters, digits and '_'")
+        _require(table.name not in seen_tables, f"config key '{key}.name' = {table.name!r} is used by two tables")
+        seen_tables.add(table.name)
+        _positive(f"{key}.rows", table.rows)
+        _require(bool(table.features), f"table {table.name!r} ({key}.features) has no features; every table needs at least one")
+        for feature in table.features:
+            _require(feature not in seen_features,
+                     f"feature {feature!r} of table {table.name!r} is already served by table {seen_features.get(feature)!r}")
+            seen_features[feature] = table.name
+
+
+def parse_sharding(values: Sequence[str]) -> List[ShardingKind]:
+    """The configured sharding types as enum members (already validated)."""
+    return [ShardingKind(v) for v in values]
+
+
+def describe(config: Config) -> Mapping[str, Any]:
+    """A short summary used in logs: sizes that matter for checkpoint cost."""
+    rows = sum(t.rows for t in config.model.tables)
+    return {
+        "tables": len(config.model.tables),
+        "rows": rows,
+        "embedding_bytes_fp32": rows * config.model.embedding_dim * 4,
+    }

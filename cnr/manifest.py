@@ -1,0 +1,306 @@
+"""Checkpoint manifests and per-rank indexes: versioned JSON, strict parsing, storage layout.
+
+Layout under the storage root (see README "Storage layout"):
+
+    checkpoints/<id>/rank-<r>/chunk-<n>.bin   encoded chunks written by rank r
+    checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
+    checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
+
+``<id>`` is ``<step:010d>-<nonce>``, so ids sort by step and a rewrite of the same step never
+mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json`` is uncommitted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from cnr.errors import CheckpointError
+from cnr.storage.base import Storage, validate_key
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, TableSpec
+
+ROOT = "checkpoints"
+MANIFEST_FORMAT = "cnr.manifest"
+RANK_INDEX_FORMAT = "cnr.rank-index"
+VERSION = 1
+
+
+def checkpoint_prefix(ckpt_id: str) -> str:
+    return f"{ROOT}/{ckpt_id}"
+
+
+def manifest_key(ckpt_id: str) -> str:
+    return f"{ROOT}/{ckpt_id}/manifest.json"
+
+
+def rank_index_key(ckpt_id: str, rank: int) -> str:
+    return f"{ROOT}/{ckpt_id}/rank-{rank:05d}.json"
+
+
+def chunk_key(ckpt_id: str, rank: int, n: int) -> str:
+    return f"{ROOT}/{ckpt_id}/rank-{rank:05d}/chunk-{n:06d}.bin"
+
+
+def make_id(step: int, nonce: str) -> str:
+    return f"{step:010d}-{nonce}"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor in a checkpoint: its shape, dtype, and the chunks that hold it."""
+
+    shape: Tuple[int, ...]
+    dtype: str
+    replicated: bool
+    chunks: Tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """What one rank wrote for one checkpoint."""
+
+    id: str
+    rank: int
+    world_size: int
+    tensors: Dict[str, TensorEntry]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint. ``counters``: step, samples, restores; ``reader``: the cursor."""
+
+    id: str
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    world_size: int
+    created_unix: float
+    arch: str
+    tables: Tuple[TableSpec, ...]
+    sparse_optimizer: str
+    dense_optimizer: str
+    tensors: Dict[str, TensorEntry]
+    reader: Dict[str, Any]
+    counters: Dict[str, int]
+    config: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every chunk this checkpoint stored (manifest and indexes excluded)."""
+        return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+
+    @property
+    def rows(self) -> int:
+        """Embedding rows stored (rows of table weight chunks)."""
+        return sum(c.rows for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks)
+
+    @property
+    def bits(self) -> int:
+        """Bit-width of the stored embedding rows (32 for fp32)."""
+        bits = {c.bits for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks}
+        return min(bits) if bits else 32
+
+
+def _is_table_weight(name: str) -> bool:
+    return name.startswith("model/") and ".embedding_bags." in name and name.endswith(".weight")
+
+
+# ---- serialisation ---------------------------------------------------------------------------
+
+def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
+    d = asdict(c)
+    d["encoding"] = c.encoding.value
+    return d
+
+
+def _tensors_to_dict(tensors: Dict[str, TensorEntry]) -> Dict[str, Any]:
+    return {
+        name: {"shape": list(t.shape), "dtype": t.dtype, "replicated": t.replicated,
+               "chunks": [_chunk_to_dict(c) for c in t.chunks]}
+        for name, t in sorted(tensors.items())
+    }
+
+
+def manifest_to_bytes(m: Manifest) -> bytes:
+    body = {
+        "format": MANIFEST_FORMAT, "version": VERSION, "id": m.id, "step": m.step, "kind": m.kind.value,
+        "base": m.base, "world_size": m.world_size, "created_unix": m.created_unix, "arch": m.arch,
+        "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features)} for t in m.tables],
+        "sparse_optimizer": m.sparse_optimizer, "dense_optimizer": m.dense_optimizer,
+        "tensors": _tensors_to_dict(m.tensors), "reader": m.reader, "counters": m.counters, "config": m.config,
+    }
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def rank_index_to_bytes(r: RankIndex) -> bytes:
+    body = {"format": RANK_INDEX_FORMAT, "version": VERSION, "id": r.id, "rank": r.rank,
+            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors)}
+    return json.dumps(body, sort_keys=True).encode()
+
+
+# ---- strict parsing --------------------------------------------------------------------------
+
+class _Reader:
+    """Typed field access on a JSON object that rejects missing, extra and mistyped fields."""
+
+    def __init__(self, obj: Any, where: str, fields: Dict[str, Any]) -> None:
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{where} must be a JSON object, got {type(obj).__name__}")
+        missing = sorted(set(fields) - set(obj))
+        extra = sorted(set(obj) - set(fields))
+        if missing or extra:
+            raise CheckpointError(f"{where} has missing fields {missing} and unknown fields {extra}")
+        for name, kind in fields.items():
+            value = obj[name]
+            ok = isinstance(value, kind) and not (kind in (int, (int, float)) and isinstance(value, bool))
+            if not ok:
+                raise CheckpointError(f"{where} field {name!r} = {value!r:.80} has the wrong type")
+        self.obj = obj
+
+    def __getitem__(self, name: str) -> Any:
+        return self.obj[name]
+
+
+_OPT_STR = (str, type(None))
+_NUM = (int, float)
+_CHUNK_FIELDS = {"key": str, "tensor": str, "rows": int, "row_start": int, "row_ids": bool, "col_offset": int,
+                 "cols": int, "nbytes": int, "crc32": int, "encoding": str, "bits": int}
+
+
+def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
+    r = _Reader(obj, where, _CHUNK_FIELDS)
+    key = r["key"]
+    try:
+        validate_key(key)
+    except Exception as e:
+        raise CheckpointError(f"{where} key {key!r} is rejected: {e}") from e
+    if not key.startswith(checkpoint_prefix(ckpt_id) + "/"):
+        raise CheckpointError(f"{where} key {key!r} is outside its checkpoint's prefix {checkpoint_prefix(ckpt_id)}/")
+    if r["tensor"] != tensor:
+        raise CheckpointError(f"{where} belongs to tensor {r['tensor']!r}, listed under {tensor!r}")
+    try:
+        encoding = Encoding(r["encoding"])
+    except ValueError as e:
+        raise CheckpointError(f"{where} encoding {r['encoding']!r} is not one of {[e.value for e in Encoding]}") from e
+    if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"]) < 0:
+        raise CheckpointError(f"{where} has a negative size or offset")
+    return ChunkRef(key=key, tensor=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
+                    col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
+                    encoding=encoding, bits=r["bits"])
+
+
+def _parse_tensors(obj: Any, where: str, ckpt_id: str) -> Dict[str, TensorEntry]:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must be a JSON object")
+    out = {}
+    for name, raw in obj.items():
+        r = _Reader(raw, f"{where}[{name!r}]", {"shape": list, "dtype": str, "replicated": bool, "chunks": list})
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in r["shape"]):
+            raise CheckpointError(f"{where}[{name!r}] shape {r['shape']!r} must list non-negative integers")
+        chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name) for i, c in enumerate(r["chunks"]))
+        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks)
+    return out
+
+
+def _parse_json(blob: bytes, where: str) -> Any:
+    try:
+        return json.loads(blob.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON: {e}") from e
+
+
+def _check_format(obj: Any, fmt: str, where: str) -> None:
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        raise CheckpointError(f"{where} is not a {fmt} document")
+    if obj.get("version") != VERSION:
+        raise CheckpointError(f"{where} has version {obj.get('version')!r}; this cnr reads version {VERSION}")
+
+
+def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
+    """Parse and validate a manifest; raise CheckpointError naming the first problem."""
+    obj = _parse_json(blob, where)
+    _check_format(obj, MANIFEST_FORMAT, where)
+    r = _Reader(obj, where, {
+        "format": str, "version": int, "id": str, "step": int, "kind": str, "base": _OPT_STR, "world_size": int,
+        "created_unix": _NUM, "arch": str, "tables": list, "sparse_optimizer": str, "dense_optimizer": str,
+        "tensors": dict, "reader": dict, "counters": dict, "config": dict,
+    })
+    try:
+        kind = CheckpointKind(r["kind"])
+    except ValueError as e:
+        raise CheckpointError(f"{where} kind {r['kind']!r} is not one of {[k.value for k in CheckpointKind]}") from e
+    tables = []
+    for i, t in enumerate(r["tables"]):
+        tr = _Reader(t, f"{where}.tables[{i}]", {"name": str, "rows": int, "dim": int, "features": list})
+        tables.append(TableSpec(tr["name"], tr["rows"], tr["dim"], tuple(tr["features"])))
+    counters = r["counters"]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in counters.values()):
+        raise CheckpointError(f"{where}.counters must hold integers, got {counters!r}")
+    return Manifest(
+        id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
+        created_unix=float(r["created_unix"]), arch=r["arch"], tables=tuple(tables),
+        sparse_optimizer=r["sparse_optimizer"], dense_optimizer=r["dense_optimizer"],
+        tensors=_parse_tensors(r["tensors"], f"{where}.tensors", r["id"]), reader=r["reader"],
+        counters=counters, config=r["config"],
+    )
+
+
+def parse_rank_index(blob: bytes, where: str = "rank index") -> RankIndex:
+    obj = _parse_json(blob, where)
+    _check_format(obj, RANK_INDEX_FORMAT, where)
+    r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "tensors": dict})
+    return RankIndex(r["id"], r["rank"], r["world_size"], _parse_tensors(r["tensors"], f"{where}.tensors", r["id"]))
+
+
+def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
+    """Combine every rank's tensors into one table; replicated tensors come from one rank only."""
+    merged: Dict[str, TensorEntry] = {}
+    for index in sorted(indexes, key=lambda i: i.rank):
+        for name, entry in index.tensors.items():
+            if name not in merged:
+                merged[name] = entry
+                continue
+            have = merged[name]
+            if (have.shape, have.dtype, have.replicated) != (entry.shape, entry.dtype, entry.replicated):
+                raise CheckpointError(f"ranks disagree on tensor {name!r}: {have.shape}/{have.dtype} vs {entry.shape}/{entry.dtype}")
+            merged[name] = TensorEntry(have.shape, have.dtype, have.replicated, have.chunks + entry.chunks)
+    return merged
+
+
+# ---- listing ---------------------------------------------------------------------------------
+
+def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
+    key = manifest_key(ckpt_id)
+    manifest = parse_manifest(storage.get(key), where=f"{storage.uri}/{key}")
+    if manifest.id != ckpt_id:
+        raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
+    return manifest
+
+
+def checkpoint_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with anything stored, committed or not, oldest step first."""
+    ids = {k.split("/")[1] for k in storage.list(ROOT) if k.count("/") >= 2}
+    return sorted(ids)
+
+
+def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
+    """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
+    infos = []
+    for ckpt_id in checkpoint_ids(storage):
+        step = int(ckpt_id.split("-")[0]) if ckpt_id.split("-")[0].isdigit() else -1
+        if not storage.exists(manifest_key(ckpt_id)):
+            nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
+            infos.append(CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.UNCOMMITTED, 0, 0, nbytes))
+            continue
+        m = read_manifest(storage, ckpt_id)
+        infos.append(CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base))
+    return infos
+
+
+def newest_committed(storage: Storage) -> Optional[Manifest]:
+    """The committed checkpoint with the highest step, or None."""
+    for ckpt_id in reversed(checkpoint_ids(storage)):
+        if storage.exists(manifest_key(ckpt_id)):
+            return read_manifest(storage, ckpt_id)
+    return None

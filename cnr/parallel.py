@@ -1,0 +1,86 @@
+"""Process groups and the sharded model: torchrec planner, DMP, fused sparse + dense optimizers."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Type
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from cnr.config import Config
+from cnr.errors import ConfigError
+from cnr.state import DenseOptimizer
+from models.dlrm import build_dlrm
+
+logger = logging.getLogger(__name__)
+
+SPARSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+}
+DENSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+}
+# fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
+CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+
+
+@dataclass
+class ShardedModel:
+    """The DMP-wrapped model and its dense optimizer (the sparse one is fused into backward)."""
+
+    model: DistributedModelParallel
+    dense_optimizer: DenseOptimizer
+    plan_text: str
+
+
+def check_device_support(config: Config, device: torch.device) -> None:
+    """Reject combinations fbgemm cannot run on ``device``, before any work starts."""
+    if device.type == "cpu" and config.train.sparse_optimizer not in CPU_SPARSE_OPTIMIZERS:
+        raise ConfigError(
+            f"train.sparse_optimizer = {config.train.sparse_optimizer!r} is not supported by fbgemm's fused "
+            f"kernels on CPU; allowed on CPU: {', '.join(CPU_SPARSE_OPTIMIZERS)} (adam needs CUDA)"
+        )
+
+
+def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
+    """Build DLRM, attach the fused sparse optimizer, shard with torchrec's planner, wrap in DMP.
+
+    Collective over the default process group (the plan is computed on rank 0 and broadcast).
+    """
+    check_device_support(config, device)
+    model = build_dlrm(config)
+    apply_optimizer_in_backward(
+        SPARSE_OPTIMIZER_CLASSES[config.train.sparse_optimizer],
+        model.sparse_arch.parameters(),
+        {"lr": config.train.sparse_lr},
+    )
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=list(config.model.sharding_types)) for t in config.model.tables
+    }
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
+    sharders = [EmbeddingBagCollectionSharder()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchrec warns about topology construction and DDP on CPU
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        torch.manual_seed(config.train.seed + 1)  # table init draws from this, identically per run
+        dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    optimizer = DENSE_OPTIMIZER_CLASSES[config.train.dense_optimizer](
+        list(dense_params.values()), lr=config.train.dense_lr
+    )
+    return ShardedModel(dmp, DenseOptimizer(dense_params, optimizer), str(plan))

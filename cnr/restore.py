@@ -1,0 +1,142 @@
+"""Restore a committed checkpoint into the current model, whatever its sharding or world size.
+
+Each rank reads only the chunks that overlap the pieces it holds now, verifies them, and copies
+the overlapping rows and columns into its live tensors. Coverage is checked: every element of
+every piece must be written exactly once, or the restore fails before training resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from cnr.encode import DTYPES, DecodedChunk, decode_chunk
+from cnr.errors import CheckpointError
+from cnr.manifest import Manifest, TensorEntry
+from cnr.state import DENSE_OPTIM, DenseOptimizer, StatePiece, split_dense_name
+from cnr.storage.base import Storage
+from cnr.types import ChunkRef
+
+logger = logging.getLogger(__name__)
+
+RNG_PREFIX = "rng/"
+
+
+def _span(ref: ChunkRef) -> Tuple[int, int, int, int]:
+    """(row_lo, row_hi, col_lo, col_hi) a contiguous chunk covers; cols 0 = not column-split."""
+    return ref.row_start, ref.row_start + ref.rows, ref.col_offset, ref.col_offset + ref.cols
+
+
+def _piece_span(piece: StatePiece) -> Tuple[int, int, int, int]:
+    offs, sizes = piece.region.offsets, piece.region.sizes
+    if not offs:  # 0-d tensor: stored as one row
+        return 0, 1, 0, 0
+    c0, c1 = (offs[1], offs[1] + sizes[1]) if len(offs) >= 2 else (0, 0)
+    return offs[0], offs[0] + sizes[0], c0, c1
+
+
+def _overlaps(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
+    r0, r1, c0, c1 = _span(ref)
+    p0, p1, q0, q1 = piece
+    rows = r0 < p1 and p0 < r1
+    cols = (c1 == c0 == 0 and q1 == q0 == 0) or (c0 < q1 and q0 < c1)
+    return rows and cols
+
+
+def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> int:
+    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied."""
+    p0, p1, q0, q1 = span
+    r0, r1, c0, c1 = _span(chunk.ref)
+    lo, hi = max(p0, r0), min(p1, r1)
+    src = chunk.data[lo - r0:hi - r0]
+    dst_rows = slice(lo - p0, hi - p0)
+    view = target.reshape(1) if target.dim() == 0 else target
+    if q1 == q0 == 0:
+        dst = view[dst_rows]
+        dst.copy_(src)
+    else:
+        clo, chi = max(q0, c0), min(q1, c1)
+        dst = view[dst_rows, clo - q0:chi - q0]
+        dst.copy_(src[:, clo - c0:chi - c0])
+    return dst.numel()
+
+
+def _check_entry(piece: StatePiece, entry: Optional[TensorEntry]) -> TensorEntry:
+    if entry is None:
+        raise CheckpointError(f"the checkpoint has no tensor {piece.name!r}, which the current model needs")
+    if tuple(entry.shape) != tuple(piece.global_shape):
+        raise CheckpointError(
+            f"tensor {piece.name!r} has shape {list(entry.shape)} in the checkpoint but "
+            f"{list(piece.global_shape)} in the current model"
+        )
+    if DTYPES.get(entry.dtype) != piece.tensor.dtype:
+        raise CheckpointError(f"tensor {piece.name!r} is {entry.dtype} in the checkpoint but {piece.tensor.dtype} now")
+    return entry
+
+
+class ChunkFetcher:
+    """Fetches and verifies chunks, keeping decoded ones only while the restore needs them."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.cache: Dict[str, DecodedChunk] = {}
+        self.bytes_read = 0
+
+    def get(self, ref: ChunkRef) -> DecodedChunk:
+        hit = self.cache.get(ref.key)
+        if hit is None:
+            blob = self.storage.get(ref.key)
+            self.bytes_read += len(blob)
+            hit = decode_chunk(blob, ref)
+            self.cache[ref.key] = hit
+        return hit
+
+
+def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece]) -> int:
+    """Fill every live piece from ``manifest``'s chunks; return bytes read from storage."""
+    fetcher = ChunkFetcher(storage)
+    for piece in pieces:
+        entry = _check_entry(piece, manifest.tensors.get(piece.name))
+        span = _piece_span(piece)
+        copied = 0
+        for ref in entry.chunks:
+            if ref.row_ids:
+                raise CheckpointError(f"chunk {ref.key!r} lists row ids; full checkpoints store row ranges")
+            if _overlaps(ref, span):
+                copied += _copy_overlap(piece.tensor, span, fetcher.get(ref))
+        if copied != max(1, piece.tensor.numel()):
+            raise CheckpointError(f"checkpoint {manifest.id} covers {copied} of {piece.tensor.numel()} elements of {piece.name!r} held here")
+        fetcher.cache.clear()  # decoded chunks are needed only for the piece they overlap
+    return fetcher.bytes_read
+
+
+def prepare_dense_optimizer(manifest: Manifest, dense_optimizer: DenseOptimizer) -> None:
+    """Create lazily-made dense optimizer state (e.g. Adam's) so restore has tensors to fill."""
+    for name, entry in manifest.tensors.items():
+        if name.startswith(DENSE_OPTIM):
+            param, key = split_dense_name(name)
+            if param not in dense_optimizer.params:
+                raise CheckpointError(f"the checkpoint has optimizer state for {param!r}, which the current model lacks")
+            dense_optimizer.ensure_state(param, key, tuple(entry.shape), DTYPES[entry.dtype])
+
+
+def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:
+    """Every training-state tensor in the checkpoint must exist in the current model."""
+    extra = sorted(set(n for n in manifest.tensors if not n.startswith(RNG_PREFIX)) - set(names))
+    if extra:
+        raise CheckpointError(f"checkpoint {manifest.id} holds tensors the current model lacks: {extra[:5]}")
+
+
+def restore_rng(storage: Storage, manifest: Manifest, rank: int, world_size: int) -> bool:
+    """Set this rank's torch RNG from the checkpoint when the world size is unchanged."""
+    if manifest.world_size != world_size:
+        logger.info("world size changed (%d -> %d): per-rank RNG state not restored", manifest.world_size, world_size)
+        return False
+    entry = manifest.tensors.get(f"{RNG_PREFIX}rank-{rank:05d}")
+    if entry is None or len(entry.chunks) != 1:
+        raise CheckpointError(f"checkpoint {manifest.id} lacks the RNG state of rank {rank}")
+    chunk = ChunkFetcher(storage).get(entry.chunks[0])
+    torch.set_rng_state(chunk.data.clone())
+    return True

@@ -1,0 +1,192 @@
+"""The main job: config -> sharded DLRM -> reader -> training loop -> checkpoints -> summary.
+
+``prepare_job`` runs in the launching process and rejects bad input before anything is written;
+``run_rank`` is the per-rank body; rank 0 returns the JSON summary the CLI prints last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from cnr.checkpoint import Checkpointer
+from cnr.config import Config
+from cnr.errors import CheckpointError, ConfigError
+from cnr.evaluate import evaluate
+from cnr.manifest import Manifest, newest_committed
+from cnr.parallel import ShardedModel, build_sharded_model, check_device_support
+from cnr.data import make_reader, to_device
+from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_pieces, restore_rng
+from cnr.state import collect_state, global_names, state_digest
+from cnr.storage import open_storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a rank needs; plain values so it pickles into spawned processes."""
+
+    config: Config
+    storage_uri: str
+    resume: bool
+
+
+def check_compatible(manifest: Manifest, config: Config) -> None:
+    """Raise ConfigError naming every difference between the checkpoint's model and ``config``."""
+    problems: List[str] = []
+    have = {t.name: t for t in manifest.tables}
+    want = {t.name: t for t in config.table_specs()}
+    for name in sorted(set(have) | set(want)):
+        h, w = have.get(name), want.get(name)
+        if h is None or w is None:
+            problems.append(f"table {name!r} is {'missing from the checkpoint' if h is None else 'not in the config'}")
+        elif (h.rows, h.dim) != (w.rows, w.dim):
+            problems.append(f"table {name!r} is {h.rows}x{h.dim} in the checkpoint but {w.rows}x{w.dim} in the config")
+    for key, old, new in (("model.arch", manifest.arch, config.model.arch),
+                          ("train.sparse_optimizer", manifest.sparse_optimizer, config.train.sparse_optimizer),
+                          ("train.dense_optimizer", manifest.dense_optimizer, config.train.dense_optimizer)):
+        if old != new:
+            problems.append(f"{key} is {old!r} in the checkpoint but {new!r} in the config")
+    if problems:
+        raise ConfigError(f"--resume: checkpoint {manifest.id} does not match the model: " + "; ".join(problems))
+
+
+def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> TrainJob:
+    """Validate everything that can be checked before spawning ranks; writes nothing on error."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} is not allowed; it must be >= 1")
+    check_device_support(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for path in list(config.data.tsv_paths) + list(config.data.eval_tsv_paths):
+        if not os.path.isfile(path):
+            raise ConfigError(f"data file {path!r} does not exist or is not a file")
+    needs_storage = resume or config.checkpoint.enabled
+    if needs_storage:
+        storage = open_storage(storage_uri)
+        newest = newest_committed(storage)
+        if resume and newest is None:
+            raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
+        if resume and newest is not None:
+            check_compatible(newest, config)
+        if not resume and newest is not None and config.checkpoint.enabled:
+            raise ConfigError(
+                f"{storage.uri} already holds committed checkpoints (newest {newest.id}, step {newest.step}); "
+                "pass --resume to continue from it, or give --storage an empty location"
+            )
+        if config.checkpoint.enabled:
+            storage.check_writable()
+        storage.close()
+    return TrainJob(config, storage_uri, resume)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"%(asctime)s rank{rank} %(name)s: %(message)s", force=True)
+    logging.getLogger("cnr").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+
+
+def _restore(job: TrainJob, storage, sharded: ShardedModel, rank: int, world_size: int) -> Manifest:
+    manifest = newest_committed(storage)
+    if manifest is None:
+        raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
+    prepare_dense_optimizer(manifest, sharded.dense_optimizer)
+    pieces = collect_state(sharded.model, sharded.dense_optimizer)
+    check_no_extra_tensors(manifest, global_names(pieces))
+    nbytes = restore_pieces(storage, manifest, pieces)
+    restore_rng(storage, manifest, rank, world_size)
+    logger.info("restored checkpoint %s (step %d, %d bytes read by rank 0)", manifest.id, manifest.step, nbytes)
+    return manifest
+
+
+def _train_step(sharded: ShardedModel, batch) -> float:
+    logits = sharded.model(batch.dense, batch.sparse).squeeze(-1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    sharded.dense_optimizer.zero_grad()
+    loss.backward()  # the fused sparse optimizer updates embedding rows inside backward
+    sharded.dense_optimizer.step()
+    return float(loss.detach())
+
+
+def _progress(rank: int, total: int, initial: int):
+    if rank != 0 or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+
+def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:
+    """Train on this rank; rank 0 returns the summary dict (other ranks return None)."""
+    _setup_logging(rank)
+    config = job.config
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    storage = open_storage(job.storage_uri) if (job.resume or config.checkpoint.enabled) else None
+    sharded = build_sharded_model(config, device)
+    if rank == 0:
+        logger.info("sharding plan:\n%s", sharded.plan_text)
+    counters = {"step": 0, "samples": 0, "restores": 0}
+    cursor = None
+    if job.resume:
+        manifest = _restore(job, storage, sharded, rank, world_size)
+        counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
+                    "restores": manifest.counters.get("restores", 0) + 1}
+        cursor = manifest.reader
+    reader = make_reader(config, rank, world_size, cursor, split="train")
+    checkpointer = Checkpointer(storage, config, rank, world_size) if config.checkpoint.enabled else None
+    train_seconds = _loop(config, sharded, reader, checkpointer, counters, rank, world_size, device)
+    metrics = evaluate(config, sharded.model, rank, world_size, device)
+    pieces = collect_state(sharded.model, sharded.dense_optimizer)
+    digest = state_digest(pieces, global_names(pieces))
+    stats = _reduce_stats(checkpointer, train_seconds)
+    if storage is not None:
+        storage.close()
+    if rank != 0:
+        return None
+    return {
+        "steps": counters["step"], "samples": counters["samples"], "eval_logloss": metrics["logloss"],
+        "eval_auc": metrics["auc"], "state_sha256": digest, "restores": counters["restores"],
+        "world_size": world_size, **stats,
+    }
+
+
+def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, counters, rank, world_size, device) -> float:
+    bar = _progress(rank, config.train.steps, counters["step"])
+    start = time.perf_counter()
+    interval = config.checkpoint.interval
+    while counters["step"] < config.train.steps:
+        loss = _train_step(sharded, to_device(reader.next_batch(), device))
+        counters["step"] += 1
+        counters["samples"] += config.train.batch_size * world_size
+        step = counters["step"]
+        if config.train.eval_interval and step % config.train.eval_interval == 0 and step < config.train.steps:
+            m = evaluate(config, sharded.model, rank, world_size, device)
+            logger.info("step %d: eval logloss %.5f auc %.5f", step, m["logloss"], m["auc"])
+        if checkpointer is not None and step % interval == 0:
+            pieces = collect_state(sharded.model, sharded.dense_optimizer)
+            checkpointer.save(step, pieces, reader.cursor(), dict(counters))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+    if bar is not None:
+        bar.close()
+    return time.perf_counter() - start
+
+
+def _reduce_stats(checkpointer: Optional[Checkpointer], train_seconds: float) -> Dict[str, Any]:
+    s = checkpointer.stats if checkpointer is not None else None
+    sums = torch.tensor([s.bytes_written if s else 0, s.full_fp32_bytes if s else 0], dtype=torch.float64)
+    maxes = torch.tensor([s.stall_seconds if s else 0.0, train_seconds], dtype=torch.float64)
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    return {
+        "checkpoints": s.checkpoints if s else 0, "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
+        "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
+        "last_checkpoint": s.ids[-1] if s and s.ids else None,
+    }
