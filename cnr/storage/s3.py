@@ -323,8 +323,7 @@ class S3Storage(Storage):
     def _get_whole(self, full: str, key: str) -> bytes:
         kwargs = {"ChecksumMode": "ENABLED"} if self._checksum else {}
         response = self._client.get_object(Bucket=self._bucket, Key=full, **kwargs)
-        with response["Body"] as body:
-            return body.read()
+        return _read_body(response)
 
     def _get_range(self, full: str, key: str, byte_range: ByteRange) -> bytes:
         # One ranged GET, no HEAD: the reply's Content-Range carries the object's size, so a
@@ -345,8 +344,7 @@ class S3Storage(Storage):
                 f"cannot read {self._where(key)}: the server refused bytes {byte_range.start}-{end} "
                 f"of an object of {size} bytes"
             ) from None
-        with response["Body"] as body:
-            data = body.read()
+        data = _read_body(response)
         match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
         if response["ResponseMetadata"]["HTTPStatusCode"] == 206 and match:
             if match.group(3) != "*":
@@ -445,7 +443,12 @@ class S3Storage(Storage):
                 raise
             except Exception as e:  # noqa: BLE001 - classified below
                 if not _is_retryable(e) or attempt >= self._op_attempts:
-                    raise self._error(op, key, e, attempt) from e
+                    error = self._error(op, key, e, attempt)
+                    if self._leaks_credentials(e):
+                        # The cause's own text holds a credential (a server echoing it): do
+                        # not chain it, so no traceback prints it.
+                        raise error from None
+                    raise error from e
                 delay = min(self._backoff_max, self._backoff_base * 2 ** (attempt - 1))
                 delay *= random.uniform(0.5, 1.0)
                 log.warning(
@@ -471,6 +474,15 @@ class S3Storage(Storage):
         else:
             reason = f"{type(e).__name__}: {e}"
         return self._scrub(reason)
+
+    def _leaks_credentials(self, e: BaseException) -> bool:
+        secrets = _credential_strings(getattr(self, "_client", None))
+        while e is not None:
+            text = f"{e} {getattr(e, 'response', '')}"
+            if any(secret in text for secret in secrets):
+                return True
+            e = e.__cause__ or e.__context__
+        return False
 
     def _scrub(self, text: str) -> str:
         for secret in _credential_strings(getattr(self, "_client", None)):
@@ -533,6 +545,16 @@ class _BufferReader(io.RawIOBase):
         data = self.read(len(buffer))
         buffer[: len(data)] = data
         return len(data)
+
+
+def _read_body(response) -> bytes:
+    # Not ``with body:`` -- StreamingBody.__enter__ hands out the raw urllib3 stream, which
+    # skips botocore's Content-Length check and CRC validation.
+    body = response["Body"]
+    try:
+        return body.read()
+    finally:
+        body.close()
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
