@@ -12,14 +12,26 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from cnr.storage.local import LocalStorage  # noqa: E402
+from s3_server import moto_s3, stop_moto_s3  # noqa: E402
+
+MiB = 1024 * 1024
 
 
 def _local(tmp_path):
     return LocalStorage(str(tmp_path / "store"))
 
 
+def _s3(tmp_path):
+    # A fresh bucket on the session's moto server (127.0.0.1); 5 MiB parts, so the contract's
+    # 10 MiB object goes up as a multipart upload.
+    from cnr.storage.s3 import S3Storage
+
+    return S3Storage(moto_s3().new_bucket(), "jobs/run-1", part_size=5 * MiB, max_concurrency=4,
+                     backoff_base=0.01, backoff_max=0.05)
+
+
 # Backends register here; tests/test_storage_contract.py runs every case against each.
-STORAGE_BACKENDS = {"local": _local}
+STORAGE_BACKENDS = {"local": _local, "s3": _s3}
 
 
 @pytest.fixture(params=sorted(STORAGE_BACKENDS))
@@ -27,3 +39,19 @@ def storage(request, tmp_path):
     backend = STORAGE_BACKENDS[request.param](tmp_path)
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def moto():
+    """The session's moto S3 server (started on first use, stopped at session end)."""
+    return moto_s3()
+
+
+@pytest.fixture
+def s3_bucket(moto):
+    """A fresh, empty bucket for one test."""
+    return moto.new_bucket()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_moto_s3()
