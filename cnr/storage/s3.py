@@ -17,23 +17,20 @@ credentials never appear in messages, logs, ``uri`` or ``repr``.
 A PUT -- single or completed multipart -- is atomic in S3: readers see the old object or the
 whole new one. A failed multipart upload is aborted (by s3transfer, and again by us in case that
 abort failed) so no parts linger.
+
+Error classification, credential redaction and the retry loop live in ``s3_errors``; the upload
+reader, body reads and multipart-upload tracking in ``s3_transfer``.
 """
 
 from __future__ import annotations
 
 import base64
-import io
-import logging
-import random
 import re
-import threading
-import time
 import uuid
 import zlib
-from typing import Callable, Dict, List, Optional, Set, TypeVar
-from urllib.parse import urlsplit
+from typing import Callable, Dict, List, Optional, TypeVar
 
-from cnr.errors import CnrError, ConfigError, KeyNotFoundError, StorageError
+from cnr.errors import ConfigError, KeyNotFoundError, StorageError
 from cnr.storage.base import Buffer, Storage, check_range, validate_key, validate_prefix
 from cnr.types import ByteRange
 
@@ -47,7 +44,16 @@ except ImportError as _e:  # pragma: no cover - exercised only without boto3
         "s3:// storage needs boto3: install it with `pip install boto3` (or `pip install cnr`)"
     ) from _e
 
-log = logging.getLogger(__name__)
+from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to be installed
+    NOT_FOUND_CODES,
+    describe,
+    error_code,
+    redact,
+    retrying,
+    safe_endpoint,
+    status,
+)
+from cnr.storage.s3_transfer import BufferReader, MultipartUploads, read_body  # noqa: E402
 
 T = TypeVar("T")
 
@@ -67,33 +73,6 @@ DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CHECKSUM = "CRC32"
 
 _RETRY_MODES = ("standard", "adaptive", "legacy")
-
-# Error codes worth retrying the whole operation for, besides any HTTP 5xx or 429.
-_RETRYABLE_CODES = frozenset(
-    {
-        "InternalError",
-        "ServiceUnavailable",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "RequestThrottled",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "BandwidthLimitExceeded",
-        "PriorRequestNotComplete",
-        "BadDigest",  # the body was damaged on the way; sending it again fixes that
-    }
-)
-# Exceptions botocore raises for a broken connection or a damaged body.
-_RETRYABLE_EXCEPTIONS = (
-    bexc.ConnectionError,  # endpoint unreachable, connect timeout, proxy error
-    bexc.HTTPClientError,  # connection closed, read timeout, broken response stream
-    bexc.IncompleteReadError,
-    bexc.FlexibleChecksumError,  # response body does not match the object's checksum
-)
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
@@ -193,7 +172,7 @@ class S3Storage(Storage):
             except bexc.BotoCoreError as e:
                 raise ConfigError(
                     f"cannot create an S3 client for {self.uri}: {type(e).__name__}: "
-                    f"{self._scrub(str(e))}"
+                    f"{redact(str(e), getattr(self, '_client', None))}"
                 ) from None
             self._owns_client = True
         else:
@@ -213,14 +192,7 @@ class S3Storage(Storage):
                 max_request_concurrency=max_concurrency,
             ),
         )
-        # Multipart uploads this instance started and has not seen complete, per full key, so
-        # a failed put can abort them even if s3transfer's own abort failed.
-        self._lock = threading.Lock()
-        self._puts_in_flight: Dict[str, int] = {}
-        self._open_uploads: Dict[str, Set[str]] = {}
-        self._client.meta.events.register(
-            "after-call.s3.CreateMultipartUpload", self._record_multipart_upload
-        )
+        self._uploads = MultipartUploads(self._client, self._bucket)
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs) -> "S3Storage":
@@ -260,7 +232,7 @@ class S3Storage(Storage):
         return self._client
 
     def __repr__(self) -> str:
-        return f"S3Storage(uri={self.uri!r}, endpoint={_safe_endpoint(self._client)!r})"
+        return f"S3Storage(uri={self.uri!r}, endpoint={safe_endpoint(self._client)!r})"
 
     def _full_key(self, key: str) -> str:
         validate_key(key)
@@ -291,23 +263,16 @@ class S3Storage(Storage):
 
         def attempt() -> None:
             try:
-                self._transfer.upload(_BufferReader(view), self._bucket, full, extra_args=extra).result()
+                self._transfer.upload(BufferReader(view), self._bucket, full, extra_args=extra).result()
             except BaseException:
-                self._abort_open_uploads(full)
+                self._uploads.abort(full)
                 raise
 
-        with self._lock:
-            self._puts_in_flight[full] = self._puts_in_flight.get(full, 0) + 1
+        self._uploads.begin(full)
         try:
             self._retrying("write", key, attempt)
         finally:
-            with self._lock:
-                left = self._puts_in_flight[full] - 1
-                if left:
-                    self._puts_in_flight[full] = left
-                else:
-                    del self._puts_in_flight[full]
-                    self._open_uploads.pop(full, None)
+            self._uploads.end(full)
 
     def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
         full = self._full_key(key)
@@ -323,7 +288,7 @@ class S3Storage(Storage):
     def _get_whole(self, full: str, key: str) -> bytes:
         kwargs = {"ChecksumMode": "ENABLED"} if self._checksum else {}
         response = self._client.get_object(Bucket=self._bucket, Key=full, **kwargs)
-        return _read_body(response)
+        return read_body(response)
 
     def _get_range(self, full: str, key: str, byte_range: ByteRange) -> bytes:
         # One ranged GET, no HEAD: the reply's Content-Range carries the object's size, so a
@@ -335,7 +300,7 @@ class S3Storage(Storage):
                 Bucket=self._bucket, Key=full, Range=f"bytes={byte_range.start}-{end}"
             )
         except bexc.ClientError as e:
-            if _error_code(e) != "InvalidRange" and _status(e) != 416:
+            if error_code(e) != "InvalidRange" and status(e) != 416:
                 raise
             actual = e.response.get("Error", {}).get("ActualObjectSize")
             size = int(actual) if actual and actual.isdigit() else self.size(key)
@@ -344,7 +309,7 @@ class S3Storage(Storage):
                 f"cannot read {self._where(key)}: the server refused bytes {byte_range.start}-{end} "
                 f"of an object of {size} bytes"
             ) from None
-        data = _read_body(response)
+        data = read_body(response)
         match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
         if response["ResponseMetadata"]["HTTPStatusCode"] == 206 and match:
             if match.group(3) != "*":
@@ -377,7 +342,7 @@ class S3Storage(Storage):
         try:
             return self._client.head_object(Bucket=self._bucket, Key=full)
         except bexc.ClientError as e:
-            if _status(e) == 404 or _error_code(e) in _NOT_FOUND_CODES:
+            if status(e) == 404 or error_code(e) in NOT_FOUND_CODES:
                 return None  # a HEAD cannot tell a missing key from a missing bucket
             raise
 
@@ -408,7 +373,7 @@ class S3Storage(Storage):
             try:
                 self._client.delete_object(Bucket=self._bucket, Key=full)
             except bexc.ClientError as e:
-                if _error_code(e) not in _NOT_FOUND_CODES:  # S3 itself answers 204 for these
+                if error_code(e) not in NOT_FOUND_CODES:  # S3 itself answers 204 for these
                     raise
 
         self._retrying("delete", key, remove)
@@ -432,173 +397,30 @@ class S3Storage(Storage):
         if self._owns_client:
             self._client.close()
 
-    # -- retries, errors, cleanup -----------------------------------------------------------
+    # -- retries and errors ----------------------------------------------------------------
 
     def _retrying(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        attempt = 1
-        while True:
-            try:
-                return fn()
-            except CnrError:
-                raise
-            except Exception as e:  # noqa: BLE001 - classified below
-                if not _is_retryable(e) or attempt >= self._op_attempts:
-                    error = self._error(op, key, e, attempt)
-                    if self._leaks_credentials(e):
-                        # The cause's own text holds a credential (a server echoing it): do
-                        # not chain it, so no traceback prints it.
-                        raise error from None
-                    raise error from e
-                delay = min(self._backoff_max, self._backoff_base * 2 ** (attempt - 1))
-                delay *= random.uniform(0.5, 1.0)
-                log.warning(
-                    "%s of %s failed (attempt %d of %d): %s; retrying in %.2f s",
-                    op, self._where(key), attempt, self._op_attempts, self._reason(e), delay,
-                )
-                time.sleep(delay)
-                attempt += 1
+        return retrying(
+            fn,
+            op=op,
+            where=self._where(key),
+            client=self._client,
+            attempts=self._op_attempts,
+            backoff_base=self._backoff_base,
+            backoff_max=self._backoff_max,
+            fail=lambda e, attempts: self._error(op, key, e, attempts),
+        )
 
     def _error(self, op: str, key: str, e: Exception, attempts: int) -> StorageError:
-        code = _error_code(e)
+        code = error_code(e)
         where = self._where(key) if op != "list" else f"{self.uri} (list {key!r})"
-        if op in ("read", "stat") and code in _NOT_FOUND_CODES:
+        if op in ("read", "stat") and code in NOT_FOUND_CODES:
             return KeyNotFoundError(f"no object {key!r} in {self.uri}")
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        return StorageError(f"cannot {op} {where}{tries}: {self._reason(e)}")
-
-    def _reason(self, e: Exception) -> str:
-        if isinstance(e, bexc.ClientError):
-            message = e.response.get("Error", {}).get("Message") or ""
-            code = _error_code(e) or "error"
-            reason = f"{code} (HTTP {_status(e)})" + (f" {message}" if message and message != code else "")
-        else:
-            reason = f"{type(e).__name__}: {e}"
-        return self._scrub(reason)
-
-    def _leaks_credentials(self, e: BaseException) -> bool:
-        secrets = _credential_strings(getattr(self, "_client", None))
-        while e is not None:
-            text = f"{e} {getattr(e, 'response', '')}"
-            if any(secret in text for secret in secrets):
-                return True
-            e = e.__cause__ or e.__context__
-        return False
-
-    def _scrub(self, text: str) -> str:
-        for secret in _credential_strings(getattr(self, "_client", None)):
-            text = text.replace(secret, "***")
-        return text
-
-    def _record_multipart_upload(self, parsed=None, **_kwargs) -> None:
-        if not parsed or parsed.get("Bucket") != self._bucket or "UploadId" not in parsed:
-            return
-        with self._lock:
-            if parsed.get("Key") in self._puts_in_flight:
-                self._open_uploads.setdefault(parsed["Key"], set()).add(parsed["UploadId"])
-
-    def _abort_open_uploads(self, full: str) -> None:
-        with self._lock:
-            if self._puts_in_flight.get(full, 0) > 1:
-                return  # another put of the same key may own them; its own failure cleans up
-            upload_ids = self._open_uploads.pop(full, set())
-        for upload_id in upload_ids:
-            try:
-                self._client.abort_multipart_upload(Bucket=self._bucket, Key=full, UploadId=upload_id)
-            except bexc.ClientError as e:
-                if _error_code(e) != "NoSuchUpload":  # s3transfer already aborted it
-                    log.warning("could not abort a failed multipart upload of s3://%s/%s: %s",
-                                self._bucket, full, self._reason(e))
-            except bexc.BotoCoreError as e:
-                log.warning("could not abort a failed multipart upload of s3://%s/%s: %s",
-                            self._bucket, full, self._reason(e))
-
-
-class _BufferReader(io.RawIOBase):
-    """A read-only, seekable file over a byte memoryview, so uploads do not copy it whole."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        data = bytes(self._view[self._pos:end]) if end > self._pos else b""
-        self._pos = max(self._pos, end)
-        return data
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
-def _read_body(response) -> bytes:
-    # Not ``with body:`` -- StreamingBody.__enter__ hands out the raw urllib3 stream, which
-    # skips botocore's Content-Length check and CRC validation.
-    body = response["Body"]
-    try:
-        return body.read()
-    finally:
-        body.close()
+        return StorageError(f"cannot {op} {where}{tries}: {describe(e, self._client)}")
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{name} {value!r} is not allowed: give an integer from {low} to {high}")
 
-
-def _error_code(e: Exception) -> str:
-    if isinstance(e, bexc.ClientError):
-        return str(e.response.get("Error", {}).get("Code") or "")
-    return ""
-
-
-def _status(e: Exception) -> Optional[int]:
-    if isinstance(e, bexc.ClientError):
-        return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return None
-
-
-def _is_retryable(e: Exception) -> bool:
-    if isinstance(e, bexc.ClientError):
-        status = _status(e) or 0
-        return _error_code(e) in _RETRYABLE_CODES or status >= 500 or status == 429
-    return isinstance(e, _RETRYABLE_EXCEPTIONS)
-
-
-def _credential_strings(client) -> List[str]:
-    """The credential strings the client signs with, to blank out of any text we emit."""
-    try:
-        credentials = client._request_signer._credentials  # botocore keeps them here
-        frozen = credentials.get_frozen_credentials() if credentials is not None else None
-    except Exception:  # noqa: BLE001 - best effort; messages are built from safe fields anyway
-        return []
-    if frozen is None:
-        return []
-    return [s for s in (frozen.secret_key, frozen.token, frozen.access_key) if s and len(s) >= 4]
-
-
-def _safe_endpoint(client) -> str:
-    try:
-        parts = urlsplit(client.meta.endpoint_url)
-    except Exception:  # noqa: BLE001
-        return "?"
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return f"{parts.scheme}://{host}{parts.path}"
