@@ -1,0 +1,43 @@
+"""Run ``python -m cnr`` as a subprocess, the way a user does, and read its JSON summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+SUMMARY_KEYS = {"steps", "samples", "eval_logloss", "eval_auc", "state_sha256", "checkpoints", "bytes_written",
+                "full_fp32_bytes", "stall_seconds", "train_seconds", "restores"}
+
+
+def run_cnr(args: List[str], cwd: str, env: Optional[Dict[str, str]] = None, timeout: int = 300) -> Tuple[int, str, str]:
+    full_env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    full_env.pop("CNR_FAULT_INJECT", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "cnr", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def train(cwd: str, storage: str, *extra: str, nproc: int = 1, env: Optional[Dict[str, str]] = None) -> Dict:
+    """Run ``cnr train`` on tiny.yaml; assert success; return the last-line JSON summary."""
+    rc, out, err = run_cnr(["train", "--config", TINY, "--storage", storage, "--nproc", str(nproc), *extra], cwd, env)
+    assert rc == 0, f"cnr train failed ({rc}):\n{err[-4000:]}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert SUMMARY_KEYS <= set(summary), f"summary lacks {SUMMARY_KEYS - set(summary)}"
+    return summary
+
+
+def inspect(cwd: str, storage: str) -> List[Dict]:
+    rc, out, err = run_cnr(["inspect", storage, "--json"], cwd)
+    assert rc == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])["checkpoints"]
+
+
+def committed_steps(cwd: str, storage: str) -> List[int]:
+    return [c["step"] for c in inspect(cwd, storage) if c["committed"]]

@@ -1,0 +1,75 @@
+"""Config validation: every bad value is a ConfigError naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cnr.config import load_config
+from cnr.errors import ConfigError
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
+
+
+def test_tiny_and_bench_load():
+    tiny = load_config(TINY)
+    assert tiny.train.steps == 60 and tiny.checkpoint.interval == 20
+    assert [f for f, _ in tiny.feature_rows()] == ["f0", "f1", "f2", "f3", "f4"]
+    bench = load_config(os.path.join(os.path.dirname(TINY), "bench.yaml"))
+    assert bench.model.embedding_dim == 64 and len(bench.model.tables) == 26
+    assert sum(t.rows for t in bench.model.tables) * 64 * 4 > 300e6  # "a few hundred MB"
+
+
+def test_overrides_apply():
+    c = load_config(TINY, ["train.steps=7", "checkpoint.enabled=false", "model.arch=dcn", "data.power_law_exponent=2"])
+    assert (c.train.steps, c.checkpoint.enabled, c.model.arch, c.data.power_law_exponent) == (7, False, "dcn", 2.0)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz'"),
+        ("bogus.x=1", "unknown config key 'bogus'"),
+        ("train.steps=abc", "'train.steps' must be an integer"),
+        ("train.steps=1.5", "'train.steps' must be an integer"),
+        ("checkpoint.enabled=3", "'checkpoint.enabled' must be true or false"),
+        ("train.steps=0", "'train.steps' = 0"),
+        ("train.steps=-5", "'train.steps' = -5"),
+        ("checkpoint.interval=0", "'checkpoint.interval' = 0"),
+        ("checkpoint.interval=-1", "'checkpoint.interval' = -1"),
+        ("train.batch_size=0", "'train.batch_size' = 0"),
+        ("model.arch=transformer", "'model.arch' = 'transformer' is not allowed; allowed: dlrm, dcn"),
+        ("train.sparse_optimizer=lamb", "allowed: rowwise_adagrad, adagrad, sgd, adam"),
+        ("model.sharding_types=[row_wize]", "'model.sharding_types' = 'row_wize'"),
+        ("model.dense_arch=[32,8]", "ends with 8, but DLRM needs it to equal model.embedding_dim = 16"),
+        ("model.over_arch=[8,2]", "must end with 1"),
+        ("model.tables=[]", "'model.tables' is empty"),
+        ("model.tables=[{name: a, rows: 10, features: []}]", "table 'a' (model.tables[0].features) has no features"),
+        ("model.tables=[{name: a, rows: 0, features: [x]}]", "'model.tables[0].rows' = 0"),
+        ("model.tables=[{name: a, rows: 5, features: [x]}, {name: a, rows: 5, features: [y]}]", "used by two tables"),
+        ("model.tables=[{name: a, rows: 5, features: [x]}, {name: b, rows: 5, features: [x]}]", "already served by table 'a'"),
+        ("model.tables=[{name: a, rows: 5, feature: [x]}]", "unknown config key 'model.tables[0].feature'"),
+        ("data.source=parquet", "'data.source' = 'parquet'"),
+        ("data.source=tsv", "'data.tsv_paths' is empty"),
+        ("checkpoint.chunk_bytes=10", "'checkpoint.chunk_bytes' = 10"),
+        ("trainsteps", "use dotted.key=value"),
+    ],
+)
+def test_bad_values_rejected(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    assert message in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "absent.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(str(top))

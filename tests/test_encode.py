@@ -1,0 +1,87 @@
+"""Chunk encoding: exact round trips, and every kind of damage rejected with a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import pytest
+import torch
+
+from cnr.encode import decode_chunk, encode_raw_chunk
+from cnr.errors import CorruptChunkError
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((5, 3), torch.float32), ((1, 1), torch.float32), ((7,), torch.float32), ((4, 2), torch.float64),
+     ((3, 5), torch.float16), ((6,), torch.int64), ((9,), torch.uint8), ((0, 4), torch.float32)],
+)
+def test_roundtrip(shape, dtype):
+    data = (torch.randn(shape) * 100).to(dtype)
+    blob, ref = encode_raw_chunk("checkpoints/x/c.bin", "model/t", data, row_start=10, col_offset=2)
+    out = decode_chunk(blob, ref)
+    assert torch.equal(out.data, data) and out.row_ids is None
+    assert ref.nbytes == len(blob) and ref.rows == shape[0] and ref.row_start == 10
+    assert ref.cols == (shape[1] if len(shape) > 1 else 0)
+
+
+def test_roundtrip_with_row_ids():
+    data = torch.randn(4, 8)
+    ids = torch.tensor([3, 17, 18, 900], dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", data, row_start=0, col_offset=0, row_ids=ids)
+    out = decode_chunk(blob, ref)
+    assert ref.row_ids and torch.equal(out.row_ids, ids) and torch.equal(out.data, data)
+
+
+def test_payload_is_not_a_copy_of_more_than_the_slice():
+    big = torch.arange(100, dtype=torch.float32).reshape(20, 5)
+    blob, ref = encode_raw_chunk("k", "model/t", big[5:8], row_start=5, col_offset=0)
+    assert torch.equal(decode_chunk(blob, ref).data, big[5:8])
+
+
+def _blob_ref():
+    return encode_raw_chunk("k", "model/t", torch.randn(6, 4), row_start=0, col_offset=0)
+
+
+def test_truncated_rejected():
+    blob, ref = _blob_ref()
+    with pytest.raises(CorruptChunkError, match="truncated or altered"):
+        decode_chunk(blob[:-5], ref)
+    with pytest.raises(CorruptChunkError, match="shorter than"):
+        decode_chunk(blob[:4], dataclasses.replace(ref, nbytes=4))
+
+
+def test_flipped_payload_byte_rejected():
+    blob, ref = _blob_ref()
+    damaged = bytearray(blob)
+    damaged[-3] ^= 0x40
+    with pytest.raises(CorruptChunkError, match="CRC-32"):
+        decode_chunk(bytes(damaged), ref)
+
+
+def test_bad_magic_and_version():
+    blob, ref = _blob_ref()
+    with pytest.raises(CorruptChunkError, match="not a cnr chunk"):
+        decode_chunk(b"XXXX" + blob[4:], ref)
+    with pytest.raises(CorruptChunkError, match="format version 9"):
+        decode_chunk(blob[:4] + struct.pack("<H", 9) + blob[6:], ref)
+
+
+@pytest.mark.parametrize("field,value", [("tensor", "model/other"), ("rows", 5), ("row_start", 1), ("crc32", 123)])
+def test_header_must_match_manifest(field, value):
+    blob, ref = _blob_ref()
+    with pytest.raises(CorruptChunkError, match=field if field != "crc32" else "payload_crc32"):
+        decode_chunk(blob, dataclasses.replace(ref, **{field: value}))
+
+
+def test_header_with_unknown_field_rejected():
+    blob, ref = _blob_ref()
+    header_len = struct.unpack_from("<I", blob, 6)[0]
+    header = json.loads(blob[10:10 + header_len])
+    header["extra"] = 1
+    new_header = json.dumps(header).encode()
+    new_blob = blob[:6] + struct.pack("<I", len(new_header)) + new_header + blob[10 + header_len:]
+    with pytest.raises(CorruptChunkError, match="header fields"):
+        decode_chunk(new_blob, dataclasses.replace(ref, nbytes=len(new_blob)))

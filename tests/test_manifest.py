@@ -1,0 +1,86 @@
+"""Manifests: exact round trip, strict parsing, keys confined to their checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cnr.errors import CheckpointError
+from cnr.manifest import (
+    Manifest, TensorEntry, list_checkpoints, make_id, manifest_key, manifest_to_bytes, newest_committed,
+    parse_manifest,
+)
+from cnr.storage.local import LocalStorage
+from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, TableSpec
+
+
+def _manifest(ckpt_id="0000000010-abcd1234", key=None, step=10) -> Manifest:
+    key = key or f"checkpoints/{ckpt_id}/rank-00000/chunk-000000.bin"
+    chunk = ChunkRef(key=key, tensor="model/x.embedding_bags.t0.weight", rows=4, row_start=0, row_ids=False,
+                     col_offset=0, cols=2, nbytes=100, crc32=7)
+    return Manifest(
+        id=ckpt_id, step=step, kind=CheckpointKind.FULL, base=None, world_size=2, created_unix=1.5, arch="dlrm",
+        tables=(TableSpec("t0", 4, 2, ("f0",)),), sparse_optimizer="rowwise_adagrad", dense_optimizer="adagrad",
+        tensors={"model/x.embedding_bags.t0.weight": TensorEntry((4, 2), "float32", False, (chunk,))},
+        reader={"kind": "synthetic", "next_batch": 20}, counters={"step": 10, "samples": 640, "restores": 0},
+    )
+
+
+def test_roundtrip():
+    m = _manifest()
+    assert parse_manifest(manifest_to_bytes(m)) == m
+    assert m.bytes == 100 and m.rows == 4 and m.bits == 32
+
+
+def _mutate(fn):
+    obj = json.loads(manifest_to_bytes(_manifest()))
+    fn(obj)
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize(
+    "mutation,message",
+    [
+        (lambda o: o.update(extra=1), "unknown fields \\['extra'\\]"),
+        (lambda o: o.pop("reader"), "missing fields \\['reader'\\]"),
+        (lambda o: o.update(version=2), "version 2"),
+        (lambda o: o.update(format="other"), "not a cnr.manifest"),
+        (lambda o: o.update(kind="partial"), "kind 'partial'"),
+        (lambda o: o.update(step="10"), "'step'"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(key="/etc/passwd"), "rejected"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(key="checkpoints/../../x"), "rejected"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(key="checkpoints/other/c.bin"), "outside its checkpoint"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(rows=-1), "negative"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(surprise=True), "unknown fields"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(shape=[4, -2]), "non-negative"),
+    ],
+)
+def test_strict_parsing(mutation, message):
+    with pytest.raises(CheckpointError, match=message):
+        parse_manifest(_mutate(mutation))
+
+
+def test_not_json():
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        parse_manifest(b"\xff{")
+
+
+def test_listing_and_newest(tmp_path):
+    store = LocalStorage(str(tmp_path))
+    for step, commit in ((10, True), (20, True), (30, False)):
+        ckpt_id = make_id(step, "n")
+        store.put(f"checkpoints/{ckpt_id}/rank-00000/chunk-000000.bin", b"x" * 10)
+        if commit:
+            store.put(manifest_key(ckpt_id), manifest_to_bytes(_manifest(ckpt_id, step=step)))
+    infos = list_checkpoints(store)
+    assert [(i.step, i.status) for i in infos] == [
+        (10, CheckpointStatus.COMMITTED), (20, CheckpointStatus.COMMITTED), (30, CheckpointStatus.UNCOMMITTED)]
+    assert newest_committed(store).id == make_id(20, "n")
+
+
+def test_manifest_naming_another_id_rejected(tmp_path):
+    store = LocalStorage(str(tmp_path))
+    store.put(manifest_key("0000000010-aaaa"), manifest_to_bytes(_manifest("0000000010-bbbb")))
+    with pytest.raises(CheckpointError, match="names checkpoint"):
+        newest_committed(store)

@@ -1,0 +1,49 @@
+"""Bit-exact resume: K steps + --resume to 2K equals 2K uninterrupted, at world size 1 and 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_helpers import committed_steps, inspect, train
+
+# (arch, sparse optimizer, dense optimizer): dense adam exercises lazily created optimizer state.
+COMBOS = [("dlrm", "rowwise_adagrad", "adagrad"), ("dcn", "adagrad", "adam"), ("dlrm", "sgd", "sgd")]
+
+
+@pytest.mark.parametrize("arch,sparse,dense", COMBOS)
+def test_resume_is_bit_exact_world_size_1(tmp_path, arch, sparse, dense):
+    opts = ["--set", f"model.arch={arch}", "--set", f"train.sparse_optimizer={sparse}", "--set", f"train.dense_optimizer={dense}"]
+    full = train(str(tmp_path), "full", *opts)
+    assert full["steps"] == 60 and full["checkpoints"] == 3 and full["restores"] == 0
+    first = train(str(tmp_path), "split", *opts, "--set", "train.steps=40")
+    assert first["state_sha256"] != full["state_sha256"]
+    resumed = train(str(tmp_path), "split", *opts, "--resume")
+    for key in ("state_sha256", "eval_logloss", "eval_auc", "steps", "samples"):
+        assert resumed[key] == full[key], key
+    assert resumed["restores"] == 1 and resumed["checkpoints"] == 1
+    assert committed_steps(str(tmp_path), "split") == [20, 40, 60]
+
+
+def test_summary_accounts_bytes_and_stall(tmp_path):
+    s = train(str(tmp_path), "ck")
+    listed = inspect(str(tmp_path), "ck")
+    assert s["checkpoints"] == len(listed) == 3
+    # every chunk byte listed by inspect was written, plus indexes and manifests
+    assert s["bytes_written"] > sum(c["bytes"] for c in listed)
+    # full fp32 of all state: 7500 rows x 16 dims + rowwise momentum + dense and its adagrad state
+    assert s["full_fp32_bytes"] >= 3 * 7500 * 17 * 4
+    assert 0 < s["stall_seconds"] < s["train_seconds"]
+    assert all(c["kind"] == "full" and c["bits"] == 32 and c["rows"] == 7500 for c in listed)
+
+
+def test_resume_is_bit_exact_world_size_2_and_restores_at_world_size_1(tmp_path):
+    full = train(str(tmp_path), "full2", nproc=2)
+    first = train(str(tmp_path), "split2", "--set", "train.steps=40", nproc=2)
+    resumed = train(str(tmp_path), "split2", "--resume", nproc=2)
+    for key in ("state_sha256", "eval_logloss", "eval_auc", "steps", "samples"):
+        assert resumed[key] == full[key], key
+    # the world-size-2 checkpoint of step 60, restored at world size 1 with nothing left to train
+    at_one = train(str(tmp_path), "full2", "--resume")
+    assert at_one["steps"] == 60 and at_one["state_sha256"] == full["state_sha256"]
+    assert at_one["eval_auc"] == full["eval_auc"] and at_one["eval_logloss"] == full["eval_logloss"]
+    assert first["world_size"] == 2 and at_one["world_size"] == 1
