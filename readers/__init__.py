@@ -2,5 +2,6 @@
 
 from readers.batch import Batch, DataExhaustedError, MalformedDataError
 from readers.synthetic import SyntheticReader
+from readers.tsv import TsvReader
 
-__all__ = ["Batch", "DataExhaustedError", "MalformedDataError", "SyntheticReader"]
+__all__ = ["Batch", "DataExhaustedError", "MalformedDataError", "SyntheticReader", "TsvReader"]
