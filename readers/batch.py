@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ class MalformedDataError(CnrError):
     """An input record cannot be parsed; the message names the file, 1-based line and problem."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value to compare
 class Batch:
     """One rank's batch of ``B`` samples.
 
@@ -66,6 +66,15 @@ class Batch:
     def batch_size(self) -> int:
         """Number of samples ``B``."""
         return int(self.labels.shape[0])
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "Batch":
+        """A copy of this batch on ``device``."""
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            sample_ids=self.sample_ids.to(device, non_blocking=non_blocking),
+        )
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: Optional[int] = None) -> int:

@@ -145,6 +145,7 @@ def test_batch_layout_and_bounds():
     assert bool((b.dense >= 0).all())
     assert b.labels.dtype == torch.float32 and set(b.labels.tolist()) <= {0.0, 1.0}
     assert torch.equal(b.sample_ids, torch.arange(B, 2 * B))
+    assert same(b.to("cpu"), b)
 
 
 @pytest.mark.parametrize("a", [0.5, 1.0, 1.2, 2.0])
