@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from cnr.errors import CnrError
 
-BENCHMARKS = ("full_checkpoint", "quantize")
+BENCHMARKS = ("full_checkpoint", "quantize")  # cnr/bench/<name>.py, each with run(argv) -> dict
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -259,18 +259,3 @@ def _validate_tables(tables: Sequence[TableConfig]) -> None:
             _require(feature not in seen_features,
                      f"feature {feature!r} of table {table.name!r} is already served by table {seen_features.get(feature)!r}")
             seen_features[feature] = table.name
-
-
-def parse_sharding(values: Sequence[str]) -> List[ShardingKind]:
-    """The configured sharding types as enum members (already validated)."""
-    return [ShardingKind(v) for v in values]
-
-
-def describe(config: Config) -> Mapping[str, Any]:
-    """A short summary used in logs: sizes that matter for checkpoint cost."""
-    rows = sum(t.rows for t in config.model.tables)
-    return {
-        "tables": len(config.model.tables),
-        "rows": rows,
-        "embedding_bytes_fp32": rows * config.model.embedding_dim * 4,
-    }

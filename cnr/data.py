@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Dict, Optional
 
 import torch
@@ -10,12 +9,11 @@ import torch
 from cnr.config import Config
 from readers import Batch, SyntheticReader, TsvReader
 
-# The eval stream is held out: a different split of the synthetic stream, or separate TSV files.
-SPLITS = ("train", "eval")
-
-
 def make_reader(config: Config, rank: int, world_size: int, cursor: Optional[Dict[str, Any]], split: str):
-    """A reader of ``split`` for this rank, continuing from ``cursor`` (None = the start)."""
+    """A reader of ``split`` ("train" or "eval") for this rank, from ``cursor`` (None = the start).
+
+    The eval stream is held out: another split of the synthetic stream, or data.eval_tsv_paths.
+    """
     d = config.data
     features = config.feature_rows()
     if d.source == "synthetic":
@@ -36,11 +34,4 @@ def has_eval_data(config: Config) -> bool:
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """The batch on ``device`` (unchanged on CPU)."""
-    if device.type == "cpu":
-        return batch
-    return dataclasses.replace(
-        batch,
-        dense=batch.dense.to(device, non_blocking=True),
-        sparse=batch.sparse.to(device, non_blocking=True),
-        labels=batch.labels.to(device, non_blocking=True),
-    )
+    return batch if device.type == "cpu" else batch.to(device, non_blocking=True)

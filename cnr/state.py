@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -116,17 +116,6 @@ def split_dense_name(name: str) -> Tuple[str, str]:
     body = name[len(DENSE_OPTIM):]
     param, key = body.rsplit("/", 1)
     return param, key
-
-
-def state_bytes(pieces: Iterable[StatePiece]) -> int:
-    """Bytes of the global tensors these pieces belong to (each global tensor counted once)."""
-    seen: Dict[str, int] = {}
-    for p in pieces:
-        numel = 1
-        for s in p.global_shape:
-            numel *= s
-        seen[p.name] = numel * p.tensor.element_size()
-    return sum(seen.values())
 
 
 def gather_global(pieces: List[StatePiece], name: str, dst: int = 0) -> Optional[torch.Tensor]:

@@ -55,6 +55,16 @@ def check_compatible(manifest: Manifest, config: Config) -> None:
                           ("train.dense_optimizer", manifest.dense_optimizer, config.train.dense_optimizer)):
         if old != new:
             problems.append(f"{key} is {old!r} in the checkpoint but {new!r} in the config")
+    # The reader cursor counts global batches of train.batch_size samples from one stream:
+    # any change here would make "the remaining batches" a different set of samples.
+    old = manifest.config
+    for section, key in (("train", "batch_size"), ("train", "seed"), ("data", "source"),
+                         ("data", "tsv_paths"), ("data", "ids_per_feature"), ("data", "power_law_exponent")):
+        before = old.get(section, {}).get(key)
+        now = getattr(getattr(config, section), key)
+        if before is not None and before != now:
+            problems.append(f"{section}.{key} is {before!r} in the checkpoint but {now!r} in the config "
+                            "(the reader cursor would point at different samples)")
     if problems:
         raise ConfigError(f"--resume: checkpoint {manifest.id} does not match the model: " + "; ".join(problems))
 

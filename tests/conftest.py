@@ -55,3 +55,23 @@ def s3_bucket(moto):
 
 def pytest_sessionfinish(session, exitstatus):
     stop_moto_s3()
+
+
+# ---- shared training runs (each costs seconds of process start-up, so they are made once) ----
+
+@pytest.fixture(scope="session")
+def baseline_ws1(tmp_path_factory):
+    """tiny.yaml trained uninterrupted at world size 1: (summary, cwd, storage name)."""
+    from cli_helpers import train
+
+    cwd = str(tmp_path_factory.mktemp("baseline_ws1"))
+    return train(cwd, "ck"), cwd, "ck"
+
+
+@pytest.fixture(scope="session")
+def runs_ws2(tmp_path_factory):
+    """World size 2: tiny.yaml uninterrupted (60 steps) and stopped at step 40, with their cwd."""
+    from cli_helpers import train
+
+    cwd = str(tmp_path_factory.mktemp("runs_ws2"))
+    return {"full": train(cwd, "full2", nproc=2), "at40": train(cwd, "split2", "--set", "train.steps=40", nproc=2), "cwd": cwd}

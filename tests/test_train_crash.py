@@ -7,9 +7,9 @@ import pytest
 from cli_helpers import TINY, committed_steps, inspect, run_cnr, train
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return train(str(tmp_path_factory.mktemp("full")), "ck")
+@pytest.fixture
+def uninterrupted(baseline_ws1):
+    return baseline_ws1[0]
 
 
 @pytest.mark.parametrize(
@@ -30,11 +30,10 @@ def test_sigkill_during_checkpoint(tmp_path, uninterrupted, point, newest):
     assert resumed["eval_auc"] == uninterrupted["eval_auc"]
 
 
-def test_sigkill_of_one_rank_at_world_size_2(tmp_path):
+def test_sigkill_of_one_rank_at_world_size_2(tmp_path, runs_ws2):
     rc, _out, err = run_cnr(["train", "--config", TINY, "--storage", "ck", "--nproc", "2", "--set", "train.steps=40"],
                             str(tmp_path), env={"CNR_FAULT_INJECT": "mid_data@40@1"})
     assert rc != 0 and "rank" in err
     assert committed_steps(str(tmp_path), "ck") == [20]
-    full = train(str(tmp_path), "other", "--set", "train.steps=40", nproc=2)
     resumed = train(str(tmp_path), "ck", "--resume", "--set", "train.steps=40", nproc=2)
-    assert resumed["state_sha256"] == full["state_sha256"]
+    assert resumed["state_sha256"] == runs_ws2["at40"]["state_sha256"]

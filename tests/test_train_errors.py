@@ -61,6 +61,8 @@ def test_existing_checkpoints_are_never_overwritten_and_mismatched_resume_refuse
         (["--resume", "--set", "model.tables=[{name: t0, rows: 4000, features: [f0]}]"], "table 't1' is not in the config"),
         (["--resume", "--set", "model.tables=[{name: t0, rows: 10, features: [f0]}, {name: t1, rows: 2000, features: [f1, f2]}, {name: t2, rows: 1000, features: [f3]}, {name: t3, rows: 500, features: [f4]}]"], "4000x16 in the checkpoint but 10x16"),
         (["--resume", "--set", "model.arch=dcn"], "model.arch is 'dlrm' in the checkpoint but 'dcn'"),
+        (["--resume", "--set", "train.batch_size=32"], "train.batch_size is 64 in the checkpoint but 32"),
+        (["--resume", "--set", "train.seed=5"], "train.seed is 1 in the checkpoint but 5"),
     ]
     for extra, message in cases:
         rc, err = _run(capsys, "train", "--config", TINY, "--storage", str(tmp_path / "ck"), *extra)
