@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Dict, Optional
@@ -16,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from cnr.errors import CnrError
 
@@ -44,24 +46,35 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str) -> None:
+def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawned: bool = True) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         default_backend(), init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
     )
+    code = 0
     try:
         result = fn(rank, world_size, arg)
         if rank == 0:
             with open(os.path.join(workdir, "result.json"), "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException as e:
+        code = 1
         message = str(e) if isinstance(e, CnrError) else "".join(traceback.format_exception(e))
         with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {message}")
-        raise
+        if not spawned:
+            raise
     finally:
-        if dist.is_initialized():
+        if code == 0 and dist.is_initialized():
             dist.destroy_process_group()
+    if spawned:
+        # Gloo's worker threads can still hold work objects when the interpreter finalises and
+        # abort the process there ("terminate called without an active exception"); the result
+        # is already on disk, so a spawned rank leaves without running finalisers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
@@ -74,11 +87,11 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory(prefix="cnr-launch-") as workdir:
         if nproc == 1:
-            _entry(0, 1, fn, arg, workdir)
+            _entry(0, 1, fn, arg, workdir, spawned=False)
         else:
             try:
                 mp.start_processes(_entry, args=(nproc, fn, arg, workdir), nprocs=nproc, join=True, start_method="spawn")
-            except mp.ProcessException as e:
+            except ProcessException as e:
                 raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
         path = os.path.join(workdir, "result.json")
         if not os.path.exists(path):
