@@ -23,7 +23,8 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     job = prepare_job(config, args.storage, args.resume, args.nproc)
     summary = launch(run_rank, args.nproc, job)
-    print(json.dumps(summary, sort_keys=True), flush=True)
+    if summary is not None:  # under torchrun only rank 0 has the summary
+        print(json.dumps(summary, sort_keys=True), flush=True)
     return 0
 
 

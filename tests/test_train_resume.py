@@ -46,3 +46,22 @@ def test_resume_is_bit_exact_world_size_2_and_restores_at_world_size_1(runs_ws2)
     assert at_one["steps"] == 60 and at_one["state_sha256"] == full["state_sha256"]
     assert at_one["eval_auc"] == full["eval_auc"] and at_one["eval_logloss"] == full["eval_logloss"]
     assert first["world_size"] == 2 and at_one["world_size"] == 1
+
+
+def test_torchrun_matches_spawned_ranks(tmp_path, runs_ws2):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cli_helpers import ROOT, TINY
+
+    env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cnr", "train",
+         "--config", TINY, "--storage", "ck", "--set", "train.steps=40"],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1  # only rank 0 prints the summary
+    assert json.loads(lines[0])["state_sha256"] == runs_ws2["at40"]["state_sha256"]
