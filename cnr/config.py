@@ -21,15 +21,21 @@ DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
 ARCHES = ("dlrm", "dcn")
 DATA_SOURCES = ("synthetic", "tsv")
 MALFORMED_POLICIES = ("reject", "skip")
+CHECKPOINT_POLICIES = ("full", "one_shot")
+OVERLAP_MODES = ("wait", "abandon")
 
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One embedding table. ``features`` are the sparse feature names it serves."""
+    """One embedding table. ``features`` are the sparse feature names it serves.
+
+    ``sharding_types`` constrains the planner for this table (empty: ``model.sharding_types``).
+    """
 
     name: str
     rows: int
     features: List[str]
+    sharding_types: List[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,11 +82,24 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk."""
+    """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk.
+
+    ``policy``: "full" (every checkpoint full) or "one_shot" (one full baseline, then
+    incrementals of the rows touched since it). ``on_overlap``: what a boundary does while the
+    previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
+    (the older one is cancelled). ``workers``: background writer processes per rank;
+    ``upload_threads``: concurrent puts per worker; ``commit_timeout_s``: how long rank 0's
+    writer waits for every rank's data before it marks the checkpoint failed.
+    """
 
     enabled: bool = True
     interval: int = 50
     chunk_bytes: int = 16 * 1024 * 1024
+    policy: str = "one_shot"
+    on_overlap: str = "wait"
+    workers: int = 1
+    upload_threads: int = 2
+    commit_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -212,7 +231,7 @@ def validate(config: Config) -> None:
     _one_of("model.arch", m.arch, ARCHES)
     _positive("model.embedding_dim", m.embedding_dim)
     _require(bool(m.tables), "config key 'model.tables' is empty; at least one table is required")
-    _validate_tables(m.tables)
+    _validate_tables(m.tables, allowed_sharding=[k.value for k in ShardingKind])
     for key, sizes in (("model.dense_arch", m.dense_arch), ("model.over_arch", m.over_arch)):
         _require(bool(sizes) and all(s > 0 for s in sizes), f"config key {key!r} = {sizes!r} must be a non-empty list of positive sizes")
     _require(m.dense_arch[-1] == m.embedding_dim,
@@ -241,10 +260,15 @@ def validate(config: Config) -> None:
     _positive("train.dense_lr", t.dense_lr)
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
+    _one_of("checkpoint.policy", c.policy, CHECKPOINT_POLICIES)
+    _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
+    _positive("checkpoint.workers", c.workers)
+    _positive("checkpoint.upload_threads", c.upload_threads)
+    _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
 
 
-def _validate_tables(tables: Sequence[TableConfig]) -> None:
+def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[str]) -> None:
     seen_tables: set = set()
     seen_features: Dict[str, str] = {}
     for i, table in enumerate(tables):
@@ -254,6 +278,8 @@ def _validate_tables(tables: Sequence[TableConfig]) -> None:
         _require(table.name not in seen_tables, f"config key '{key}.name' = {table.name!r} is used by two tables")
         seen_tables.add(table.name)
         _positive(f"{key}.rows", table.rows)
+        for s in table.sharding_types:
+            _one_of(f"{key}.sharding_types", s, allowed_sharding)
         _require(bool(table.features), f"table {table.name!r} ({key}.features) has no features; every table needs at least one")
         for feature in table.features:
             _require(feature not in seen_features,

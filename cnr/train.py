@@ -21,7 +21,7 @@ from cnr.config import Config
 from cnr.errors import CheckpointError, ConfigError
 from cnr.evaluate import evaluate
 from cnr.manifest import Manifest, newest_committed
-from cnr.parallel import ShardedModel, build_sharded_model, check_device_support
+from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
 from cnr.data import make_reader, to_device
 from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_pieces, restore_rng
 from cnr.state import collect_state, global_names, state_digest
@@ -74,6 +74,7 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} is not allowed; it must be >= 1")
     check_device_support(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    check_incremental_safe(config)
     for path in list(config.data.tsv_paths) + list(config.data.eval_tsv_paths):
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist or is not a file")
