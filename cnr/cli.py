@@ -36,7 +36,7 @@ def _inspect(args: argparse.Namespace) -> int:
     infos = list_checkpoints(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
-         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base}
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error}
         for i in infos
     ]
     if args.json:

@@ -173,8 +173,8 @@ def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: st
     if ids_len + numel * torch.empty((), dtype=dtype).element_size() != len(payload):
         raise CorruptChunkError(f"{where} payload size does not match {rows} rows of shape {row_shape} {header['dtype']}")
     row_ids = None
-    if ids_len:
-        row_ids = torch.frombuffer(bytearray(payload[:ids_len]), dtype=torch.int64)
+    if header["row_ids"]:
+        row_ids = torch.frombuffer(bytearray(payload[:ids_len]), dtype=torch.int64) if ids_len else torch.empty(0, dtype=torch.int64)
     values = payload[ids_len:]
     data = torch.frombuffer(bytearray(values), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
     return DecodedChunk(ref=ref, row_ids=row_ids, data=data.reshape((rows,) + row_shape))

@@ -1,27 +1,47 @@
-"""Fault injection for crash-consistency tests: SIGKILL this process at a named point.
+"""Fault injection for tests: act at a named point of a checkpoint's write.
 
-Set ``CNR_FAULT_INJECT=<point>@<step>[@<rank>]``; the process that reaches ``point`` while
-saving the checkpoint of ``step`` (on ``rank``, default any) kills itself with SIGKILL, exactly
-like a machine failure: no cleanup, no exception handlers. Unset in normal runs.
+``CNR_FAULT_INJECT=[action:]<point>@<step>[@<rank>]`` makes the process that reaches ``point``
+while writing the checkpoint of ``step`` (on ``rank``, default any) do ``action``:
+  ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
+                      background writer the trainer is killed too (it is the same machine).
+  ``raise``           raise InjectedFault (a storage or encoding error).
+  ``sleep=S``         sleep S seconds (a slow store), e.g. to make the next boundary overlap.
+Unset in normal runs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "CNR_FAULT_INJECT"
 POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit")
 
+# Set in the background writer: its points run there, and a machine failure takes the trainer too.
+KILL_PARENT = False
+
+
+class InjectedFault(RuntimeError):
+    """The failure a test asked for with ``raise:``."""
+
 
 def maybe_crash(point: str, step: int, rank: int) -> None:
-    """Kill this process if CNR_FAULT_INJECT names ``point`` at ``step`` (and ``rank``)."""
+    """Do what CNR_FAULT_INJECT asks if it names ``point`` at ``step`` (and ``rank``)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
-    parts = spec.split("@")
+    action, _, target = spec.rpartition(":")
+    parts = target.split("@")
     if parts[0] != point or len(parts) < 2 or int(parts[1]) != step:
         return
     if len(parts) > 2 and int(parts[2]) != rank:
         return
+    if action == "raise":
+        raise InjectedFault(f"injected failure at {point} of step {step}")
+    if action.startswith("sleep="):
+        time.sleep(float(action[len("sleep="):]))
+        return
+    if KILL_PARENT:
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

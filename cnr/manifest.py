@@ -5,6 +5,8 @@ Layout under the storage root (see README "Storage layout"):
     checkpoints/<id>/rank-<r>/chunk-<n>.bin   encoded chunks written by rank r
     checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
     checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
+    checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
+    checkpoints/<id>/failed.json              the checkpoint will never commit (error text)
 
 ``<id>`` is ``<step:010d>-<nonce>``, so ids sort by step and a rewrite of the same step never
 mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json`` is uncommitted.
@@ -40,6 +42,12 @@ def rank_index_key(ckpt_id: str, rank: int) -> str:
 
 def chunk_key(ckpt_id: str, rank: int, n: int) -> str:
     return f"{ROOT}/{ckpt_id}/rank-{rank:05d}/chunk-{n:06d}.bin"
+
+
+def failed_key(ckpt_id: str, rank: Optional[int] = None) -> str:
+    """Marker of a failed checkpoint (``rank`` None) or of one rank's failed writer."""
+    name = "failed.json" if rank is None else f"failed-rank-{rank:05d}.json"
+    return f"{ROOT}/{ckpt_id}/{name}"
 
 
 def make_id(step: int, nonce: str) -> str:
@@ -284,6 +292,17 @@ def checkpoint_ids(storage: Storage) -> List[str]:
     return sorted(ids)
 
 
+def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
+    """The error recorded for a failed checkpoint (or one of its ranks), else None."""
+    for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/failed-rank-" in k]:
+        if storage.exists(key):
+            try:
+                return str(json.loads(storage.get(key).decode()).get("error", "failed"))
+            except (ValueError, UnicodeDecodeError, AttributeError):
+                return "failed (unreadable marker)"
+    return None
+
+
 def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
     """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
     infos = []
@@ -291,11 +310,29 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
         step = int(ckpt_id.split("-")[0]) if ckpt_id.split("-")[0].isdigit() else -1
         if not storage.exists(manifest_key(ckpt_id)):
             nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
-            infos.append(CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.UNCOMMITTED, 0, 0, nbytes))
+            error = failure_of(storage, ckpt_id)
+            status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
+            infos.append(CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error))
             continue
         m = read_manifest(storage, ckpt_id)
         infos.append(CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base))
     return infos
+
+
+def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
+    """The manifests to apply in order to restore ``manifest``: its full baseline first."""
+    if manifest.kind == CheckpointKind.FULL:
+        return [manifest]
+    if not manifest.base:
+        raise CheckpointError(f"incremental checkpoint {manifest.id} names no baseline")
+    if not storage.exists(manifest_key(manifest.base)):
+        raise CheckpointError(f"incremental checkpoint {manifest.id} needs baseline {manifest.base}, which is not committed in {storage.uri}")
+    base = read_manifest(storage, manifest.base)
+    if base.kind != CheckpointKind.FULL:
+        raise CheckpointError(f"baseline {base.id} of {manifest.id} is {base.kind.value}, not full")
+    if base.step > manifest.step:
+        raise CheckpointError(f"baseline {base.id} of {manifest.id} is newer than the increment")
+    return [base, manifest]
 
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:

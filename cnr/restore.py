@@ -16,6 +16,7 @@ from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
 from cnr.state import DENSE_OPTIM, DenseOptimizer, StatePiece, split_dense_name
+from cnr.tracker import table_of
 from cnr.storage.base import Storage
 from cnr.types import ChunkRef
 
@@ -37,12 +38,16 @@ def _piece_span(piece: StatePiece) -> Tuple[int, int, int, int]:
     return offs[0], offs[0] + sizes[0], c0, c1
 
 
+def _cols_overlap(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
+    _r0, _r1, c0, c1 = _span(ref)
+    _p0, _p1, q0, q1 = piece
+    return (c1 == c0 == 0 and q1 == q0 == 0) or (c0 < q1 and q0 < c1)
+
+
 def _overlaps(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
-    r0, r1, c0, c1 = _span(ref)
-    p0, p1, q0, q1 = piece
-    rows = r0 < p1 and p0 < r1
-    cols = (c1 == c0 == 0 and q1 == q0 == 0) or (c0 < q1 and q0 < c1)
-    return rows and cols
+    r0, r1, _c0, _c1 = _span(ref)
+    p0, p1, _q0, _q1 = piece
+    return r0 < p1 and p0 < r1 and _cols_overlap(ref, piece)
 
 
 def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> int:
@@ -94,22 +99,66 @@ class ChunkFetcher:
         return hit
 
 
-def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece]) -> int:
-    """Fill every live piece from ``manifest``'s chunks; return bytes read from storage."""
+def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
+    """Write the chunk's listed rows that fall inside ``span``; return their global ids."""
+    p0, p1, q0, q1 = span
+    ids = chunk.row_ids
+    inside = (ids >= p0) & (ids < p1)
+    local = ids[inside] - p0
+    data = chunk.data[inside]
+    if q1 == q0 == 0:
+        target[local] = data
+    else:
+        c0, c1 = chunk.ref.col_offset, chunk.ref.col_offset + chunk.ref.cols
+        clo, chi = max(q0, c0), min(q1, c1)
+        target[local, clo - q0:chi - q0] = data[:, clo - c0:chi - c0]
+    return ids[inside]
+
+
+def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],
+                   overlay: bool = False) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """Fill live pieces from ``manifest``'s chunks; return bytes read and rows applied per table.
+
+    A full checkpoint must cover every element of every piece. With ``overlay`` (an increment on
+    top of its baseline) table tensors take only the rows the increment lists; every other tensor
+    must still be covered whole.
+    """
     fetcher = ChunkFetcher(storage)
+    applied: Dict[str, List[torch.Tensor]] = {}
     for piece in pieces:
         entry = _check_entry(piece, manifest.tensors.get(piece.name))
         span = _piece_span(piece)
         copied = 0
         for ref in entry.chunks:
             if ref.row_ids:
-                raise CheckpointError(f"chunk {ref.key!r} lists row ids; full checkpoints store row ranges")
-            if _overlaps(ref, span):
+                if not overlay:
+                    raise CheckpointError(f"chunk {ref.key!r} lists row ids, but {manifest.id} is a full checkpoint")
+                if not _cols_overlap(ref, span):
+                    continue
+                rows = _scatter_rows(piece.tensor, span, fetcher.get(ref))
+                table = table_of(piece.name)
+                if table is not None:
+                    applied.setdefault(table, []).append(rows)
+            elif _overlaps(ref, span):
                 copied += _copy_overlap(piece.tensor, span, fetcher.get(ref))
-        if copied != max(1, piece.tensor.numel()):
+        partial_ok = overlay and table_of(piece.name) is not None
+        if not partial_ok and copied != max(1, piece.tensor.numel()):
             raise CheckpointError(f"checkpoint {manifest.id} covers {copied} of {piece.tensor.numel()} elements of {piece.name!r} held here")
         fetcher.cache.clear()  # decoded chunks are needed only for the piece they overlap
-    return fetcher.bytes_read
+    rows = {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()}
+    return fetcher.bytes_read, rows
+
+
+def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece]) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """Restore a full baseline, then each increment on top; return bytes read and increment rows."""
+    total = 0
+    rows: Dict[str, torch.Tensor] = {}
+    for i, manifest in enumerate(chain):
+        nbytes, applied = restore_pieces(storage, manifest, pieces, overlay=i > 0)
+        total += nbytes
+        for table, ids in applied.items():
+            rows[table] = torch.unique(torch.cat([rows[table], ids])) if table in rows else ids
+    return total, rows
 
 
 def prepare_dense_optimizer(manifest: Manifest, dense_optimizer: DenseOptimizer) -> None:

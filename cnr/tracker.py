@@ -169,6 +169,18 @@ class RowTracker:
             if c.cleared:
                 self.views[c.view] |= c.bits
 
+    def seed(self, view: str, rows: Dict[str, torch.Tensor]) -> None:
+        """Set ``view``'s bits for global ``rows`` per table (those in this rank's row ranges).
+
+        After a resume from an increment, the rows it held were touched since the baseline.
+        """
+        for name, ids in rows.items():
+            table = self.tables.get(name)
+            if table is None:
+                continue
+            inside = ids[(ids >= table.row_offset) & (ids < table.row_offset + table.rows)]
+            _set_bits(self.views[view], inside - table.row_offset + table.bit_start)
+
     def rows(self, bits: torch.Tensor, table: str) -> torch.Tensor:
         """Global ids (ascending) of ``table``'s rows set in ``bits`` (a view or a capture)."""
         return _rows_of(bits, self.tables[table])

@@ -20,11 +20,12 @@ from cnr.checkpoint import Checkpointer
 from cnr.config import Config
 from cnr.errors import CheckpointError, ConfigError
 from cnr.evaluate import evaluate
-from cnr.manifest import Manifest, newest_committed
+from cnr.manifest import Manifest, newest_committed, resolve_chain
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
 from cnr.data import make_reader, to_device
-from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_pieces, restore_rng
+from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_chain, restore_rng
 from cnr.state import collect_state, global_names, state_digest
+from cnr.tracker import RowTracker
 from cnr.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,28 @@ def _setup_logging(rank: int) -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
 
-def _restore(job: TrainJob, storage, sharded: ShardedModel, rank: int, world_size: int) -> Manifest:
+@dataclass
+class Restored:
+    """What a resume restored: the newest manifest, its baseline id, rows its increments held."""
+
+    manifest: Manifest
+    baseline_id: str
+    increment_rows: Dict[str, torch.Tensor]
+
+
+def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Restored:
     manifest = newest_committed(storage)
     if manifest is None:
         raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
+    chain = resolve_chain(storage, manifest)
     prepare_dense_optimizer(manifest, sharded.dense_optimizer)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     check_no_extra_tensors(manifest, global_names(pieces))
-    nbytes = restore_pieces(storage, manifest, pieces)
+    nbytes, rows = restore_chain(storage, chain, pieces)
     restore_rng(storage, manifest, rank, world_size)
-    logger.info("restored checkpoint %s (step %d, %d bytes read by rank 0)", manifest.id, manifest.step, nbytes)
-    return manifest
+    logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank 0)",
+                manifest.id, manifest.step, len(chain), nbytes)
+    return Restored(manifest, chain[0].id, rows)
 
 
 def _train_step(sharded: ShardedModel, batch) -> float:
@@ -138,20 +150,28 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     _setup_logging(rank)
     config = job.config
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    storage = open_storage(job.storage_uri) if (job.resume or config.checkpoint.enabled) else None
+    storage = open_storage(job.storage_uri) if job.resume else None  # writers open their own
     sharded = build_sharded_model(config, device)
     if rank == 0:
         logger.info("sharding plan:\n%s", sharded.plan_text)
     counters = {"step": 0, "samples": 0, "restores": 0}
     cursor = None
+    restored: Optional[Restored] = None
     if job.resume:
-        manifest = _restore(job, storage, sharded, rank, world_size)
-        counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
-                    "restores": manifest.counters.get("restores", 0) + 1}
-        cursor = manifest.reader
+        restored = _restore(storage, sharded, rank, world_size)
+        m = restored.manifest
+        counters = {"step": m.counters["step"], "samples": m.counters["samples"], "restores": m.counters.get("restores", 0) + 1}
+        cursor = m.reader
     reader = make_reader(config, rank, world_size, cursor, split="train")
-    checkpointer = Checkpointer(storage, config, rank, world_size) if config.checkpoint.enabled else None
-    train_seconds = _loop(config, sharded, reader, checkpointer, counters, rank, world_size, device)
+    checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored) if config.checkpoint.enabled else None
+    try:
+        train_seconds = _loop(config, sharded, reader, checkpointer, counters, rank, world_size, device)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.writer.close()  # no collectives on the error path: other ranks may be gone
+        raise
+    if checkpointer is not None:
+        checkpointer.finish()
     metrics = evaluate(config, sharded.model, rank, world_size, device)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     digest = state_digest(pieces, global_names(pieces))
@@ -165,6 +185,18 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": counters["restores"],
         "world_size": world_size, **stats,
     }
+
+
+def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_size: int,
+                       restored: Optional[Restored]) -> Checkpointer:
+    tracker = None
+    if job.config.checkpoint.policy != "full":
+        tracker = RowTracker(sharded.model)
+        tracker.install()
+        if restored is not None:
+            tracker.seed("baseline", restored.increment_rows)
+    last_full = restored.baseline_id if restored is not None else None
+    return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, last_full)
 
 
 def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, counters, rank, world_size, device) -> float:
@@ -197,7 +229,9 @@ def _reduce_stats(checkpointer: Optional[Checkpointer], train_seconds: float) ->
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     return {
-        "checkpoints": s.checkpoints if s else 0, "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
+        "checkpoints": s.checkpoints if s else 0, "failed_checkpoints": s.failed if s else 0,
+        "drain_seconds": round(s.drain_seconds, 6) if s else 0.0,
+        "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
         "last_checkpoint": s.ids[-1] if s and s.ids else None,
     }

@@ -5,13 +5,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cnr.checkpoint import check_coverage, write_piece_chunks
+from cnr.commit import check_coverage
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
-from cnr.restore import restore_pieces
+from cnr.restore import restore_chain, restore_pieces
+from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion
+from cnr.upload import WriteJob, _Uploader, write_rank_data
+
+NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
+
+
+def write_piece_chunks(store, ckpt_id, rank, piece, chunk_bytes, first_n=0, row_ids=None):
+    """Store one piece (or the rows ``row_ids`` of it) the way a writer process does."""
+    data = piece.tensor.reshape(1) if piece.tensor.dim() == 0 else piece.tensor
+    if row_ids is not None:
+        data = data[row_ids - piece.region.offsets[0]]
+    host = HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids)
+    job = WriteJob(ckpt_id, 1, CheckpointKind.FULL, None, rank + first_n, 1, [host])
+    uploader = _Uploader(store, 2)
+    try:
+        index, _ = write_rank_data(store, uploader, job, chunk_bytes)
+    finally:
+        uploader.close()
+    return list(index.tensors[piece.name].chunks)
 
 ROWS, COLS = 37, 6
 
@@ -22,19 +41,23 @@ def _split(full: torch.Tensor, row_cuts, col_cuts, replicated=False):
     for r0, r1 in zip(row_cuts[:-1], row_cuts[1:]):
         for c0, c1 in zip(col_cuts[:-1], col_cuts[1:]):
             view = full[r0:r1, c0:c1]
-            pieces.append(StatePiece("model/t.weight", tuple(full.shape), ShardRegion((r0, c0), (r1 - r0, c1 - c0)), view, replicated))
+            pieces.append(StatePiece(NAME, tuple(full.shape), ShardRegion((r0, c0), (r1 - r0, c1 - c0)), view, replicated))
     return pieces
 
 
 def _write(store, pieces, chunk_bytes):
     chunks = []
     for i, p in enumerate(pieces):
-        chunks += write_piece_chunks(store, "0000000001-t", 0, p, chunk_bytes, first_n=1000 * i)
+        chunks += write_piece_chunks(store, "0000000001-t", 0, p, chunk_bytes, first_n=i)
     entry = TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))
-    check_coverage({"model/t.weight": entry})
-    return Manifest(id="0000000001-t", step=1, kind=CheckpointKind.FULL, base=None, world_size=1, created_unix=0.0,
+    check_coverage({NAME: entry}, CheckpointKind.FULL)
+    return _manifest("0000000001-t", CheckpointKind.FULL, {NAME: entry})
+
+
+def _manifest(ckpt_id, kind, tensors, base=None):
+    return Manifest(id=ckpt_id, step=int(ckpt_id[:10]), kind=kind, base=base, world_size=1, created_unix=0.0,
                     arch="dlrm", tables=(), sparse_optimizer="sgd", dense_optimizer="sgd",
-                    tensors={"model/t.weight": entry}, reader={}, counters={})
+                    tensors=tensors, reader={}, counters={})
 
 
 LAYOUTS = {
@@ -62,7 +85,7 @@ def test_one_dimensional_and_scalar_state(tmp_path):
     vec = torch.randn(11)
     scalar = torch.tensor(3.5)
     chunks_v = write_piece_chunks(store, "0000000001-t", 0, StatePiece("v", (11,), ShardRegion((0,), (11,)), vec, True), 16, 0)
-    chunks_s = write_piece_chunks(store, "0000000001-t", 0, StatePiece("s", (), ShardRegion((), ()), scalar, True), 16, 100)
+    chunks_s = write_piece_chunks(store, "0000000001-t", 0, StatePiece("s", (), ShardRegion((), ()), scalar, True), 16, 1)
     m = Manifest(id="0000000001-t", step=1, kind=CheckpointKind.FULL, base=None, world_size=1, created_unix=0.0,
                  arch="dlrm", tables=(), sparse_optimizer="sgd", dense_optimizer="sgd",
                  tensors={"v": TensorEntry((11,), "float32", True, tuple(chunks_v)),
@@ -77,9 +100,13 @@ def test_missing_chunk_coverage_is_an_error(tmp_path):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     manifest = _write(store, _split(full, [0, ROWS], [0, COLS]), 4096)
-    entry = manifest.tensors["model/t.weight"]
+    entry = manifest.tensors[NAME]
     with pytest.raises(CheckpointError, match="cover"):
-        check_coverage({"model/t.weight": TensorEntry(entry.shape, entry.dtype, False, entry.chunks[:0])})
+        check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, entry.chunks[:0])}, CheckpointKind.FULL)
+    # an increment may list any subset of table rows, but dense state must still be whole
+    check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, ())}, CheckpointKind.INCREMENTAL)
+    with pytest.raises(CheckpointError, match="cover"):
+        check_coverage({"model/dense.weight": TensorEntry((3,), "float32", True, ())}, CheckpointKind.INCREMENTAL)
 
 
 @pytest.mark.parametrize("shape,message", [((ROWS + 1, COLS), "has shape"), ((ROWS, COLS), None)])
@@ -87,7 +114,7 @@ def test_shape_mismatch_rejected(tmp_path, shape, message):
     store = LocalStorage(str(tmp_path))
     manifest = _write(store, _split(torch.randn(ROWS, COLS), [0, ROWS], [0, COLS]), 4096)
     target = torch.zeros(shape)
-    piece = StatePiece("model/t.weight", shape, ShardRegion((0, 0), shape), target, False)
+    piece = StatePiece(NAME, shape, ShardRegion((0, 0), shape), target, False)
     if message:
         with pytest.raises(CheckpointError, match=message):
             restore_pieces(store, manifest, [piece])
@@ -98,9 +125,31 @@ def test_shape_mismatch_rejected(tmp_path, shape, message):
 def test_altered_chunk_detected_on_restore(tmp_path):
     store = LocalStorage(str(tmp_path))
     manifest = _write(store, _split(torch.randn(ROWS, COLS), [0, ROWS], [0, COLS]), 4096)
-    key = manifest.tensors["model/t.weight"].chunks[0].key
+    key = manifest.tensors[NAME].chunks[0].key
     blob = bytearray(store.get(key))
     blob[-1] ^= 1
     store.put(key, bytes(blob))
     with pytest.raises(CheckpointError, match="CRC-32"):
         restore_pieces(store, manifest, _split(torch.zeros(ROWS, COLS), [0, ROWS], [0, COLS]))
+
+
+@pytest.mark.parametrize("src", sorted(LAYOUTS))
+@pytest.mark.parametrize("dst", sorted(LAYOUTS))
+def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst):
+    store = LocalStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    base = _write(store, _split(full, *LAYOUTS[src]), 96)
+    touched = torch.tensor([0, 3, 4, 19, 20, 36], dtype=torch.int64)
+    later = full.clone()
+    later[touched] = torch.randn(len(touched), COLS)
+    chunks = []
+    for i, p in enumerate(_split(later, *LAYOUTS[src])):
+        r0, n = p.region.offsets[0], p.region.sizes[0]
+        mine = touched[(touched >= r0) & (touched < r0 + n)]
+        chunks += write_piece_chunks(store, "0000000002-u", 0, p, 48, first_n=i, row_ids=mine)
+    inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {NAME: TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))},
+                    base=base.id)
+    target = torch.zeros(ROWS, COLS)
+    _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]))
+    assert torch.equal(target, later)
+    assert applied["t"].tolist() == touched.tolist()

@@ -1,0 +1,248 @@
+"""Background writer: one process per trainer rank encodes and stores checkpoint chunks.
+
+The trainer hands a ``WriteJob`` (host pieces in shared memory) to its writer and goes back to
+training. The writer splits pieces into chunks of at most ``chunk_bytes``, encodes chunk k+1
+while upload threads store chunk k, then writes the rank's index. On rank 0 it then waits until
+every rank's index exists and commits the manifest (``cnr.commit``). Results go back on a queue;
+a failure writes a marker naming the error, and the trainer carries on.
+
+The writer dies with its trainer (PR_SET_PDEATHSIG), so a killed trainer is a killed job, and
+it never opens torchrec: it needs only storage, encoding and manifests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+from cnr.commit import commit_checkpoint
+from cnr.config import Config
+from cnr.encode import dtype_name, encode_raw_chunk
+from cnr.errors import CnrError
+from cnr import faults
+from cnr.faults import maybe_crash
+from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.snapshot import HostPiece
+from cnr.storage import open_storage
+from cnr.storage.base import Storage
+from cnr.types import CheckpointKind, ChunkRef
+
+logger = logging.getLogger(__name__)
+
+
+class Cancelled(CnrError):
+    """The trainer abandoned this checkpoint before it committed."""
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only."""
+
+    ckpt_id: str
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    rank: int
+    world_size: int
+    pieces: List[HostPiece]
+    manifest_fields: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class WriteResult:
+    """What the writer reports for a job. ``status``: committed, written, failed or cancelled."""
+
+    ckpt_id: str
+    status: str
+    bytes_written: int = 0
+    full_fp32_bytes: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``chunk_bytes`` each; an empty increment has none."""
+    rows = piece.data.shape[0]
+    if rows == 0 and piece.row_ids is not None:
+        return []
+    row_bytes = max(1, piece.data[0:1].numel() * piece.data.element_size()) if rows else 1
+    step = max(1, chunk_bytes // row_bytes)
+    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
+
+
+class _Uploader:
+    """Puts blobs on a thread pool, at most ``depth`` in flight, so encoding overlaps uploads."""
+
+    def __init__(self, storage: Storage, threads: int) -> None:
+        self.storage = storage
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
+        self.slots = threading.Semaphore(threads + 1)
+        self.futures: List[Future] = []
+
+    def put(self, key: str, blob: bytes) -> None:
+        self.slots.acquire()
+        future = self.pool.submit(self.storage.put, key, blob)
+        future.add_done_callback(lambda _f: self.slots.release())
+        self.futures.append(future)
+
+    def wait(self) -> None:
+        futures, self.futures = self.futures, []
+        for f in futures:
+            f.result()  # re-raises the first upload error
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_bytes: int,
+                    cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
+    """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
+    tensors: Dict[str, TensorEntry] = {}
+    written = 0
+    n = 0
+    maybe_crash("before_data", job.step, job.rank)
+    for i, piece in enumerate(job.pieces):
+        refs: List[ChunkRef] = []
+        row0 = piece.region.offsets[0] if piece.region.offsets else 0
+        col0 = piece.region.offsets[1] if len(piece.region.offsets) >= 2 else 0
+        for lo, hi in _blocks(piece, chunk_bytes):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
+            ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
+            blob, ref = encode_raw_chunk(chunk_key(job.ckpt_id, job.rank, n), piece.name, piece.data[lo:hi],
+                                         row0 + lo if ids is None else 0, col0, row_ids=ids)
+            uploader.put(ref.key, blob)
+            refs.append(ref)
+            written += ref.nbytes
+            n += 1
+        have = tensors.get(piece.name)
+        tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
+                                          (have.chunks if have else ()) + tuple(refs))
+        if i == 0:
+            uploader.wait()
+            maybe_crash("mid_data", job.step, job.rank)
+    uploader.wait()
+    index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
+    blob = rank_index_to_bytes(index)
+    storage.put(rank_index_key(job.ckpt_id, job.rank), blob)
+    maybe_crash("after_data", job.step, job.rank)
+    return index, written + len(blob)
+
+
+def _mark_failed(storage: Storage, job: WriteJob, error: str) -> None:
+    key = failed_key(job.ckpt_id, None if job.rank == 0 else job.rank)
+    try:
+        storage.put(key, json.dumps({"error": error, "rank": job.rank, "step": job.step}).encode())
+    except Exception:  # the storage may be what failed; the trainer still gets the error
+        logger.warning("could not write failure marker %s", key)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
+    start = time.perf_counter()
+    try:
+        _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
+        if job.rank != 0:
+            return WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
+        manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
+        return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start)
+    except Cancelled as e:
+        _mark_failed(storage, job, str(e))
+        return WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=str(e))
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
+        _mark_failed(storage, job, error)
+        return WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+
+
+def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None:
+    """Entry point of the writer process: one storage client, jobs until a None sentinel."""
+    _die_with_parent()
+    faults.KILL_PARENT = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    torch.set_num_threads(1)
+    storage = open_storage(storage_uri)
+    uploader = _Uploader(storage, config.checkpoint.upload_threads)
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            results.put(_run_job(storage, uploader, config, job, cancel))
+    finally:
+        uploader.close()
+        storage.close()
+
+
+class Writer:
+    """The trainer's handle on its writer process: submit, poll, wait, cancel, close."""
+
+    def __init__(self, storage_uri: str, config: Config) -> None:
+        ctx = mp.get_context("spawn")
+        self._jobs = ctx.Queue()
+        self._results = ctx.Queue()
+        self._cancel = ctx.Event()
+        self._process = ctx.Process(target=writer_main, args=(storage_uri, config, self._jobs, self._results, self._cancel),
+                                    name="cnr-writer", daemon=True)
+        self._process.start()
+        self.in_flight: Optional[WriteJob] = None
+
+    def submit(self, job: WriteJob) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError(f"checkpoint {self.in_flight.ckpt_id} is still in flight; one at a time")
+        self._cancel.clear()
+        self.in_flight = job
+        self._jobs.put(job)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
+        """The in-flight job's result (blocking up to ``timeout`` s; None if still running)."""
+        if self.in_flight is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                result = self._results.get(timeout=0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if not self._process.is_alive():
+                    result = WriteResult(self.in_flight.ckpt_id, "failed", error=f"writer process died (exit code {self._process.exitcode})")
+                elif deadline is not None and time.monotonic() >= deadline:
+                    return None
+                else:
+                    continue
+            self.in_flight = None
+            return result
+
+    def cancel(self) -> WriteResult:
+        """Abandon the in-flight job and wait for the writer to let go of the host buffers."""
+        self._cancel.set()
+        result = self.wait()
+        self._cancel.clear()
+        return result
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._jobs.put(None)
+            self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.kill()
