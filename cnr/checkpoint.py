@@ -44,6 +44,8 @@ class SaveStats:
     full_fp32_bytes: int = 0
     ids: List[str] = field(default_factory=list)
     kinds: List[str] = field(default_factory=list)
+    background_seconds: List[float] = field(default_factory=list)
+    chunk_bytes: List[int] = field(default_factory=list)
 
 
 def rng_piece(rank: int) -> StatePiece:
@@ -95,8 +97,13 @@ class Checkpointer:
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
         self.stats.kinds.append(kind.value)
+        self.stats.chunk_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
         logger.info("checkpoint %s (%s) snapshot in %.3f s; writing in the background", ckpt_id, kind.value, snap_seconds)
         return ckpt_id
+
+    def wait(self) -> None:
+        """Block until the in-flight checkpoint has committed or failed (collective)."""
+        self._settle(abandon=False)
 
     def finish(self) -> None:
         """Wait for the last checkpoint to commit (not counted as stall) and stop the writer."""
@@ -145,6 +152,7 @@ class Checkpointer:
         if result is not None:
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
+            self.stats.background_seconds.append(result.seconds)
         ckpt_id = self.stats.ids[-1]
         if committed:
             self.stats.checkpoints += 1

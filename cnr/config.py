@@ -87,8 +87,8 @@ class CheckpointConfig:
     ``policy``: "full" (every checkpoint full) or "one_shot" (one full baseline, then
     incrementals of the rows touched since it). ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
-    (the older one is cancelled). ``workers``: background writer processes per rank;
-    ``upload_threads``: concurrent puts per worker; ``commit_timeout_s``: how long rank 0's
+    (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
+    writer process; ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed.
     """
 
@@ -97,7 +97,6 @@ class CheckpointConfig:
     chunk_bytes: int = 16 * 1024 * 1024
     policy: str = "one_shot"
     on_overlap: str = "wait"
-    workers: int = 1
     upload_threads: int = 2
     commit_timeout_s: float = 600.0
 
@@ -262,7 +261,6 @@ def validate(config: Config) -> None:
     _positive("checkpoint.interval", c.interval)
     _one_of("checkpoint.policy", c.policy, CHECKPOINT_POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
-    _positive("checkpoint.workers", c.workers)
     _positive("checkpoint.upload_threads", c.upload_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")

@@ -11,6 +11,12 @@ from typing import Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
+# World-size-2 runs use every sharding type the CPU kernels run, one per table.
+MIXED_SHARDING = ["--set", "model.tables=[{name: t0, rows: 4000, features: [f0], sharding_types: [row_wise]},"
+                  " {name: t1, rows: 2000, features: [f1, f2], sharding_types: [table_row_wise]},"
+                  " {name: t2, rows: 1000, features: [f3], sharding_types: [column_wise]},"
+                  " {name: t3, rows: 500, features: [f4], sharding_types: [table_wise]}]"]
+
 SUMMARY_KEYS = {"steps", "samples", "eval_logloss", "eval_auc", "state_sha256", "checkpoints", "bytes_written",
                 "full_fp32_bytes", "stall_seconds", "train_seconds", "restores"}
 

@@ -70,8 +70,9 @@ def baseline_ws1(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def runs_ws2(tmp_path_factory):
-    """World size 2: tiny.yaml uninterrupted (60 steps) and stopped at step 40, with their cwd."""
-    from cli_helpers import train
+    """World size 2, one sharding type per table: uninterrupted (60 steps) and stopped at step 40."""
+    from cli_helpers import MIXED_SHARDING, train
 
     cwd = str(tmp_path_factory.mktemp("runs_ws2"))
-    return {"full": train(cwd, "full2", nproc=2), "at40": train(cwd, "split2", "--set", "train.steps=40", nproc=2), "cwd": cwd}
+    return {"full": train(cwd, "full2", *MIXED_SHARDING, nproc=2),
+            "at40": train(cwd, "split2", *MIXED_SHARDING, "--set", "train.steps=40", nproc=2), "cwd": cwd}

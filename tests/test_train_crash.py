@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli_helpers import TINY, committed_steps, inspect, run_cnr, train
+from cli_helpers import MIXED_SHARDING, TINY, committed_steps, inspect, run_cnr, train
 
 
 @pytest.fixture
@@ -31,9 +31,9 @@ def test_sigkill_during_checkpoint(tmp_path, uninterrupted, point, newest):
 
 
 def test_sigkill_of_one_rank_at_world_size_2(tmp_path, runs_ws2):
-    rc, _out, err = run_cnr(["train", "--config", TINY, "--storage", "ck", "--nproc", "2", "--set", "train.steps=40"],
+    rc, _out, err = run_cnr(["train", "--config", TINY, "--storage", "ck", "--nproc", "2", *MIXED_SHARDING, "--set", "train.steps=40"],
                             str(tmp_path), env={"CNR_FAULT_INJECT": "mid_data@40@1"})
     assert rc != 0 and "rank" in err
     assert committed_steps(str(tmp_path), "ck") == [20]
-    resumed = train(str(tmp_path), "ck", "--resume", "--set", "train.steps=40", nproc=2)
+    resumed = train(str(tmp_path), "ck", *MIXED_SHARDING, "--resume", "--set", "train.steps=40", nproc=2)
     assert resumed["state_sha256"] == runs_ws2["at40"]["state_sha256"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli_helpers import committed_steps, inspect, train
+from cli_helpers import MIXED_SHARDING, committed_steps, inspect, train
 
 # (arch, sparse optimizer, dense optimizer): dense adam exercises lazily created optimizer state.
 COMBOS = [("dlrm", "rowwise_adagrad", "adagrad"), ("dcn", "adagrad", "adam"), ("dlrm", "sgd", "sgd")]
@@ -42,11 +42,11 @@ def test_summary_accounts_bytes_and_stall(baseline_ws1):
 
 def test_resume_is_bit_exact_world_size_2_and_restores_at_world_size_1(runs_ws2):
     full, first, cwd = runs_ws2["full"], runs_ws2["at40"], runs_ws2["cwd"]
-    resumed = train(cwd, "split2", "--resume", nproc=2)
+    resumed = train(cwd, "split2", *MIXED_SHARDING, "--resume", nproc=2)
     for key in ("state_sha256", "eval_logloss", "eval_auc", "steps", "samples"):
         assert resumed[key] == full[key], key
     # the world-size-2 checkpoint of step 60, restored at world size 1 with nothing left to train
-    at_one = train(cwd, "full2", "--resume")
+    at_one = train(cwd, "full2", *MIXED_SHARDING, "--resume")
     assert at_one["steps"] == 60 and at_one["state_sha256"] == full["state_sha256"]
     assert at_one["eval_auc"] == full["eval_auc"] and at_one["eval_logloss"] == full["eval_logloss"]
     assert first["world_size"] == 2 and at_one["world_size"] == 1
@@ -63,7 +63,7 @@ def test_torchrun_matches_spawned_ranks(tmp_path, runs_ws2):
     env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cnr", "train",
-         "--config", TINY, "--storage", "ck", "--set", "train.steps=40"],
+         "--config", TINY, "--storage", "ck", *MIXED_SHARDING, "--set", "train.steps=40"],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
