@@ -45,7 +45,7 @@ class SaveStats:
     ids: List[str] = field(default_factory=list)
     kinds: List[str] = field(default_factory=list)
     background_seconds: List[float] = field(default_factory=list)
-    chunk_bytes: List[int] = field(default_factory=list)
+    snapshot_bytes: List[int] = field(default_factory=list)
 
 
 def rng_piece(rank: int) -> StatePiece:
@@ -97,7 +97,7 @@ class Checkpointer:
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
         self.stats.kinds.append(kind.value)
-        self.stats.chunk_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
+        self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
         logger.info("checkpoint %s (%s) snapshot in %.3f s; writing in the background", ckpt_id, kind.value, snap_seconds)
         return ckpt_id
 

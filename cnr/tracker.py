@@ -17,6 +17,8 @@ commits. So bits are cleared only by a snapshot that captured those rows and com
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -48,19 +50,61 @@ class Captured:
     """Bits a snapshot took from a view: given back unless that checkpoint commits."""
 
     view: str
-    bits: torch.Tensor
+    bits: np.ndarray
     cleared: bool
 
 
-def _set_bits(bits: torch.Tensor, ids: torch.Tensor) -> None:
+_BIT = np.array([1 << i for i in range(8)], dtype=np.uint8)
+_BIT_TORCH = torch.from_numpy(_BIT)
+
+
+class _Scratch:
+    """Reused work arrays for ``set_bits``: ~400 KB temporaries would otherwise be fresh
+    mmap'd pages (page faults) on every training step."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def ensure(self, n: int) -> "_Scratch":
+        if n > self.size:
+            self.size = max(n, 2 * self.size)
+            self.ids = np.empty(self.size, dtype=np.int64)
+            self.byte = np.empty(self.size, dtype=np.int64)
+            self.low = np.empty(self.size, dtype=np.int64)
+            self.val = np.empty(self.size, dtype=np.uint8)
+            self.old = np.empty(self.size, dtype=np.uint8)
+            self.fresh = np.empty(self.size, dtype=bool)
+        return self
+
+
+def set_bits(bits: np.ndarray, ids: np.ndarray, scratch: Optional[_Scratch] = None) -> None:
     """OR the bits of ``ids`` into ``bits`` (uint8, little-endian bit order within a byte).
 
+    Ids whose bit is already set are dropped first (most of a skewed stream's lookups hit rows
+    already touched); ``bitwise_or.at`` then ORs the rest exactly, repeated bytes included.
+    Single-threaded numpy: no OpenMP region on the training hot path.
+    """
+    n = ids.size
+    w = (scratch or _Scratch()).ensure(n)
+    byte, low, val, old, fresh = w.byte[:n], w.low[:n], w.val[:n], w.old[:n], w.fresh[:n]
+    np.right_shift(ids, 3, out=byte)
+    np.bitwise_and(ids, 7, out=low)
+    _BIT.take(low, out=val)
+    bits.take(byte, out=old)
+    np.bitwise_and(old, val, out=old)
+    np.equal(old, 0, out=fresh)
+    if fresh.any():
+        np.bitwise_or.at(bits, byte[fresh], val[fresh])
+
+
+def set_bits_torch(bits: torch.Tensor, ids: torch.Tensor) -> None:
+    """``set_bits`` for a device bitmap (CUDA ids stay on the device).
+
     A scatter with duplicate byte indices keeps one writer's value, so ids sharing a byte with a
-    different bit may lose; each pass re-checks and repeats for those (at most 8 passes, since
-    every pass sets at least one more bit of each contested byte).
+    different bit may lose; each pass re-checks and repeats for those (at most 8 passes).
     """
     byte = ids >> 3
-    val = torch.bitwise_left_shift(torch.ones_like(ids), ids & 7).to(torch.uint8)
+    val = _BIT_TORCH.to(ids.device)[ids & 7]
     while byte.numel():
         bits[byte] = bits[byte] | val
         missing = (bits[byte] & val) == 0
@@ -69,10 +113,10 @@ def _set_bits(bits: torch.Tensor, ids: torch.Tensor) -> None:
         byte, val = byte[missing], val[missing]
 
 
-def _rows_of(bits: torch.Tensor, table: TrackedTable) -> torch.Tensor:
+def _rows_of(bits: np.ndarray, table: TrackedTable) -> torch.Tensor:
     """Global row ids (int64, ascending) whose bit is set for ``table``."""
     start = table.bit_start // 8
-    chunk = bits[start:start + (table.rows + 7) // 8].numpy()
+    chunk = bits[start:start + (table.rows + 7) // 8]
     flags = np.unpackbits(chunk, bitorder="little")[: table.rows]
     return torch.from_numpy(np.flatnonzero(flags).astype(np.int64)) + table.row_offset
 
@@ -93,10 +137,14 @@ class RowTracker:
                 for feature in config.feature_names:
                     self._feature_table[feature] = table
         self.num_bits = bit
-        self.current = torch.zeros(bit // 8, dtype=torch.uint8)
-        self.views: Dict[str, torch.Tensor] = {v: torch.zeros_like(self.current) for v in views}
-        self._bases: Dict[Tuple[str, ...], torch.Tensor] = {}
-        self._installed = False
+        self.current = np.zeros(bit // 8, dtype=np.uint8)
+        self.views: Dict[str, np.ndarray] = {v: np.zeros_like(self.current) for v in views}
+        self._device_current: Optional[torch.Tensor] = None  # the bitmap on CUDA, when ids arrive there
+        self._bases: Dict[Tuple[Tuple[str, ...], int], np.ndarray] = {}
+        self._scratch = _Scratch()
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
 
     # ---- hot path ------------------------------------------------------------------------
 
@@ -104,32 +152,73 @@ class RowTracker:
         """Register the post-lookup hook on every sharded embedding module (one slot each)."""
         for module in self._modules:
             module.register_post_lookup_tracker_fn(self.record)
-        self._installed = True
 
     def record(self, features, _embeddings=None, _module=None, _raw_ids=None) -> None:
         """The post-lookup hook: set the bits of every id this shard received."""
         keys = tuple(features.keys())
-        if not keys:
-            return
-        base = self._bases.get(keys)
-        if base is None:
-            base = self._key_bases(keys)
-            self._bases[keys] = base
-        lengths = features.length_per_key()
         values = features.values()
-        if values.numel() == 0:
+        if not keys or values.numel() == 0:
             return
-        flat = values.to(torch.int64).cpu() + torch.repeat_interleave(base, torch.tensor(lengths))
-        _set_bits(self.current, flat)
+        lengths = features.lengths()
+        base = self._sample_bases(keys, lengths.numel())  # each sample's table start bit
+        if values.is_cuda:
+            self._record_cuda(values, lengths, base)
+            return
+        # Setting bits is ~50k random reads of the bitmap per step, cache-cold after the lookups:
+        # a tracker thread does it beside training (numpy releases the GIL); ``fold`` drains it.
+        self._start_thread()
+        self._queue.put((values, lengths, base))
 
-    def _key_bases(self, keys: Tuple[str, ...]) -> torch.Tensor:
-        bases = []
-        for key in keys:
-            table = self.tables.get(self._feature_table.get(key, ""))
-            if table is None:
-                raise RuntimeError(f"feature {key!r} arrived at a shard this rank does not hold")
-            bases.append(table.bit_start)
-        return torch.tensor(bases, dtype=torch.int64)
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain_forever, name="cnr-tracker", daemon=True)
+            self._thread.start()
+
+    def _drain_forever(self) -> None:
+        while True:
+            values, lengths, base = self._queue.get()
+            try:
+                if self._error is None:
+                    self._apply(values, lengths, base)
+            except BaseException as e:  # surfaced by the next flush, on the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _apply(self, values: torch.Tensor, lengths: torch.Tensor, base: np.ndarray) -> None:
+        n = values.numel()
+        offsets = base if lengths.numel() == n else np.repeat(base, lengths.numpy())
+        ids = self._scratch.ensure(n).ids[:n]
+        np.add(values.numpy(), offsets, out=ids)
+        set_bits(self.current, ids, self._scratch)
+
+    def flush(self) -> None:
+        """Wait until every recorded lookup is in ``current``; re-raise a tracker-thread error."""
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the row tracker failed to record lookups") from error
+
+    def _record_cuda(self, values: torch.Tensor, lengths: torch.Tensor, base: np.ndarray) -> None:
+        if self._device_current is None:
+            self._device_current = torch.zeros(self.current.shape, dtype=torch.uint8, device=values.device)
+        offsets = torch.repeat_interleave(torch.from_numpy(base).to(values.device), lengths.to(torch.int64),
+                                          output_size=values.numel())
+        set_bits_torch(self._device_current, values.to(torch.int64) + offsets)
+
+    def _sample_bases(self, keys: Tuple[str, ...], samples: int) -> np.ndarray:
+        cached = self._bases.get((keys, samples))
+        if cached is None:
+            per_key = []
+            for key in keys:
+                table = self.tables.get(self._feature_table.get(key, ""))
+                if table is None:
+                    raise RuntimeError(f"feature {key!r} arrived at a shard this rank does not hold")
+                per_key.append(table.bit_start)
+            # lengths are key-major: every sample of key 0, then key 1, ...
+            cached = np.repeat(np.array(per_key, dtype=np.int64), samples // len(keys))
+            self._bases[(keys, samples)] = cached
+        return cached
 
     # ---- views ---------------------------------------------------------------------------
 
@@ -138,10 +227,14 @@ class RowTracker:
 
         Collective when data-parallel tables exist: their bits are OR-reduced over ranks.
         """
+        self.flush()
+        if self._device_current is not None:
+            self.current |= self._device_current.cpu().numpy()
+            self._device_current.zero_()
         self._reduce_data_parallel()
         for bits in self.views.values():
             bits |= self.current
-        self.current.zero_()
+        self.current.fill(0)
 
     def _reduce_data_parallel(self) -> None:
         dp = [t for t in self.tables.values() if t.data_parallel]
@@ -149,17 +242,17 @@ class RowTracker:
             return
         for t in dp:
             part = self.current[t.bit_start // 8:(t.bit_start + t.rows + 7) // 8]
-            flags = torch.from_numpy(np.unpackbits(part.numpy(), bitorder="little"))
+            flags = torch.from_numpy(np.unpackbits(part, bitorder="little"))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            part.copy_(torch.from_numpy(np.packbits(flags.numpy(), bitorder="little")))
+            part[:] = np.packbits(flags.numpy(), bitorder="little")
 
     def capture(self, view: str, clear: bool) -> Captured:
         """Take a copy of ``view``'s bits for a snapshot; with ``clear`` the view is emptied."""
         bits = self.views[view]
         if clear:
-            self.views[view] = torch.zeros_like(bits)
+            self.views[view] = np.zeros_like(bits)
             return Captured(view, bits, True)
-        return Captured(view, bits.clone(), False)
+        return Captured(view, bits.copy(), False)
 
     def release(self, captured: Iterable[Captured], committed: bool) -> None:
         """After a checkpoint ends: keep the clears if it committed, else give the bits back."""
@@ -179,25 +272,25 @@ class RowTracker:
             if table is None:
                 continue
             inside = ids[(ids >= table.row_offset) & (ids < table.row_offset + table.rows)]
-            _set_bits(self.views[view], inside - table.row_offset + table.bit_start)
+            set_bits(self.views[view], (inside - table.row_offset + table.bit_start).numpy())
 
-    def rows(self, bits: torch.Tensor, table: str) -> torch.Tensor:
+    def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
         """Global ids (ascending) of ``table``'s rows set in ``bits`` (a view or a capture)."""
         return _rows_of(bits, self.tables[table])
 
-    def count(self, bits: torch.Tensor) -> int:
+    def count(self, bits: np.ndarray) -> int:
         """Number of set bits."""
-        return int(np.unpackbits(bits.numpy()).sum())
+        return int(np.unpackbits(bits).sum())
 
     @property
     def nbytes(self) -> int:
         """Host bytes of the hot-path bitmap (``current``): one bit per local row, padded to bytes."""
-        return self.current.numel()
+        return self.current.size
 
     @property
     def total_nbytes(self) -> int:
         """Host bytes of ``current`` plus every view."""
-        return self.current.numel() * (1 + len(self.views))
+        return self.current.size * (1 + len(self.views))
 
     @property
     def local_rows(self) -> int:

@@ -17,7 +17,7 @@ from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.parallel import build_sharded_model, check_incremental_safe
 from cnr.state import collect_state
-from cnr.tracker import RowTracker, _set_bits, table_of
+from cnr.tracker import RowTracker, set_bits, set_bits_torch, table_of
 from cnr.train import _train_step
 
 TABLES = ("[{name: t0, rows: 4000, features: [f0], sharding_types: [row_wise]},"
@@ -119,11 +119,27 @@ def test_one_bit_per_row(reports):
 
 @pytest.mark.parametrize("ids", [[0], [7, 7, 7], [0, 1, 2, 3, 4, 5, 6, 7], list(range(0, 64, 3)), [63, 8, 9, 9, 15]])
 def test_set_bits_with_shared_bytes_and_duplicates(ids):
-    bits = torch.zeros(8, dtype=torch.uint8)
-    _set_bits(bits, torch.tensor(ids, dtype=torch.int64))
     import numpy as np
 
-    assert sorted(set(ids)) == np.flatnonzero(np.unpackbits(bits.numpy(), bitorder="little")).tolist()
+    bits = np.zeros(8, dtype=np.uint8)
+    set_bits(bits, np.array(ids, dtype=np.int64))
+    assert sorted(set(ids)) == np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+    device_bits = torch.zeros(8, dtype=torch.uint8)  # the CUDA path's algorithm, run on the CPU
+    set_bits_torch(device_bits, torch.tensor(ids, dtype=torch.int64))
+    assert np.array_equal(device_bits.numpy(), bits)
+
+
+def test_set_bits_random_against_a_python_set():
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    bits = np.zeros(1000, dtype=np.uint8)
+    seen = set()
+    for _ in range(20):
+        ids = (8000 * rng.random(3000) ** 3).astype(np.int64)
+        set_bits(bits, ids)
+        seen.update(ids.tolist())
+    assert np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist() == sorted(seen)
 
 
 def test_incremental_refused_when_optimizer_changes_untouched_rows():

@@ -1,0 +1,97 @@
+"""``python -m cnr bench tracking``: what touched-row tracking costs a training step.
+
+On configs/bench.yaml (world size 1), the same model alternates blocks of steps with no hook,
+with cnr's RowTracker, and with torchrec's ModelDeltaTracker (ID_ONLY), so machine drift hits
+all three alike. Reports the step-time overheads, the time spent inside cnr's hook itself (a
+lower-noise measure of the same cost), and the tracker's memory per row.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from cnr.bench.common import argv_list, base_parser, load
+from cnr.data import make_reader
+from cnr.launch import launch
+from cnr.parallel import build_sharded_model
+from cnr.tracker import RowTracker
+from cnr.train import _train_step
+
+
+class _TimedTracker:
+    """Wraps RowTracker.record to add up the seconds spent in the hook."""
+
+    def __init__(self, tracker: RowTracker) -> None:
+        self.tracker = tracker
+        self.seconds = 0.0
+
+    def __call__(self, *args) -> None:
+        start = time.perf_counter()
+        self.tracker.record(*args)
+        self.seconds += time.perf_counter() - start
+
+
+def _set_hook(modules, fn) -> None:
+    for m in modules:
+        m.post_lookup_tracker_fn = fn  # direct: registering twice only logs a warning
+
+
+def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
+    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    config = arg["config"]
+    sharded = build_sharded_model(config, torch.device("cpu"))
+    reader = make_reader(config, 0, 1, None, "train")
+    tracker = RowTracker(sharded.model)
+    timed = _TimedTracker(tracker)
+    mdt = ModelDeltaTrackerTrec(sharded.model, mode=TrackingMode.ID_ONLY)
+    modules = tracker._modules
+    modes = {"none": None, "cnr": timed, "mdt": mdt.record_lookup}
+    for _ in range(arg["warmup"]):
+        _train_step(sharded, reader.next_batch())
+    times: Dict[str, List[float]] = {m: [] for m in modes}
+    cnr_steps = 0
+    for _round in range(arg["rounds"]):
+        for mode, fn in modes.items():
+            _set_hook(modules, fn)
+            for _ in range(arg["block"]):
+                batch = reader.next_batch()
+                start = time.perf_counter()
+                _train_step(sharded, batch)
+                times[mode].append(time.perf_counter() - start)
+                if mode == "mdt":
+                    mdt.step()
+                cnr_steps += mode == "cnr"
+    _set_hook(modules, None)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    tracker.fold()
+    return {
+        "step_s_none": round(med["none"], 5), "step_s_cnr": round(med["cnr"], 5), "step_s_mdt": round(med["mdt"], 5),
+        "tracking_overhead_pct": round(100 * (med["cnr"] / med["none"] - 1), 3),
+        "modeldeltatracker_overhead_pct": round(100 * (med["mdt"] / med["none"] - 1), 3),
+        "hook_s_per_step": round(timed.seconds / cnr_steps, 6),
+        "hook_pct_of_step": round(100 * timed.seconds / cnr_steps / med["none"], 3),
+        "tracker_bytes_per_row": round(tracker.nbytes / tracker.local_rows, 5),
+        "tracker_total_bytes_per_row": round(tracker.total_nbytes / tracker.local_rows, 5),
+        "tracker_bytes": tracker.nbytes,
+        "tracker_fraction_of_model": round(tracker.nbytes / (tracker.local_rows * config.model.embedding_dim * 4), 7),
+        "rows_tracked": tracker.count(tracker.views["checkpoint"]), "rows": tracker.local_rows,
+        "steps_per_mode": len(times["none"]),
+    }
+
+
+def run(argv: List[str]) -> Dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--block", type=int, default=10, help="steps per block of one mode")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv_list(argv))
+    config = load(args)
+    result = launch(_bench, 1, {"config": config, "rounds": args.rounds, "block": args.block, "warmup": args.warmup})
+    return {"bench": "tracking", "config": os.path.basename(args.config), **result}
