@@ -1,0 +1,55 @@
+"""Snapshot into host buffers: exact copies, row gathers with global ids, buffers reused."""
+
+from __future__ import annotations
+
+import torch
+
+from cnr.snapshot import HostBuffers
+from cnr.state import StatePiece
+from cnr.types import ShardRegion
+
+W = "model/sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+M = "sparse_optim/t0.momentum1"
+
+
+def _pieces(weight, momentum, row0=100):
+    return [
+        StatePiece(W, (1000, weight.shape[1]), ShardRegion((row0, 0), tuple(weight.shape)), weight, False),
+        StatePiece(M, (1000,), ShardRegion((row0,), (momentum.shape[0],)), momentum, False),
+        StatePiece("model/dense.bias", (3,), ShardRegion((0,), (3,)), torch.arange(3.0), True),
+        StatePiece("dense_optim/dense.bias/step", (), ShardRegion((), ()), torch.tensor(7.0), True),
+    ]
+
+
+def test_full_capture_copies_everything_into_shared_reused_buffers():
+    weight, momentum = torch.randn(50, 4), torch.rand(50)
+    buffers = HostBuffers()
+    host, seconds = buffers.capture(_pieces(weight, momentum))
+    assert seconds >= 0 and all(h.row_ids is None for h in host)
+    by_name = {h.name: h for h in host}
+    assert torch.equal(by_name[W].data, weight) and torch.equal(by_name[M].data, momentum)
+    assert float(by_name["dense_optim/dense.bias/step"].data[0]) == 7.0
+    assert all(h.data.is_shared() for h in host)  # the writer process maps them, no copy
+    ptrs = {h.name: h.data.data_ptr() for h in host}
+    weight += 1  # training moved on: the next snapshot must see it, in the same buffers
+    host2, _ = buffers.capture(_pieces(weight, momentum))
+    assert {h.name: h.data.data_ptr() for h in host2} == ptrs
+    assert torch.equal({h.name: h for h in host2}[W].data, weight)
+
+
+def test_incremental_capture_gathers_rows_with_global_ids():
+    weight, momentum = torch.randn(50, 4), torch.rand(50)
+    rows = {"t0": torch.tensor([100, 103, 149, 7, 200], dtype=torch.int64)}  # 7 and 200 are not held here
+    host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=100), rows)
+    by_name = {h.name: h for h in host}
+    assert by_name[W].row_ids.tolist() == [100, 103, 149]
+    assert torch.equal(by_name[W].data, weight[[0, 3, 49]])
+    assert torch.equal(by_name[M].data, momentum[[0, 3, 49]])
+    assert by_name["model/dense.bias"].row_ids is None  # dense state is always whole
+
+
+def test_empty_increment():
+    weight, momentum = torch.randn(5, 2), torch.rand(5)
+    host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=0), {"t0": torch.empty(0, dtype=torch.int64)})
+    by_name = {h.name: h for h in host}
+    assert by_name[W].data.shape == (0, 2) and by_name[W].row_ids.numel() == 0
