@@ -52,7 +52,8 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     timed = _TimedTracker(tracker)
     mdt = ModelDeltaTrackerTrec(sharded.model, mode=TrackingMode.ID_ONLY)
     modules = tracker._modules
-    modes = {"none": None, "cnr": timed, "mdt": mdt.record_lookup}
+    # "control" is a second no-hook block per round: its gap to "none" is the noise floor
+    modes = {"none": None, "cnr": timed, "control": None, "mdt": mdt.record_lookup}
     for _ in range(arg["warmup"]):
         _train_step(sharded, reader.next_batch())
     times: Dict[str, List[float]] = {m: [] for m in modes}
@@ -75,6 +76,8 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         "step_s_none": round(med["none"], 5), "step_s_cnr": round(med["cnr"], 5), "step_s_mdt": round(med["mdt"], 5),
         "tracking_overhead_pct": round(100 * (med["cnr"] / med["none"] - 1), 3),
         "modeldeltatracker_overhead_pct": round(100 * (med["mdt"] / med["none"] - 1), 3),
+        "control_overhead_pct": round(100 * (med["control"] / med["none"] - 1), 3),
+        "step_s_control": round(med["control"], 5),
         "hook_s_per_step": round(timed.seconds / cnr_steps, 6),
         "hook_pct_of_step": round(100 * timed.seconds / cnr_steps / med["none"], 3),
         "tracker_bytes_per_row": round(tracker.nbytes / tracker.local_rows, 5),
