@@ -148,3 +148,71 @@ def test_incremental_refused_when_optimizer_changes_untouched_rows():
         check_incremental_safe(config)
     check_incremental_safe(load_config(TINY, ["model.tables=" + TABLES, "train.dense_optimizer=adam",
                                               "checkpoint.policy=full"]))
+
+
+def _ec_worker(rank, world_size, arg):
+    """A sharded EmbeddingCollection (sequence embeddings), tracked by both trackers."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
+    from torchrec.distributed.model_tracker.types import TrackingMode
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    class Sharder(EmbeddingCollectionSharder):
+        def sharding_types(self, compute_device_type):
+            return [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ec = EmbeddingCollection(tables=[
+                EmbeddingConfig(name=f"e{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"s{i}"])
+                for i, rows in enumerate((900, 600, 300))], device=torch.device("meta"))
+
+        def forward(self, kjt):
+            return sum(jt.values().sum() for jt in self.ec(kjt).values())
+
+    torch.manual_seed(0)
+    model = Model()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.ec.parameters(), {"lr": 0.1})
+    kinds = {"e0": "row_wise", "e1": "column_wise", "e2": "table_wise"}
+    constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in kinds.items()}
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+                                    constraints=constraints).collective_plan(model, [Sharder()], dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[Sharder()])
+    tracker = RowTracker(dmp)
+    mdt = ModelDeltaTrackerTrec(dmp, mode=TrackingMode.ID_ONLY)
+    for module in tracker._modules:
+        module.register_post_lookup_tracker_fn(lambda *a: (tracker.record(*a), mdt.record_lookup(*a)))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (3 * 16,), generator=gen, dtype=torch.int32)
+        values = torch.cat([(rows * torch.rand(int(n), generator=gen) ** 2).long()
+                            for rows, n in zip((900, 600, 300), lengths.view(3, 16).sum(1))])
+        dmp(KeyedJaggedTensor(keys=["s0", "s1", "s2"], values=values, lengths=lengths)).backward()
+        mdt.step()
+    tracker.fold()
+    delta_ids = mdt.get_unique_ids()
+    report = {name: {"equal": torch.equal(tracker.rows(tracker.views["checkpoint"], name),
+                                          _global_ids_from_delta_tracker(delta_ids, tracker, name)),
+                     "tracked": int(tracker.rows(tracker.views["checkpoint"], name).numel()), "kind": kinds[name]}
+              for name in tracker.tables}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, report)
+    return {"ranks": everyone}
+
+
+def test_embedding_collection_tracked_like_model_delta_tracker():
+    ranks = launch(_ec_worker, 2, None)["ranks"]
+    seen_kinds = set()
+    for rank, report in enumerate(ranks):
+        for table, row in report.items():
+            assert row["equal"], (rank, table, row)
+            seen_kinds.add(row["kind"])
+    assert seen_kinds == {"row_wise", "column_wise", "table_wise"}
+    assert sum(r["e0"]["tracked"] for r in ranks if "e0" in r) > 0
