@@ -52,8 +52,7 @@ class Captured:
     cleared: bool
 
 
-_BIT = np.array([1 << i for i in range(8)], dtype=np.uint8)
-_BIT_TORCH = torch.from_numpy(_BIT)
+_BIT_TORCH = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 
 
 class _Scratch:
@@ -68,7 +67,7 @@ class _Scratch:
             self.size = max(n, 2 * self.size)
             self.ids = np.empty(self.size, dtype=np.int64)
             self.byte = np.empty(self.size, dtype=np.int64)
-            self.low = np.empty(self.size, dtype=np.int64)
+            self.low = np.empty(self.size, dtype=np.uint8)
             self.val = np.empty(self.size, dtype=np.uint8)
             self.old = np.empty(self.size, dtype=np.uint8)
             self.fresh = np.empty(self.size, dtype=bool)
@@ -79,20 +78,27 @@ def set_bits(bits: np.ndarray, ids: np.ndarray, scratch: Optional[_Scratch] = No
     """OR the bits of ``ids`` into ``bits`` (uint8, little-endian bit order within a byte).
 
     Ids whose bit is already set are dropped first (most of a skewed stream's lookups hit rows
-    already touched); ``bitwise_or.at`` then ORs the rest exactly, repeated bytes included.
+    already touched). A fancy-index OR keeps one writer per repeated byte, so fresh ids sharing
+    a byte with another bit are re-checked and repeated (at most 8 passes, rarely more than 2).
     Single-threaded numpy: no OpenMP region on the training hot path.
     """
     n = ids.size
     w = (scratch or _Scratch()).ensure(n)
     byte, low, val, old, fresh = w.byte[:n], w.low[:n], w.val[:n], w.old[:n], w.fresh[:n]
     np.right_shift(ids, 3, out=byte)
-    np.bitwise_and(ids, 7, out=low)
-    _BIT.take(low, out=val)
+    np.bitwise_and(ids, 7, out=low, casting="unsafe")
+    np.left_shift(np.uint8(1), low, out=val)
     bits.take(byte, out=old)
     np.bitwise_and(old, val, out=old)
     np.equal(old, 0, out=fresh)
-    if fresh.any():
-        np.bitwise_or.at(bits, byte[fresh], val[fresh])
+    where = np.flatnonzero(fresh)  # cheaper than boolean-mask indexing, taken twice
+    if not where.size:
+        return
+    b, v = byte.take(where), val.take(where)
+    while b.size:
+        bits[b] |= v
+        missing = (bits[b] & v) == 0
+        b, v = b[missing], v[missing]
 
 
 def set_bits_torch(bits: torch.Tensor, ids: torch.Tensor) -> None:
