@@ -33,14 +33,23 @@ logger = logging.getLogger(__name__)
 BITS: Tuple[int, ...] = (2, 3, 4, 8)
 METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive", "kmeans")
 
-# Greedy search defaults. 2/3/4-bit bins and 2/3-bit ratios are the paper's (§4.2.3).
-# ``ratio`` follows torch.choose_qparams_optimized: the search may remove up to ``ratio`` of the
-# row's range (it stops once the range is <= floor(num_bins * (1 - ratio)) steps).
-# 4-bit ratio, measured with cnr.bench.quantize --ratio-sweep (100k rows x 64, 45 bins, mean l2
-# per row; fp32 params; l2 relative to naive in brackets):
-#   ratio        0.1             0.2             0.3             0.4             0.5
-#   normal       TBD
-#   student-t3   TBD
+# Greedy search defaults: 2/3/4-bit bins and 2/3-bit ratios are the paper's (§4.2.3); 8-bit
+# adaptive (only when asked for; 8-bit's default method is naive) uses torch's reference 200/0.16.
+# ``ratio`` has torch.choose_qparams_optimized's meaning: the search may remove up to ``ratio`` of
+# the row's range (it stops once the range is <= num_bins * (1 - ratio) steps), so the number of
+# search steps, and the run time, grow with it.
+# 4-bit ratio, measured (45 bins; mean l2 per row of adaptive / naive; 20k rows at dim 64, 80k
+# at 16, 2.5k at 128 and 1.25k at 256; t3 = Student-t with 3 dof, t1 = Cauchy):
+#   ratio           0.05     0.1      0.2      0.3      0.5
+#   dim 64  normal  0.92154  0.92035  0.92035  0.92035  0.92035
+#   dim 64  t3      0.92121  0.92046  0.92046  0.92046  0.92046
+#   dim 64  t1      0.64140  0.64121  0.64121  0.64121  0.64121
+#   dim 16  t3      0.918484 0.918484 0.918484 0.918484 0.918484
+#   dim 128 normal  0.923898 0.917971 0.917665 0.917665 0.917665
+#   dim 256 normal  0.925595 0.909703 0.904654 0.904654 0.904654
+#   dim 256 t3      0.915029 0.898531 0.891883 0.891870 0.891870
+# 0.1 already reaches the plateau at dim <= 64 but loses ~0.5% at dim 256, where 0.2 is within
+# 2e-5 of it; larger ratios buy nothing and cost steps. So 0.2 (9 steps at 45 bins).
 DEFAULT_NUM_BINS: Dict[int, int] = {2: 25, 3: 25, 4: 45, 8: 200}
 DEFAULT_RATIO: Dict[int, float] = {2: 0.5, 3: 0.2, 4: 0.2, 8: 0.16}
 MAX_NUM_BINS = 4096  # the search runs ~num_bins * ratio steps; more bins buy nothing measurable
@@ -48,26 +57,32 @@ MAX_NUM_BINS = 4096  # the search runs ~num_bins * ratio steps; more bins buy no
 # Per-row parameter precision. Bias is always float32: a float16 bias cannot round-trip constant
 # rows exactly and loses precision on rows far from zero. Scale is float16 at 2/3/4 bits and
 # float32 at 8 bits (and at any width when some row's scale is not a normal float16 number, see
-# _scale_dtype). Measured (20k rows x 64; mean l2 per row relative to float32/float32; bytes per
-# row for scale16+bias16 / scale16+bias32 / scale32+bias32 = 20/22/24 at 2 bits, 36/38/40 at 4,
-# 68/70/72 at 8):
-#   rows             bits  naive: s16b16 s16b32   adaptive: s16b16 s16b32
-#   N(0,1)           2,4          1.0000 1.0000             1.0000 1.0000
-#   N(0,1)           8            1.0006 1.0004             1.0005 1.0003
-#   student-t(3)     8            1.0005 1.0004             1.0005 1.0003
-#   N(0,0.01^2)      8            1.0003 1.0001             1.0002 1.0000
-#   U(-1e-4,1e-4)    4            1.0001 1.0001             1.0001 1.0001
-#   U(-1e-4,1e-4)    8            1.4785 1.4772             1.2702 1.2694  (fp16 scale subnormal)
-#   N(20,1)          2,4          1.0000 1.0000             1.0000 1.0000
-#   N(20,1)          8            1.0061 1.0003             1.0039 1.0002
-# So float16 scales cost nothing measurable below 8 bits and save 2 bytes per row (9% of a
+# _scale_dtype). Measured with cnr.bench.quantize --param-study (20k rows x 64; mean l2 per row
+# relative to float32 scale + float32 bias; "s16b32" = float16 scale + float32 bias; bytes per
+# row s16b16/s16b32/s32b32: 20/22/24 at 2 bits, 36/38/40 at 4, 68/70/72 at 8):
+#   rows           bits   naive: s16b16  s16b32   adaptive: s16b16  s16b32
+#   N(0,1)         2             1.0000  1.0000             1.0000  1.0000
+#   N(0,1)         4             1.0000  1.0000             1.0000  0.9998
+#   N(0,1)         8             1.0004  1.0004             1.0002  0.9955
+#   Student-t(3)   8             1.0002  1.0002             1.0002  0.9958
+#   U(+-1e-4)      4             1.0001  1.0001             1.0002  1.0000
+#   U(+-1e-4)      8             1.4654  1.4649             1.2642  1.2598  (float16 subnormal scale)
+#   N(20,1)        4             1.0000  1.0000             1.0001  0.9991
+#   N(20,1)        8             1.0064  1.0004             1.0041  0.9850
+# (adaptive s16b32 can beat s32b32: it also tries torch's fp16-rounded bias, _adaptive_params.)
+# So float16 scales cost nothing measurable below 8 bits and save 2 bytes per row (8% of a
 # 64-dim 2-bit row); at 8 bits they hurt small-valued rows (torchrec initialises huge tables
 # with values ~1e-4), and 2 bytes are only 3% of the row.
 BIAS_DTYPE: torch.dtype = torch.float32
 _FP16_NORMAL = (torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max)
 
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _MAX_ABS = torch.finfo(torch.float32).max / 2  # so that xmax - xmin and 2 * max|x| stay finite
-BLOCK_ROWS = 4096  # rows per vectorised block: the 2-candidate work buffer (2 MiB) stays in L2
+# Values per vectorised block (rows per block = BLOCK_VALUES // dim). Each search step costs ~6
+# passes over a [2, 2, rows, dim] float32 work buffer plus ~30 small per-row ops; 8192 rows of
+# 64 (an 8 MiB buffer, L3-resident) amortise the small ops best: 2-bit adaptive ran at 0.50M /
+# 0.70M / 0.50M rows/s with blocks of 4096 / 8192 / 16384 rows x 64 on this 2-core machine.
+BLOCK_VALUES = 8192 * 64
 KMEANS_ITERS = 15  # Lloyd iterations, as in the paper's per-vector k-means reference
 
 
@@ -241,11 +256,23 @@ def _fake_quant(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, inv: t
 
 
 def _range_loss(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: float,
-                dtypes: Tuple[torch.dtype, torch.dtype], out: torch.Tensor) -> torch.Tensor:
-    """l2 error ``||x - deq||_2`` per row for candidate ranges ``lo, hi`` of shape ``[K, B]``."""
-    scale, bias, inv = _params(lo, hi, qmax, *dtypes)
-    err = torch.sub(x, _fake_quant(x, scale, bias, inv, qmax, out), out=out)
-    return torch.linalg.vector_norm(err, dim=-1)  # one fused pass; float32 sums, see _adaptive_params
+                dtypes: Tuple[torch.dtype, torch.dtype], work: torch.Tensor) -> torch.Tensor:
+    """l2 error ``||x - deq||_2`` per row for candidate ranges ``lo, hi`` of shape ``[K, B]``.
+
+    ``work`` is a ``[2, K, B, D]`` float32 buffer. The error is formed as ``(x - bias) - code *
+    scale`` (6 passes over the data instead of 8 for ``x - (code * scale + bias)``); the two
+    differ by an ulp per element, below the float32 summation noise the search already has.
+    A zero scale gets a huge finite inverse rather than 0: cheaper, and the same error, since a
+    zero scale dequantizes every code to the bias.
+    """
+    bias = _rounded(lo, dtypes[1]).unsqueeze(-1)
+    scale = _rounded((hi - bias.squeeze(-1)) / qmax, dtypes[0])
+    inv = scale.clamp_min(_FLOAT32_TINY).reciprocal_().unsqueeze(-1)
+    diff, code = work[0], work[1]
+    torch.sub(x, bias, out=diff)
+    torch.mul(diff, inv, out=code).round_().clamp_(0.0, qmax)
+    diff.addcmul_(code, scale.unsqueeze(-1), value=-1.0)
+    return torch.linalg.vector_norm(diff, dim=-1)  # one fused pass; float32 sums, see _adaptive_params
 
 
 def _loss64(x: torch.Tensor, x64: torch.Tensor, params: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -253,7 +280,7 @@ def _loss64(x: torch.Tensor, x64: torch.Tensor, params: Tuple[torch.Tensor, torc
     """Per-row l2 error of encoding ``x`` (``x64`` = x as float64) with (scale, bias, inv),
     accumulated in float64 as :func:`l2_per_row` does."""
     deq = _fake_quant(x, *params, qmax, out)
-    return torch.linalg.vector_norm(x64 - deq.double(), dim=1)
+    return torch.linalg.vector_norm(torch.sub(x64, deq), dim=1)  # float64 - float32: exact, one pass
 
 
 def _min_bins(num_bins: int, ratio: float) -> float:
@@ -279,33 +306,31 @@ def _greedy_range(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
     qmax = float((1 << bits) - 1)
     xmin, xmax = x.amin(1), x.amax(1)
     step = (xmax - xmin) / float(num_bins)
-    min_bins = _min_bins(num_bins, ratio)
-    thr = step * min_bins  # float32 * float32-representable value: torch's float product
-    work = torch.empty((2,) + tuple(x.shape), dtype=torch.float32)
-    cur = _range_loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), qmax, dtypes, work[:1])[0]
-    best, best_lo, best_hi = cur, xmin, xmax
-    lo, hi = xmin, xmax
+    thr = step * _min_bins(num_bins, ratio)  # float32 * float32-representable value, as torch
+    work = torch.empty((2, 2) + tuple(x.shape), dtype=torch.float32)
+    cur = _range_loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), qmax, dtypes, work[:, :1])[0]
+    # state and best are [3, B] stacks of (lo, hi, loss): one where() updates all three.
+    state = torch.stack((xmin, xmax, cur))
+    best = state.clone()
     # ceil(num_bins - min_bins) steps in exact arithmetic; +1 for float rounding of the stop test.
     # The bound also ends rows whose step is absorbed by float rounding (lo + step == lo), on
     # which torch's while-loop never terminates.
-    for _ in range(math.ceil(num_bins - min_bins) + 1):
+    for _ in range(math.ceil(num_bins - _min_bins(num_bins, ratio)) + 1):
+        lo, hi, cur = state
         active = lo + thr < hi
         if not bool(active.any()):
             break
         up, down = lo + step, hi - step
         loss = _range_loss(x, torch.stack((up, lo)), torch.stack((hi, down)), qmax, dtypes, work)
-        optimum = active & (cur < loss[0]) & (cur < loss[1]) & (cur < best)
-        best = torch.where(optimum, cur, best)
-        best_lo = torch.where(optimum, lo, best_lo)
-        best_hi = torch.where(optimum, hi, best_hi)
+        # torch's local-optimum test: better than both moves and than the best so far
+        optimum = active & (cur < torch.minimum(loss[0], loss[1])) & (cur < best[2])
+        best = torch.where(optimum, state, best)
         go_up = loss[0] < loss[1]
-        lo = torch.where(active & go_up, up, lo)
-        hi = torch.where(active & ~go_up, down, hi)
-        cur = torch.where(active, torch.where(go_up, loss[0], loss[1]), cur)
+        moved = torch.where(go_up, torch.stack((up, hi, loss[0])), torch.stack((lo, down, loss[1])))
+        state = torch.where(active, moved, state)
     if score_last:
-        last = cur < best
-        best_lo, best_hi = torch.where(last, lo, best_lo), torch.where(last, hi, best_hi)
-    return best_lo, best_hi
+        best = torch.where(state[2] < best[2], state, best)
+    return best[0], best[1]
 
 
 def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
@@ -328,8 +353,12 @@ def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
     if torch_scoring and bias_dtype != torch.float16:
         options.append(_params(lo, hi, qmax, scale_dtype, torch.float16))
     work, x64 = torch.empty_like(x), x.double()
-    pick = torch.stack([_loss64(x, x64, p, qmax, work) for p in options]).argmin(0)  # ties: first
-    return tuple(torch.stack(parts).gather(0, pick.unsqueeze(0))[0] for parts in zip(*options))
+    chosen, chosen_loss = torch.stack(options[0]), _loss64(x, x64, options[0], qmax, work)
+    for option in options[1:]:
+        loss = _loss64(x, x64, option, qmax, work)
+        better = loss < chosen_loss  # ties keep the earlier option
+        chosen, chosen_loss = torch.where(better, torch.stack(option), chosen), torch.minimum(loss, chosen_loss)
+    return chosen[0], chosen[1], chosen[2]
 
 
 def _block_params(x: torch.Tensor, bits: int, method: str, num_bins: int, ratio: float,
@@ -403,8 +432,9 @@ def quantize_rows_with_dtypes(
         scale = torch.empty(rows, dtype=scale_dtype)
         bias = torch.empty(rows, dtype=bias_dtype)
     qmax = float((1 << bits) - 1)
-    for start in range(0, rows, BLOCK_ROWS):
-        block = x[start:start + BLOCK_ROWS]
+    block_rows = max(1, BLOCK_VALUES // dim)
+    for start in range(0, rows, block_rows):
+        block = x[start:start + block_rows]
         end = start + block.shape[0]
         if method == "kmeans":
             block_codes, codebook[start:end] = _kmeans_block(block, bits, KMEANS_ITERS)

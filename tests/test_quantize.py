@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cnr.bitpack import packed_bytes_per_row
+from cnr import quantize
 from cnr.errors import ConfigError
 from cnr.quantize import (
     BITS,
@@ -209,6 +210,18 @@ def test_empty_input(bits: int, method: str) -> None:
     assert (q.rows, q.dim, q.codes.shape[0]) == (0, 16, 0)
     assert dequantize_rows(q).shape == (0, 16)
     assert q.nbytes == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_block_boundaries_do_not_change_the_result(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _rows("student_t", n=300, dim=20)
+    whole = quantize_rows(x, 3, method)
+    monkeypatch.setattr(quantize, "BLOCK_VALUES", 7 * 20)  # 7-row blocks, the last one partial
+    blocked = quantize_rows(x, 3, method)
+    assert torch.equal(whole.codes, blocked.codes)
+    for field in ("scale", "bias", "codebook"):
+        a, b = getattr(whole, field), getattr(blocked, field)
+        assert (a is None and b is None) or torch.equal(a, b), field
 
 
 # --- encoded size and parameter precision ---------------------------------------------------------

@@ -39,7 +39,7 @@ from cnr.quantize import (
 logger = logging.getLogger(__name__)
 
 TORCH_BITS = (2, 4)  # bit-widths torch's greedy prepack supports
-RATIO_SWEEP = (0.1, 0.2, 0.3, 0.4, 0.5)
+RATIO_SWEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 PARAM_DTYPES = {"s16b16": (torch.float16, torch.float16), "s16b32": (torch.float16, torch.float32),
                 "s32b32": (torch.float32, torch.float32)}
 
