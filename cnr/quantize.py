@@ -206,8 +206,9 @@ def _check_input(x: object, name: object) -> Tuple[torch.Tensor, torch.Tensor, t
 
 def _scale_dtype(bits: int, xmin: torch.Tensor, xmax: torch.Tensor) -> torch.dtype:
     """Scale precision for one call: float16 at <= 4 bits when every row's full-range scale is
-    0 or a normal float16 number (so it neither overflows nor loses precision as a subnormal;
-    an adaptive range is narrower, never wider), float32 otherwise."""
+    0 or a normal float16 number, float32 otherwise. An adaptive range is never wider, so its
+    scale cannot overflow; it can at worst become a float16 subnormal, whose absolute spacing
+    (6e-8) bounds the extra error per value by ``qmax * 3e-8``."""
     if bits == 8:
         return torch.float32
     scale = (xmax - xmin) / float((1 << bits) - 1)
@@ -247,8 +248,8 @@ def _fake_quant(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, inv: t
 
     ``x`` is ``[B, D]``; scale/bias/inv are ``[..., B]`` (one set per candidate) and ``out`` is
     ``[..., B, D]``. The operation order (sub, mul by inverse, round half-even, clamp, mul, add)
-    is the one torch's reference uses and the one :func:`dequantize_rows` uses, so the loss the
-    search sees is the loss of the stored encoding.
+    is the one torch's reference uses and the one encoding and :func:`dequantize_rows` use, so
+    an error computed from this output is the error of the stored encoding.
     """
     torch.sub(x, bias.unsqueeze(-1), out=out)
     out.mul_(inv.unsqueeze(-1)).round_().clamp_(0.0, qmax)
@@ -343,8 +344,8 @@ def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
     encoding is then the best, by float64 error, of: the full range (naive's encoding), the
     chosen range with its bias stored exactly, and (with ``torch_scoring``) the chosen range
     with the bias rounded to fp16 as torch stores it. Float64 scoring settles near-ties that
-    float32 sums can misorder (~1e-7), so on every row the error is at most naive's and at most
-    torch's greedy op's.
+    float32 sums can misorder (~1e-7), so on every row the error is at most naive's and, with
+    ``torch_scoring``, at most torch's greedy op's with the same bins and ratio.
     """
     qmax = float((1 << bits) - 1)
     scale_dtype, bias_dtype = dtypes
@@ -408,8 +409,9 @@ def quantize_rows_with_dtypes(
 ) -> QuantizedRows:
     """:func:`quantize_rows` with a chosen per-row parameter precision (float16 or float32;
     None: the default choice). For measurements (cnr.bench.quantize) and torch comparisons;
-    the checkpoint path uses :func:`quantize_rows`. The adaptive search scores candidates with
-    the parameters rounded to these dtypes.
+    the checkpoint path uses :func:`quantize_rows`. When the scale is float16 and every value
+    fits float16, the adaptive search scores candidates with torch's float16 scale and bias
+    (see _adaptive_params); otherwise with the parameters rounded to these dtypes.
     """
     _check_bits(bits)
     _check_method(method)

@@ -311,3 +311,17 @@ def test_defaults() -> None:
     assert (DEFAULT_NUM_BINS[2], DEFAULT_NUM_BINS[3], DEFAULT_NUM_BINS[4]) == (25, 25, 45)
     assert (DEFAULT_RATIO[2], DEFAULT_RATIO[3]) == (0.5, 0.2)
     assert [default_method(b) for b in BITS] == ["adaptive", "adaptive", "adaptive", "naive"]
+
+
+def test_benchmark_runs_on_a_rows_file(tmp_path) -> None:
+    from cnr.bench.quantize import run
+
+    path = tmp_path / "rows.f32"
+    _rows("student_t", n=300, dim=16).numpy().astype("<f4").tofile(path)
+    out = run(["--rows-file", str(path), "--dim", "16", "--repeat", "1", "--bits", "2", "4"])
+    assert {e["method"] for e in out["table"]} == set(METHODS) | {"torch_greedy"}
+    assert {e["set"] for e in out["table"]} == {"trained"}
+    assert out["l2_ratio_vs_torch_2bit"] <= 1.0 and out["l2_ratio_vs_torch_4bit"] <= 1.0
+    assert out["adaptive_beats_naive"] == {2: True, 4: True}
+    with pytest.raises(ConfigError, match="multiple of"):
+        run(["--rows-file", str(path), "--dim", "17"])

@@ -189,7 +189,9 @@ def run(argv: List[str]) -> Dict[str, object]:
     result: Dict[str, object] = {
         "config": {"rows": {k: v.shape[0] for k, v in sets.items()}, "dim": args.dim, "seed": args.seed,
                    "rows_file": args.rows_file, "repeat": args.repeat, "torch": torch.__version__,
-                   "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+                   "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                   # other work on the machine slows the multi-threaded side most; record it
+                   "load_avg_1min_start": os.getloadavg()[0]},
         "table": table,
         **_summary(table),
     }
@@ -198,6 +200,7 @@ def run(argv: List[str]) -> Dict[str, object]:
     if args.param_study:
         result["param_study"] = _param_study(sets)
     result["seconds"] = time.perf_counter() - started
+    result["config"]["load_avg_1min_end"] = os.getloadavg()[0]
     return result
 
 
