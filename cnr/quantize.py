@@ -186,7 +186,7 @@ def _check_input(x: object, name: object) -> Tuple[torch.Tensor, torch.Tensor, t
         raise ConfigError(f"{name} has dim {x.shape[1]}; rows must have at least 1 value")
     if x.device.type != "cpu":
         raise ConfigError(f"{name} is on {x.device}; quantization runs on cpu tensors only")
-    x = x.contiguous()
+    x = x.detach().contiguous()  # parameters come with requires_grad; out= ops reject those
     # Row min/max find nan (it propagates and compares false), inf, and finite values so large
     # that a row's range (up to twice the largest magnitude) would overflow float32.
     xmin, xmax = (x.amin(1), x.amax(1)) if x.numel() else (x.new_zeros(0), x.new_zeros(0))

@@ -213,6 +213,15 @@ def test_empty_input(bits: int, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_parameters_and_strided_views_are_accepted(method: str) -> None:
+    weight = torch.nn.Parameter(_rows("normal", n=40, dim=12))
+    q = quantize_rows(weight, 4, method)
+    assert torch.equal(dequantize_rows(q), dequantize_rows(quantize_rows(weight.detach().clone(), 4, method)))
+    view = weight.detach().t()  # [12, 40], not contiguous
+    assert dequantize_rows(quantize_rows(view, 4, method)).shape == (12, 40)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_block_boundaries_do_not_change_the_result(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     x = _rows("student_t", n=300, dim=20)
     whole = quantize_rows(x, 3, method)
