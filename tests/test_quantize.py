@@ -30,6 +30,17 @@ from cnr.quantize import (
 F16, F32 = torch.float16, torch.float32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Correctness needs no intra-op threads, and on a busy shared 2-core machine lockstep
+    threads stall for whole scheduler slices; test_thread_count_does_not_change_the_result
+    covers the default thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _rows(kind: str, n: int = 800, dim: int = 64, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if kind == "normal":
@@ -219,6 +230,18 @@ def test_parameters_and_strided_views_are_accepted(method: str) -> None:
     assert torch.equal(dequantize_rows(q), dequantize_rows(quantize_rows(weight.detach().clone(), 4, method)))
     view = weight.detach().t()  # [12, 40], not contiguous
     assert dequantize_rows(quantize_rows(view, 4, method)).shape == (12, 40)
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    x = _rows("student_t", n=3000, dim=32)  # big enough for torch to split ops across threads
+    single = [quantize_rows(x, bits) for bits in (2, 4)]
+    torch.set_num_threads(2)
+    try:
+        multi = [quantize_rows(x, bits) for bits in (2, 4)]
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(single, multi):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.bias, b.bias)
 
 
 @pytest.mark.parametrize("method", METHODS)
