@@ -311,28 +311,28 @@ def _greedy_range(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
     thr = step * _min_bins(num_bins, ratio)  # float32 * float32-representable value, as torch
     work = torch.empty((2, 2) + tuple(x.shape), dtype=torch.float32)
     cur = _range_loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), qmax, dtypes, work[:, :1])[0]
-    # state and best are [3, B] stacks of (lo, hi, loss): one where() updates all three.
-    state = torch.stack((xmin, xmax, cur))
-    best = state.clone()
+    lo, hi, best_lo, best_hi, best = xmin, xmax, xmin, xmax, cur
     # ceil(num_bins - min_bins) steps in exact arithmetic; +1 for float rounding of the stop test.
     # The bound also ends rows whose step is absorbed by float rounding (lo + step == lo), on
     # which torch's while-loop never terminates.
     for _ in range(math.ceil(num_bins - _min_bins(num_bins, ratio)) + 1):
-        lo, hi, cur = state
         active = lo + thr < hi
         if not bool(active.any()):
             break
         up, down = lo + step, hi - step
         loss = _range_loss(x, torch.stack((up, lo)), torch.stack((hi, down)), qmax, dtypes, work)
+        moved = torch.minimum(loss[0], loss[1])
         # torch's local-optimum test: better than both moves and than the best so far
-        optimum = active & (cur < torch.minimum(loss[0], loss[1])) & (cur < best[2])
-        best = torch.where(optimum, state, best)
+        optimum = active & (cur < moved) & (cur < best)
+        best_lo, best_hi = torch.where(optimum, lo, best_lo), torch.where(optimum, hi, best_hi)
+        best = torch.where(optimum, cur, best)
         go_up = loss[0] < loss[1]
-        moved = torch.where(go_up, torch.stack((up, hi, loss[0])), torch.stack((lo, down, loss[1])))
-        state = torch.where(active, moved, state)
+        lo, hi = torch.where(active & go_up, up, lo), torch.where(active & ~go_up, down, hi)
+        cur = torch.where(active, moved, cur)
     if score_last:
-        best = torch.where(state[2] < best[2], state, best)
-    return best[0], best[1]
+        last = cur < best
+        best_lo, best_hi = torch.where(last, lo, best_lo), torch.where(last, hi, best_hi)
+    return best_lo, best_hi
 
 
 def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
