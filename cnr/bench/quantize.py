@@ -52,7 +52,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64, help="values per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows-file", default=None, help="raw float32 [rows, dim] file of trained rows")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=5,
                         help="timed runs of adaptive and torch's greedy op (the headline pair); best kept")
     parser.add_argument("--bits", type=int, nargs="+", default=list(BITS), choices=list(BITS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
