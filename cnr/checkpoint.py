@@ -91,7 +91,9 @@ class Checkpointer:
         rows = self._capture_rows(kind)
         host, snap_seconds = self.buffers.capture(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows)
         fields = {"reader": reader, "counters": dict(counters)} if self.rank == 0 else None
-        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, fields))
+        c = self.config.checkpoint
+        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, fields,
+                                    bits=c.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits))
         self._in_flight_kind = kind
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start

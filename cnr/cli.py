@@ -36,15 +36,16 @@ def _inspect(args: argparse.Namespace) -> int:
     infos = list_checkpoints(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
-         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error}
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method}
         for i in infos
     ]
     if args.json:
         print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
     else:
-        print(f"{'id':<22} {'step':>8} {'kind':<12} {'bits':>4} {'rows':>10} {'bytes':>12}  status")
+        print(f"{'id':<22} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
         for r in rows:
-            print(f"{r['id']:<22} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['rows']:>10} {r['bytes']:>12}  {r['status']}")
+            print(f"{r['id']:<22} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
+                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
     return 0
 
 

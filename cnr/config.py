@@ -88,7 +88,11 @@ class CheckpointConfig:
     incrementals of the rows touched since it). ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process; ``commit_timeout_s``: how long rank 0's
+    writer process. ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
+    by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
+    "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
+    ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
+    is one value per row and stays fp32). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed.
     """
 
@@ -99,6 +103,9 @@ class CheckpointConfig:
     on_overlap: str = "wait"
     upload_threads: int = 2
     commit_timeout_s: float = 600.0
+    bits: int = 32
+    quant_method: str = ""
+    optimizer_bits: int = 32
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,9 @@ def validate(config: Config) -> None:
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
+    _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
+    _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
 
 

@@ -6,8 +6,10 @@ Layout of a chunk object (all integers little-endian):
 
 The header names the tensor, dtype, encoding, bit-width, the rows it covers and the payload's
 size and CRC-32. The payload is ``rows`` int64 global row ids when ``row_ids`` is true, then
-the values: raw little-endian ``dtype`` values for Encoding.RAW. Nothing is unpickled; every
-header field is checked against the manifest's ChunkRef before the payload is used.
+the values: raw little-endian ``dtype`` values for Encoding.RAW; for Encoding.QUANTIZED the
+bit-packed codes ``[rows, ceil(cols * bits / 8)]`` (cnr.bitpack), then the per-row scale and
+bias in the dtypes the header's ``quant`` names. Nothing is unpickled; every header field is
+checked against the manifest's ChunkRef before the payload is used.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from cnr.bitpack import packed_bytes_per_row
 from cnr.errors import CorruptChunkError
+from cnr.quantize import QuantizedRows, dequantize_rows
 from cnr.types import ChunkRef, Encoding
 
 MAGIC = b"CNRC"
@@ -42,13 +46,16 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_FIELDS = {
     "tensor": str, "dtype": str, "encoding": str, "bits": int, "row_start": int, "rows": int,
     "row_ids": bool, "col_offset": int, "cols": int, "row_shape": list, "payload_bytes": int,
-    "payload_crc32": int,
+    "payload_crc32": int, "quant": (dict, type(None)),
 }
+_QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
+_QUANT_METHODS = ("naive", "symmetric", "adaptive")
 
 
 @dataclass(frozen=True)
 class DecodedChunk:
-    """A verified chunk: ``data`` is ``[rows, *row_shape]``; ``row_ids`` None for a contiguous range."""
+    """A verified chunk: ``data`` is ``[rows, *row_shape]`` (dequantized for quantized chunks);
+    ``row_ids`` is None for a contiguous range."""
 
     ref: ChunkRef
     row_ids: Optional[torch.Tensor]
@@ -60,6 +67,57 @@ def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} cannot be checkpointed; supported: {', '.join(DTYPES)}")
     return DTYPE_NAMES[dtype]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    # A flat byte view of the tensor's memory (1-D, so len() counts bytes): no copy until the join.
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _ids_bytes(row_ids: Optional[torch.Tensor], rows: int) -> memoryview:
+    if row_ids is None:
+        return memoryview(b"")
+    if row_ids.dtype != torch.int64 or tuple(row_ids.shape) != (rows,):
+        raise ValueError(f"row_ids must be int64 of shape [{rows}], got {row_ids.dtype} {tuple(row_ids.shape)}")
+    return _tensor_bytes(row_ids)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a chunk's header says besides sizes and checksum."""
+
+    tensor: str
+    dtype: str
+    encoding: Encoding
+    bits: int
+    rows: int
+    row_start: int
+    row_ids: bool
+    col_offset: int
+    cols: int
+    row_shape: List[int]
+    quant: Optional[dict]
+    method: str
+
+
+def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[bytes, ChunkRef]:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    header = {
+        "tensor": layout.tensor, "dtype": layout.dtype, "encoding": layout.encoding.value, "bits": layout.bits,
+        "row_start": layout.row_start, "rows": layout.rows, "row_ids": layout.row_ids,
+        "col_offset": layout.col_offset, "cols": layout.cols, "row_shape": layout.row_shape,
+        "payload_bytes": sum(len(p) for p in parts), "payload_crc32": crc, "quant": layout.quant,
+    }
+    header_bytes = json.dumps(header, sort_keys=True).encode()
+    blob = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
+    ref = ChunkRef(
+        key=key, tensor=layout.tensor, rows=layout.rows, row_start=layout.row_start, row_ids=layout.row_ids,
+        col_offset=layout.col_offset, cols=layout.cols, nbytes=len(blob), crc32=crc,
+        encoding=layout.encoding, bits=layout.bits, method=layout.method,
+    )
+    return blob, ref
 
 
 def encode_raw_chunk(
@@ -75,36 +133,29 @@ def encode_raw_chunk(
     ``row_ids`` (int64 ``[rows]``) lists global row ids for a non-contiguous selection; without it
     the rows are ``row_start .. row_start + rows - 1``. ``cols`` is ``data.shape[1]`` for 2-D data.
     """
-    data = data.contiguous()
     rows = int(data.shape[0])
-    cols = int(data.shape[1]) if data.dim() >= 2 else 0
-    ids_bytes = b""
-    if row_ids is not None:
-        if row_ids.dtype != torch.int64 or row_ids.shape != (rows,):
-            raise ValueError(f"row_ids must be int64 of shape [{rows}], got {row_ids.dtype} {tuple(row_ids.shape)}")
-        ids_bytes = _tensor_bytes(row_ids.contiguous())
-    values = _tensor_bytes(data)
-    crc = zlib.crc32(values, zlib.crc32(ids_bytes))
-    header = {
-        "tensor": tensor, "dtype": dtype_name(data.dtype), "encoding": Encoding.RAW.value,
-        "bits": data.element_size() * 8, "row_start": row_start, "rows": rows,
-        "row_ids": row_ids is not None, "col_offset": col_offset, "cols": cols,
-        "row_shape": list(data.shape[1:]), "payload_bytes": len(ids_bytes) + len(values),
-        "payload_crc32": crc,
-    }
-    header_bytes = json.dumps(header, sort_keys=True).encode()
-    blob = b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, ids_bytes, values))
-    ref = ChunkRef(
-        key=key, tensor=tensor, rows=rows, row_start=row_start, row_ids=row_ids is not None,
-        col_offset=col_offset, cols=cols, nbytes=len(blob), crc32=crc,
-        encoding=Encoding.RAW, bits=header["bits"],
-    )
-    return blob, ref
+    layout = _Layout(tensor, dtype_name(data.dtype), Encoding.RAW, data.element_size() * 8, rows, row_start,
+                     row_ids is not None, col_offset, int(data.shape[1]) if data.dim() >= 2 else 0,
+                     list(data.shape[1:]), None, "")
+    return _assemble(key, layout, [_ids_bytes(row_ids, rows), _tensor_bytes(data)])
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    # A flat byte view of the tensor's memory (1-D, so len() counts bytes): no copy until the join.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+def encode_quantized_chunk(
+    key: str,
+    tensor: str,
+    q: QuantizedRows,
+    row_start: int,
+    col_offset: int,
+    row_ids: Optional[torch.Tensor] = None,
+) -> Tuple[bytes, ChunkRef]:
+    """Encode float32 rows quantized by cnr.quantize (a uniform method) as one chunk."""
+    if q.method not in _QUANT_METHODS or q.scale is None or q.bias is None:
+        raise ValueError(f"method {q.method!r} cannot be checkpointed; allowed: {', '.join(_QUANT_METHODS)}")
+    quant = {"method": q.method, "scale_dtype": dtype_name(q.scale.dtype), "bias_dtype": dtype_name(q.bias.dtype)}
+    layout = _Layout(tensor, "float32", Encoding.QUANTIZED, q.bits, q.rows, row_start, row_ids is not None,
+                     col_offset, q.dim, [q.dim], quant, q.method)
+    parts = [_ids_bytes(row_ids, q.rows), _tensor_bytes(q.codes), _tensor_bytes(q.scale), _tensor_bytes(q.bias)]
+    return _assemble(key, layout, parts)
 
 
 def decode_chunk(blob: bytes, ref: ChunkRef) -> DecodedChunk:
@@ -131,6 +182,10 @@ def decode_chunk(blob: bytes, ref: ChunkRef) -> DecodedChunk:
     return _payload_tensors(payload, header, ref, where)
 
 
+def _typed(value, kind) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 def _parse_header(raw: bytes, where: str) -> dict:
     try:
         header = json.loads(bytes(raw).decode())
@@ -140,15 +195,32 @@ def _parse_header(raw: bytes, where: str) -> dict:
         got = sorted(header) if isinstance(header, dict) else type(header).__name__
         raise CorruptChunkError(f"{where} header fields {got} differ from the expected {sorted(_HEADER_FIELDS)}")
     for name, kind in _HEADER_FIELDS.items():
-        if not isinstance(header[name], kind) or (kind is int and isinstance(header[name], bool)):
-            raise CorruptChunkError(f"{where} header field {name!r} = {header[name]!r} is not a {kind.__name__}")
+        if not _typed(header[name], kind):
+            raise CorruptChunkError(f"{where} header field {name!r} = {header[name]!r} has the wrong type")
     if header["dtype"] not in DTYPES:
         raise CorruptChunkError(f"{where} header dtype {header['dtype']!r} is not one of {', '.join(DTYPES)}")
-    if header["encoding"] != Encoding.RAW.value:
+    if header["encoding"] not in (Encoding.RAW.value, Encoding.QUANTIZED.value):
         raise CorruptChunkError(f"{where} encoding {header['encoding']!r} is not supported by this reader")
-    if any(not isinstance(s, int) or s < 0 for s in header["row_shape"]) or header["rows"] < 0:
+    if any(not _typed(s, int) or s < 0 for s in header["row_shape"]) or header["rows"] < 0:
         raise CorruptChunkError(f"{where} header has a negative size")
+    if (header["encoding"] == Encoding.QUANTIZED.value) != (header["quant"] is not None):
+        raise CorruptChunkError(f"{where} header's quant parameters do not match its encoding")
+    if header["quant"] is not None:
+        _parse_quant(header, where)
     return header
+
+
+def _parse_quant(header: dict, where: str) -> None:
+    quant = header["quant"]
+    if set(quant) != set(_QUANT_FIELDS) or any(not isinstance(quant[k], str) for k in _QUANT_FIELDS):
+        raise CorruptChunkError(f"{where} quant fields {sorted(quant)} differ from the expected {sorted(_QUANT_FIELDS)}")
+    if quant["method"] not in _QUANT_METHODS or header["bits"] not in (2, 3, 4, 8):
+        raise CorruptChunkError(f"{where} quantization {quant['method']!r} at {header['bits']} bits is not supported")
+    for key in ("scale_dtype", "bias_dtype"):
+        if quant[key] not in ("float16", "float32"):
+            raise CorruptChunkError(f"{where} {key} {quant[key]!r} is not float16 or float32")
+    if header["row_shape"] != [header["cols"]] or header["dtype"] != "float32":
+        raise CorruptChunkError(f"{where} quantized rows must be float32 of shape [cols]")
 
 
 def _check_header_matches(header: dict, ref: ChunkRef, where: str) -> None:
@@ -160,21 +232,46 @@ def _check_header_matches(header: dict, ref: ChunkRef, where: str) -> None:
     for name, value in expected.items():
         if header[name] != value:
             raise CorruptChunkError(f"{where} header {name}={header[name]!r} but the manifest says {value!r}")
+    method = header["quant"]["method"] if header["quant"] else ""
+    if method != ref.method:
+        raise CorruptChunkError(f"{where} header method={method!r} but the manifest says {ref.method!r}")
+
+
+def _take(payload: memoryview, offset: int, count: int, dtype: torch.dtype, where: str) -> Tuple[torch.Tensor, int]:
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if offset + size > len(payload):
+        raise CorruptChunkError(f"{where} payload is too short for its declared contents")
+    if count == 0:
+        return torch.empty(0, dtype=dtype), offset
+    return torch.frombuffer(bytearray(payload[offset:offset + size]), dtype=dtype), offset + size
 
 
 def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str) -> DecodedChunk:
     rows = header["rows"]
-    dtype = DTYPES[header["dtype"]]
-    row_shape = tuple(header["row_shape"])
-    ids_len = rows * 8 if header["row_ids"] else 0
-    numel = rows
-    for s in row_shape:
-        numel *= s
-    if ids_len + numel * torch.empty((), dtype=dtype).element_size() != len(payload):
-        raise CorruptChunkError(f"{where} payload size does not match {rows} rows of shape {row_shape} {header['dtype']}")
     row_ids = None
+    offset = 0
     if header["row_ids"]:
-        row_ids = torch.frombuffer(bytearray(payload[:ids_len]), dtype=torch.int64) if ids_len else torch.empty(0, dtype=torch.int64)
-    values = payload[ids_len:]
-    data = torch.frombuffer(bytearray(values), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
-    return DecodedChunk(ref=ref, row_ids=row_ids, data=data.reshape((rows,) + row_shape))
+        row_ids, offset = _take(payload, 0, rows, torch.int64, where)
+    if header["quant"] is None:
+        row_shape = tuple(header["row_shape"])
+        numel = rows
+        for s in row_shape:
+            numel *= s
+        data, offset = _take(payload, offset, numel, DTYPES[header["dtype"]], where)
+        data = data.reshape((rows,) + row_shape)
+    else:
+        data, offset = _dequantized(payload, offset, header, where)
+    if offset != len(payload):
+        raise CorruptChunkError(f"{where} payload has {len(payload) - offset} bytes beyond its declared contents")
+    return DecodedChunk(ref=ref, row_ids=row_ids, data=data)
+
+
+def _dequantized(payload: memoryview, offset: int, header: dict, where: str) -> Tuple[torch.Tensor, int]:
+    rows, cols, bits, quant = header["rows"], header["cols"], header["bits"], header["quant"]
+    width = packed_bytes_per_row(cols, bits)
+    codes, offset = _take(payload, offset, rows * width, torch.uint8, where)
+    scale, offset = _take(payload, offset, rows, DTYPES[quant["scale_dtype"]], where)
+    bias, offset = _take(payload, offset, rows, DTYPES[quant["bias_dtype"]], where)
+    q = QuantizedRows(bits=bits, method=quant["method"], rows=rows, dim=cols,
+                      codes=codes.reshape(rows, width), scale=scale, bias=bias)
+    return dequantize_rows(q), offset

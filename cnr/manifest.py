@@ -109,6 +109,12 @@ class Manifest:
         bits = {c.bits for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks}
         return min(bits) if bits else 32
 
+    @property
+    def method(self) -> str:
+        """Quantizer of the stored embedding rows ("" when they are raw)."""
+        methods = sorted({c.method for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks})
+        return ",".join(m for m in methods if m)
+
 
 def _is_table_weight(name: str) -> bool:
     return name.startswith("model/") and ".embedding_bags." in name and name.endswith(".weight")
@@ -173,7 +179,7 @@ class _Reader:
 _OPT_STR = (str, type(None))
 _NUM = (int, float)
 _CHUNK_FIELDS = {"key": str, "tensor": str, "rows": int, "row_start": int, "row_ids": bool, "col_offset": int,
-                 "cols": int, "nbytes": int, "crc32": int, "encoding": str, "bits": int}
+                 "cols": int, "nbytes": int, "crc32": int, "encoding": str, "bits": int, "method": str}
 
 
 def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
@@ -195,7 +201,7 @@ def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
         raise CheckpointError(f"{where} has a negative size or offset")
     return ChunkRef(key=key, tensor=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
                     col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
-                    encoding=encoding, bits=r["bits"])
+                    encoding=encoding, bits=r["bits"], method=r["method"])
 
 
 def _parse_tensors(obj: Any, where: str, ckpt_id: str) -> Dict[str, TensorEntry]:
@@ -315,7 +321,8 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
             infos.append(CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error))
             continue
         m = read_manifest(storage, ckpt_id)
-        infos.append(CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base))
+        infos.append(CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
+                                    method=m.method))
     return infos
 
 

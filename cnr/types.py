@@ -7,7 +7,7 @@ touched rows -> host rows -> (quantized rows) -> encoded chunk -> chunk referenc
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
@@ -81,7 +81,8 @@ class ChunkRef:
     Rows are either the contiguous range ``[row_start, row_start + rows)`` (``row_ids`` is False)
     or an explicit list of global row ids stored in the chunk payload (``row_ids`` is True).
     ``col_offset``/``cols`` give its columns for 2-D tensors (``cols`` is 0 for 1-D ones).
-    ``crc32`` covers the whole stored object, ``nbytes`` is its exact size in bytes.
+    ``crc32`` covers the chunk's payload, ``nbytes`` is the stored object's exact size in bytes.
+    ``bits``/``method``: the values' bit-width and, for quantized chunks, the quantizer ("" if raw).
     """
 
     key: str
@@ -95,6 +96,7 @@ class ChunkRef:
     crc32: int
     encoding: Encoding = Encoding.RAW
     bits: int = 32
+    method: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,4 +131,4 @@ class CheckpointInfo:
     bytes: int
     base: Optional[str] = None
     error: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    method: str = ""

@@ -30,12 +30,15 @@ import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
 from cnr.config import Config
-from cnr.encode import dtype_name, encode_raw_chunk
+from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import CnrError
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
+from cnr.state import SPARSE_OPTIM
+from cnr.tracker import table_of
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointKind, ChunkRef
@@ -49,7 +52,11 @@ class Cancelled(CnrError):
 
 @dataclass(frozen=True)
 class WriteJob:
-    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only."""
+    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
+
+    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
+    quantize 2-D sparse optimizer state as well.
+    """
 
     ckpt_id: str
     step: int
@@ -59,6 +66,9 @@ class WriteJob:
     world_size: int
     pieces: List[HostPiece]
     manifest_fields: Optional[Dict[str, Any]] = None
+    bits: int = 32
+    method: str = ""
+    optimizer_bits: int = 32
 
 
 @dataclass
@@ -108,6 +118,25 @@ class _Uploader:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
+    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, 2-D sparse optimizer
+    state at ``job.optimizer_bits``, everything else (dense state, 1-D momentum) at 32."""
+    if piece.data.dim() != 2 or piece.data.dtype != torch.float32 or table_of(piece.name) is None:
+        return 32
+    return job.optimizer_bits if piece.name.startswith(SPARSE_OPTIM) else job.bits
+
+
+def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
+    ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
+    start = row0 + lo if ids is None else 0
+    bits = quantized_bits(job, piece)
+    if bits == 32:
+        return encode_raw_chunk(key, piece.name, piece.data[lo:hi], start, col0, row_ids=ids)
+    method = job.method if bits == job.bits and job.method else None
+    q = quantize_rows(piece.data[lo:hi], bits, method=method or default_method(bits), name=piece.name)
+    return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
+
+
 def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_bytes: int,
                     cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
@@ -122,9 +151,7 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
         for lo, hi in _blocks(piece, chunk_bytes):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
-            ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
-            blob, ref = encode_raw_chunk(chunk_key(job.ckpt_id, job.rank, n), piece.name, piece.data[lo:hi],
-                                         row0 + lo if ids is None else 0, col0, row_ids=ids)
+            blob, ref = _encode_block(job, piece, chunk_key(job.ckpt_id, job.rank, n), lo, hi, row0, col0)
             uploader.put(ref.key, blob)
             refs.append(ref)
             written += ref.nbytes

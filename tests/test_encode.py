@@ -85,3 +85,45 @@ def test_header_with_unknown_field_rejected():
     new_blob = blob[:6] + struct.pack("<I", len(new_header)) + new_header + blob[10 + header_len:]
     with pytest.raises(CorruptChunkError, match="header fields"):
         decode_chunk(new_blob, dataclasses.replace(ref, nbytes=len(new_blob)))
+
+
+# ---- quantized chunks -------------------------------------------------------------------------
+
+import pytest as _pytest  # noqa: E402
+
+from cnr.encode import encode_quantized_chunk  # noqa: E402
+from cnr.quantize import dequantize_rows, quantize_rows  # noqa: E402
+from cnr.types import Encoding  # noqa: E402
+
+
+@_pytest.mark.parametrize("bits,method", [(2, "adaptive"), (3, "adaptive"), (4, "adaptive"), (8, "naive"), (4, "symmetric")])
+@_pytest.mark.parametrize("rows,dim", [(7, 13), (1, 1), (0, 16), (33, 64)])
+def test_quantized_roundtrip_equals_dequantize(bits, method, rows, dim):
+    x = torch.randn(rows, dim)
+    q = quantize_rows(x, bits, method=method)
+    ids = torch.arange(rows, dtype=torch.int64) * 3
+    blob, ref = encode_quantized_chunk("k", "model/t", q, row_start=0, col_offset=8, row_ids=ids)
+    out = decode_chunk(blob, ref)
+    assert ref.encoding == Encoding.QUANTIZED and ref.bits == bits and ref.method == method and ref.cols == dim
+    assert torch.equal(out.data, dequantize_rows(q)) and torch.equal(out.row_ids, ids)
+    assert len(blob) < 100 + rows * 8 + q.nbytes + 400  # header + ids + exactly the quantized bytes
+
+
+def test_quantized_chunk_is_smaller_and_damage_is_detected():
+    x = torch.randn(100, 64)
+    blob, ref = encode_quantized_chunk("k", "model/t", quantize_rows(x, 4), 0, 0)
+    raw, _ = encode_raw_chunk("k", "model/t", x, 0, 0)
+    assert len(blob) < len(raw) / 6
+    damaged = bytearray(blob)
+    damaged[-1] ^= 0x10
+    with pytest.raises(CorruptChunkError, match="CRC-32"):
+        decode_chunk(bytes(damaged), ref)
+    with pytest.raises(CorruptChunkError, match="method"):
+        decode_chunk(blob, dataclasses.replace(ref, method="naive"))
+    with pytest.raises(CorruptChunkError, match="bits"):
+        decode_chunk(blob, dataclasses.replace(ref, bits=8))
+
+
+def test_kmeans_is_not_a_checkpoint_format():
+    with pytest.raises(ValueError, match="kmeans"):
+        encode_quantized_chunk("k", "model/t", quantize_rows(torch.randn(4, 8), 2, method="kmeans"), 0, 0)
