@@ -61,7 +61,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     args = parser.parse_args(argv)
-    if min(args.rows, args.dim, args.repeat, args.threads or 1) < 1:
+    if min(args.rows, args.dim, args.repeat, 1 if args.threads is None else args.threads) < 1:
         raise ConfigError(f"--rows {args.rows}, --dim {args.dim}, --repeat {args.repeat}, --threads "
                           f"{args.threads}: each must be >= 1")
     return args
