@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -81,6 +83,6 @@ def test_code_too_large_is_rejected(bits: int) -> None:
         lambda: packed_bytes_per_row(3.0, 4),
     ],
 )
-def test_bad_arguments_are_rejected(call) -> None:
+def test_bad_arguments_are_rejected(call: Callable[[], object]) -> None:
     with pytest.raises(ConfigError):
         call()

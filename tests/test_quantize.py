@@ -4,7 +4,8 @@ encoded size and argument checking. Row counts are small so the whole file runs 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ F16, F32 = torch.float16, torch.float32
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
+def _one_intra_op_thread() -> Iterator[None]:
     """Correctness needs no intra-op threads, and on a busy shared 2-core machine lockstep
     threads stall for whole scheduler slices; test_thread_count_does_not_change_the_result
     covers the default thread count."""
@@ -275,7 +276,7 @@ def test_nbytes_is_codes_plus_params(bits: int, method: str, dim: int) -> None:
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
 @pytest.mark.parametrize("values", ([0.0, 1e6], [1.0, 1.0 + 2 ** -20], [0.0, 1e-9]))
-def test_scale_falls_back_to_float32_outside_float16_normal_range(bits: int, values) -> None:
+def test_scale_falls_back_to_float32_outside_float16_normal_range(bits: int, values: List[float]) -> None:
     x = torch.cat([_rows("normal", n=3, dim=8), torch.tensor(values).repeat(1, 4)])
     q = quantize_rows(x, bits, "naive")
     assert q.scale.dtype == F32
@@ -345,7 +346,7 @@ def test_defaults() -> None:
     assert [default_method(b) for b in BITS] == ["adaptive", "adaptive", "adaptive", "naive"]
 
 
-def test_benchmark_runs_on_a_rows_file(tmp_path) -> None:
+def test_benchmark_runs_on_a_rows_file(tmp_path: Path) -> None:
     from cnr.bench.quantize import run
 
     path = tmp_path / "rows.f32"

@@ -54,13 +54,16 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--rows-file", default=None, help="raw float32 [rows, dim] file of trained rows")
     parser.add_argument("--repeat", type=int, default=5,
                         help="timed runs of adaptive and torch's greedy op (the headline pair); best kept")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both sides (default: as is)")
     parser.add_argument("--bits", type=int, nargs="+", default=list(BITS), choices=list(BITS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     args = parser.parse_args(argv)
-    if args.rows < 1 or args.dim < 1 or args.repeat < 1:
-        raise ConfigError(f"--rows {args.rows}, --dim {args.dim}, --repeat {args.repeat}: each must be >= 1")
+    if min(args.rows, args.dim, args.repeat, 1 if args.threads is None else args.threads) < 1:
+        raise ConfigError(f"--rows {args.rows}, --dim {args.dim}, --repeat {args.repeat}, --threads "
+                          f"{args.threads}: each must be >= 1")
     return args
 
 
@@ -187,6 +190,16 @@ def _summary(table: List[Dict[str, object]]) -> Dict[str, object]:
 def run(argv: List[str]) -> Dict[str, object]:
     """Run the benchmark with command-line ``argv``; return the table and headline figures."""
     args = _parse(argv)
+    threads_before = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # applies to both sides alike
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace) -> Dict[str, object]:
     sets = _row_sets(args)
     load_start = os.getloadavg()[0]
     started = time.perf_counter()
