@@ -51,3 +51,32 @@ def ratio(a: float, b: float) -> float:
 
 def argv_list(argv: List[str]) -> List[str]:
     return [a for a in argv if a != "--"]
+
+
+def _dump_trained_rows(rank: int, world_size: int, arg) -> dict:
+    """Train ``arg['config']`` for ``arg['steps']`` steps; write trained rows of its largest table."""
+    config = load_config(arg["config"])
+    sharded = trained_model(config, rank, world_size, arg["steps"])
+    largest = max(config.model.tables, key=lambda t: t.rows).name
+    state = sharded.model.state_dict()
+    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{largest}.weight"))
+    momentum = next(v for k, v in sharded.model.fused_optimizer.state_dict()["state"].items() if k.endswith(f".{largest}.weight"))
+    rows = weight.local_shards()[0].tensor
+    touched = next(iter(momentum.values())).local_shards()[0].tensor > 0  # row-wise Adagrad state: only trained rows moved
+    picked = rows[touched][: arg["rows"]].contiguous()
+    picked.numpy().tofile(arg["path"])
+    return {"rows": int(picked.shape[0]), "dim": int(picked.shape[1]), "table": largest}
+
+
+def trained_embedding_rows(steps: int, rows: int, config_path: str = BENCH_CONFIG) -> torch.Tensor:
+    """Up to ``rows`` embedding rows of a DLRM trained for ``steps`` steps on the synthetic stream
+    (rows that training actually updated, from the largest table of ``config_path``)."""
+    import tempfile
+
+    from cnr.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="cnr-rows-") as tmp:
+        path = os.path.join(tmp, "rows.f32")
+        info = launch(_dump_trained_rows, 1, {"config": config_path, "steps": steps, "rows": rows, "path": path})
+        data = torch.from_numpy(__import__("numpy").fromfile(path, dtype="<f4").copy())
+        return data.view(info["rows"], info["dim"])

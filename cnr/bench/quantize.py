@@ -51,7 +51,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=100_000, help="rows per synthetic set (or rows read)")
     parser.add_argument("--dim", type=int, default=64, help="values per row")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows-file", default=None, help="raw float32 [rows, dim] file of trained rows")
+    parser.add_argument("--rows-file", default=None, help="raw float32 [rows, dim] file of rows (an extra set)")
+    parser.add_argument("--train-steps", type=int, default=200,
+                        help="train configs/bench.yaml this many steps and add its trained rows (0: skip)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="timed runs of adaptive and torch's greedy op (the headline pair); best kept")
     parser.add_argument("--threads", type=int, default=None,
@@ -61,6 +63,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     args = parser.parse_args(argv)
+    if args.train_steps < 0:
+        raise ConfigError(f"--train-steps {args.train_steps} is not allowed; it must be >= 0 (0 skips trained rows)")
     if min(args.rows, args.dim, args.repeat, 1 if args.threads is None else args.threads) < 1:
         raise ConfigError(f"--rows {args.rows}, --dim {args.dim}, --repeat {args.repeat}, --threads "
                           f"{args.threads}: each must be >= 1")
@@ -68,20 +72,27 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 
 
 def _row_sets(args: argparse.Namespace) -> Dict[str, torch.Tensor]:
-    """Named float32 [rows, dim] row sets to measure on."""
+    """Named float32 [rows, dim] row sets to measure on: trained DLRM rows (``--train-steps``),
+    rows from ``--rows-file``, and synthetic normal and Student-t(3) rows."""
+    sets: Dict[str, torch.Tensor] = {}
+    if args.train_steps:
+        from cnr.bench.common import trained_embedding_rows
+
+        sets["trained_dlrm"] = trained_embedding_rows(args.train_steps, args.rows)
     if args.rows_file:
         size = os.path.getsize(args.rows_file)
         if size % (4 * args.dim):
             raise ConfigError(f"--rows-file {args.rows_file!r} has {size} bytes, not a multiple of "
                               f"4 * --dim ({4 * args.dim}); it must hold raw float32 [rows, {args.dim}]")
         data = np.fromfile(args.rows_file, dtype="<f4", count=min(size // 4, args.rows * args.dim))
-        return {"trained": torch.from_numpy(data.astype(np.float32)).view(-1, args.dim)}
+        sets["rows_file"] = torch.from_numpy(data.astype(np.float32)).view(-1, args.dim)
     gen = torch.Generator().manual_seed(args.seed)
     shape = (args.rows, args.dim)
-    normal = torch.randn(shape, generator=gen)
+    sets["normal"] = torch.randn(shape, generator=gen)
     # Student-t with 3 degrees of freedom: z / sqrt(chi2_3 / 3)
     chi2 = torch.randn(shape + (3,), generator=gen).square().sum(-1)
-    return {"normal": normal, "student_t3": torch.randn(shape, generator=gen) / (chi2 / 3).sqrt()}
+    sets["student_t3"] = torch.randn(shape, generator=gen) / (chi2 / 3).sqrt()
+    return sets
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> Tuple[object, float]:
