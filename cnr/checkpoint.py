@@ -21,14 +21,13 @@ import torch.distributed as dist
 from cnr.config import Config
 from cnr.manifest import make_id
 from cnr.snapshot import HostBuffers
-from cnr.state import StatePiece
+from cnr.state import RNG_PREFIX, StatePiece
 from cnr.tracker import Captured, RowTracker
 from cnr.types import CheckpointKind, ShardRegion
 from cnr.upload import WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
 
-RNG_PREFIX = "rng/"
 
 
 @dataclass

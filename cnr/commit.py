@@ -17,11 +17,11 @@ from cnr.manifest import (
     Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
     parse_rank_index, rank_index_key,
 )
+from cnr.state import RNG_PREFIX
 from cnr.storage.base import Storage
 from cnr.tracker import table_of
 from cnr.types import CheckpointKind
 
-RNG_PREFIX = "rng/"
 _POLL_SECONDS = 0.05
 
 

@@ -15,14 +15,13 @@ import torch
 from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
-from cnr.state import DENSE_OPTIM, DenseOptimizer, StatePiece, split_dense_name
+from cnr.state import DENSE_OPTIM, RNG_PREFIX, DenseOptimizer, StatePiece, split_dense_name
 from cnr.tracker import table_of
 from cnr.storage.base import Storage
 from cnr.types import ChunkRef
 
 logger = logging.getLogger(__name__)
 
-RNG_PREFIX = "rng/"
 
 
 def _span(ref: ChunkRef) -> Tuple[int, int, int, int]:

@@ -24,6 +24,7 @@ from cnr.types import ShardRegion
 MODEL = "model/"
 SPARSE_OPTIM = "sparse_optim/"
 DENSE_OPTIM = "dense_optim/"
+RNG_PREFIX = "rng/"  # per-rank generator state: stored, but not training state (no digest, no coverage)
 
 
 @dataclass(frozen=True)
