@@ -351,10 +351,13 @@ def test_benchmark_runs_on_a_rows_file(tmp_path: Path) -> None:
 
     path = tmp_path / "rows.f32"
     _rows("student_t", n=300, dim=16).numpy().astype("<f4").tofile(path)
-    out = run(["--rows-file", str(path), "--dim", "16", "--repeat", "1", "--bits", "2", "4"])
+    out = run(["--rows-file", str(path), "--dim", "16", "--rows", "300", "--repeat", "1", "--bits", "2", "4",
+               "--train-steps", "0"])
     assert {e["method"] for e in out["table"]} == set(METHODS) | {"torch_greedy"}
-    assert {e["set"] for e in out["table"]} == {"trained"}
+    assert {e["set"] for e in out["table"]} == {"rows_file", "normal", "student_t3"}
     assert out["l2_ratio_vs_torch_2bit"] <= 1.0 and out["l2_ratio_vs_torch_4bit"] <= 1.0
     assert out["adaptive_beats_naive"] == {2: True, 4: True}
     with pytest.raises(ConfigError, match="multiple of"):
-        run(["--rows-file", str(path), "--dim", "17"])
+        run(["--rows-file", str(path), "--dim", "17"])  # rejected before any training starts
+    with pytest.raises(ConfigError, match="--train-steps -1"):
+        run(["--train-steps", "-1"])

@@ -63,6 +63,13 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     args = parser.parse_args(argv)
+    if args.rows_file:  # checked before any work (training the trained-rows set takes a while)
+        if not os.path.isfile(args.rows_file):
+            raise ConfigError(f"--rows-file {args.rows_file!r} does not exist or is not a file")
+        size = os.path.getsize(args.rows_file)
+        if size % (4 * args.dim):
+            raise ConfigError(f"--rows-file {args.rows_file!r} has {size} bytes, not a multiple of "
+                              f"4 * --dim ({4 * args.dim}); it must hold raw float32 [rows, {args.dim}]")
     if args.train_steps < 0:
         raise ConfigError(f"--train-steps {args.train_steps} is not allowed; it must be >= 0 (0 skips trained rows)")
     if min(args.rows, args.dim, args.repeat, 1 if args.threads is None else args.threads) < 1:
@@ -81,9 +88,6 @@ def _row_sets(args: argparse.Namespace) -> Dict[str, torch.Tensor]:
         sets["trained_dlrm"] = trained_embedding_rows(args.train_steps, args.rows)
     if args.rows_file:
         size = os.path.getsize(args.rows_file)
-        if size % (4 * args.dim):
-            raise ConfigError(f"--rows-file {args.rows_file!r} has {size} bytes, not a multiple of "
-                              f"4 * --dim ({4 * args.dim}); it must hold raw float32 [rows, {args.dim}]")
         data = np.fromfile(args.rows_file, dtype="<f4", count=min(size // 4, args.rows * args.dim))
         sets["rows_file"] = torch.from_numpy(data.astype(np.float32)).view(-1, args.dim)
     gen = torch.Generator().manual_seed(args.seed)
