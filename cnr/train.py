@@ -20,6 +20,7 @@ from cnr.checkpoint import Checkpointer
 from cnr.config import Config
 from cnr.errors import CheckpointError, ConfigError
 from cnr.evaluate import evaluate
+from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed, resolve_chain
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
 from cnr.data import make_reader, to_device
@@ -149,7 +150,7 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     """Train on this rank; rank 0 returns the summary dict (other ranks return None)."""
     _setup_logging(rank)
     config = job.config
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
     storage = open_storage(job.storage_uri) if job.resume else None  # writers open their own
     sharded = build_sharded_model(config, device)
     if rank == 0:
