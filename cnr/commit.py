@@ -11,7 +11,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from cnr.config import Config
-from cnr.errors import CheckpointError
+from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
 from cnr.manifest import (
     Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
@@ -63,8 +63,6 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
         if not pending:
             break
         if cancel is not None and cancel.is_set():
-            from cnr.upload import Cancelled
-
             raise Cancelled(f"checkpoint {ckpt_id} was abandoned while waiting for ranks {sorted(pending)}")
         if time.monotonic() > deadline:
             raise CheckpointError(f"ranks {sorted(pending)} did not store their part of {ckpt_id} within {timeout_s:.0f} s")
@@ -92,8 +90,6 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
     full_fp32 = sum(4 * _numel(t.shape) for t in state.values())
     blob = manifest_to_bytes(build_manifest(job, config, tensors))
     if cancel is not None and cancel.is_set():
-        from cnr.upload import Cancelled
-
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     maybe_crash("before_commit", job.step, job.rank)
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point

@@ -25,5 +25,9 @@ class CheckpointError(CnrError):
     """A checkpoint is missing, corrupt, uncommitted, or does not match the model."""
 
 
+class Cancelled(CnrError):
+    """A checkpoint was abandoned (the next boundary arrived first) before it committed."""
+
+
 class CorruptChunkError(CheckpointError):
     """A chunk failed validation: truncated, altered, or its header does not match the manifest."""

@@ -66,11 +66,6 @@ class HostBuffers:
             self._ids[key] = _alloc((shape[0],), torch.int64, False)
         return buf, self._ids[key]
 
-    @property
-    def nbytes(self) -> int:
-        """Host memory held by the buffers, in bytes."""
-        return sum(b.numel() * b.element_size() for b in list(self._data.values()) + list(self._ids.values()))
-
     def capture(self, pieces: List[StatePiece], rows: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[List[HostPiece], float]:
         """Copy ``pieces`` to host; for tables in ``rows`` (global ids) only those rows.
 

@@ -140,7 +140,6 @@ class RowTracker:
             for table, config in module._table_name_to_config.items():
                 for feature in config.feature_names:
                     self._feature_table[feature] = table
-        self.num_bits = bit
         self.current = np.zeros(bit // 8, dtype=np.uint8)
         self.views: Dict[str, np.ndarray] = {v: np.zeros_like(self.current) for v in views}
         self._device_current: Optional[torch.Tensor] = None  # the bitmap on CUDA, when ids arrive there

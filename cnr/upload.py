@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from cnr.commit import commit_checkpoint
 from cnr.config import Config
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
-from cnr.errors import CnrError
+from cnr.errors import Cancelled, CnrError
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
@@ -44,10 +44,6 @@ from cnr.storage.base import Storage
 from cnr.types import CheckpointKind, ChunkRef
 
 logger = logging.getLogger(__name__)
-
-
-class Cancelled(CnrError):
-    """The trainer abandoned this checkpoint before it committed."""
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import List
 
+import numpy as np
 import torch
 
 from cnr.config import Config, load_config
 from cnr.data import make_reader, to_device
+from cnr.launch import launch
 from cnr.parallel import ShardedModel, build_sharded_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,12 +74,8 @@ def _dump_trained_rows(rank: int, world_size: int, arg) -> dict:
 def trained_embedding_rows(steps: int, rows: int, config_path: str = BENCH_CONFIG) -> torch.Tensor:
     """Up to ``rows`` embedding rows of a DLRM trained for ``steps`` steps on the synthetic stream
     (rows that training actually updated, from the largest table of ``config_path``)."""
-    import tempfile
-
-    from cnr.launch import launch
-
     with tempfile.TemporaryDirectory(prefix="cnr-rows-") as tmp:
         path = os.path.join(tmp, "rows.f32")
         info = launch(_dump_trained_rows, 1, {"config": config_path, "steps": steps, "rows": rows, "path": path})
-        data = torch.from_numpy(__import__("numpy").fromfile(path, dtype="<f4").copy())
+        data = torch.from_numpy(np.fromfile(path, dtype="<f4").copy())
         return data.view(info["rows"], info["dim"])
