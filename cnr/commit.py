@@ -89,9 +89,9 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
     check_coverage(state, job.kind)
     full_fp32 = sum(4 * _numel(t.shape) for t in state.values())
     blob = manifest_to_bytes(build_manifest(job, config, tensors))
+    maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
-    maybe_crash("before_commit", job.step, job.rank)
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
     return len(blob), full_fp32

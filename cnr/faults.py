@@ -5,7 +5,8 @@ while writing the checkpoint of ``step`` (on ``rank``, default any) do ``action`
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
                       background writer the trainer is killed too (it is the same machine).
   ``raise``           raise InjectedFault (a storage or encoding error).
-  ``sleep=S``         sleep S seconds (a slow store), e.g. to make the next boundary overlap.
+  ``sleep=S``         sleep S seconds (a slow store), e.g. to make the next boundary overlap;
+                      cut short when the checkpoint is abandoned, as a write between chunks is.
 Unset in normal runs.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
 POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit")
@@ -26,8 +28,11 @@ class InjectedFault(RuntimeError):
     """The failure a test asked for with ``raise:``."""
 
 
-def maybe_crash(point: str, step: int, rank: int) -> None:
-    """Do what CNR_FAULT_INJECT asks if it names ``point`` at ``step`` (and ``rank``)."""
+def maybe_crash(point: str, step: int, rank: int, cancel: Optional[Any] = None) -> None:
+    """Do what CNR_FAULT_INJECT asks if it names ``point`` at ``step`` (and ``rank``).
+
+    ``cancel`` (an Event) ends an injected sleep early once set.
+    """
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -40,7 +45,9 @@ def maybe_crash(point: str, step: int, rank: int) -> None:
     if action == "raise":
         raise InjectedFault(f"injected failure at {point} of step {step}")
     if action.startswith("sleep="):
-        time.sleep(float(action[len("sleep="):]))
+        deadline = time.monotonic() + float(action[len("sleep="):])
+        while time.monotonic() < deadline and not (cancel is not None and cancel.is_set()):
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return
     if KILL_PARENT:
         os.kill(os.getppid(), signal.SIGKILL)

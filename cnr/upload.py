@@ -139,7 +139,7 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
     tensors: Dict[str, TensorEntry] = {}
     written = 0
     n = 0
-    maybe_crash("before_data", job.step, job.rank)
+    maybe_crash("before_data", job.step, job.rank, cancel)
     for i, piece in enumerate(job.pieces):
         refs: List[ChunkRef] = []
         row0 = piece.region.offsets[0] if piece.region.offsets else 0
@@ -157,12 +157,12 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
                                           (have.chunks if have else ()) + tuple(refs))
         if i == 0:
             uploader.wait()
-            maybe_crash("mid_data", job.step, job.rank)
+            maybe_crash("mid_data", job.step, job.rank, cancel)
     uploader.wait()
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
     blob = rank_index_to_bytes(index)
     storage.put(rank_index_key(job.ckpt_id, job.rank), blob)
-    maybe_crash("after_data", job.step, job.rank)
+    maybe_crash("after_data", job.step, job.rank, cancel)
     return index, written + len(blob)
 
 

@@ -32,12 +32,14 @@ def test_failed_baseline_makes_the_next_checkpoint_full(tmp_path, baseline_ws1):
 
 
 def test_overlap_abandons_the_older_checkpoint(tmp_path, baseline_ws1):
-    s = train(str(tmp_path), "ck", "--set", "checkpoint.on_overlap=abandon",
-              env={"CNR_FAULT_INJECT": "sleep=15:mid_data@20"})
+    # 40 steps: the step-40 checkpoint is the last one, drained at the end, so on a loaded machine
+    # it cannot itself be abandoned by a later boundary
+    s = train(str(tmp_path), "ck", "--set", "checkpoint.on_overlap=abandon", "--set", "train.steps=40",
+              env={"CNR_FAULT_INJECT": "sleep=60:mid_data@20"})
     listed = _by_step(str(tmp_path), "ck")
     assert listed[20]["status"] == "failed" and "abandoned" in listed[20]["error"]
     assert listed[40]["kind"] == "full" and listed[40]["committed"]
-    assert s["stall_seconds"] < 5  # abandoning does not wait for the slow write
+    assert s["stall_seconds"] < 5  # abandoning does not wait out the slow write
     assert train(str(tmp_path), "ck", "--resume")["state_sha256"] == baseline_ws1[0]["state_sha256"]
 
 
