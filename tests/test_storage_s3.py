@@ -391,7 +391,7 @@ def test_non_retryable_error_fails_at_once(s3_bucket, moto):
         store.put("k", b"v")
     assert not isinstance(info.value, KeyNotFoundError)
     assert faults.sent["PutObject"] == 1
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 5  # no backoff sleeps (generous for a loaded machine)
     store.close()
 
 
