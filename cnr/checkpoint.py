@@ -13,13 +13,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from cnr.config import Config
 from cnr.manifest import make_id
+from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers
 from cnr.state import RNG_PREFIX, StatePiece
 from cnr.tracker import Captured, RowTracker
@@ -61,16 +62,32 @@ def pieces_to_write(pieces: List[StatePiece], rank: int) -> List[StatePiece]:
 _STATUSES = ("committed", "written", "failed", "cancelled")
 
 
+@dataclass
+class ChainState:
+    """Where the job's checkpoint chain stands: the newest committed full checkpoint and
+    checkpoint, and ``chain_bytes``: the full one's stored bytes, then each committed one after."""
+
+    last_full: Optional[str] = None
+    last_committed: Optional[str] = None
+    chain_bytes: List[int] = field(default_factory=list)
+
+
 class Checkpointer:
-    """Takes checkpoints of one rank's state; collective on ``save`` and ``finish``."""
+    """Takes checkpoints of one rank's state; collective on ``save`` and ``finish``.
+
+    ``bits``: the bit-width decision in force (cnr.policy); the trainer may replace it between
+    checkpoints, and every rank must hold the same one.
+    """
 
     def __init__(self, storage_uri: str, config: Config, rank: int, world_size: int,
-                 tracker: Optional[RowTracker] = None, last_full: Optional[str] = None) -> None:
+                 tracker: Optional[RowTracker] = None, chain: Optional[ChainState] = None,
+                 bits: Optional[BitDecision] = None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
-        self.last_full = last_full
+        self.chain = chain or ChainState()
+        self.bits = bits or fixed_bits(config.checkpoint.bits)
         self.buffers = HostBuffers()
         self.stats = SaveStats()
         self.writer = Writer(storage_uri, config)
@@ -83,16 +100,20 @@ class Checkpointer:
         """Snapshot and hand off a checkpoint of ``pieces`` at ``step``; return its id."""
         start = time.perf_counter()
         self._settle(abandon=self.config.checkpoint.on_overlap == "abandon")
-        kind, base = self._decide()
-        nonce: List[Optional[str]] = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
-        dist.broadcast_object_list(nonce, src=0)
-        ckpt_id = make_id(step, nonce[0])
+        # rank 0 decides (it alone saw the stored sizes) and every rank follows
+        plan: List[Any] = [(uuid.uuid4().hex[:8],) + self._decide() if self.rank == 0 else None]
+        dist.broadcast_object_list(plan, src=0)
+        nonce, kind, base = plan[0]
+        ckpt_id = make_id(step, nonce)
         rows = self._capture_rows(kind)
         host, snap_seconds = self.buffers.capture(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows)
-        fields = {"reader": reader, "counters": dict(counters)} if self.rank == 0 else None
+        fields = None
+        if self.rank == 0:
+            fields = {"reader": reader, "counters": dict(counters), "chain_bytes": list(self.chain.chain_bytes),
+                      "bit_width": self.bits.to_dict()}
         c = self.config.checkpoint
         self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, fields,
-                                    bits=c.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits))
+                                    bits=self.bits.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits))
         self._in_flight_kind = kind
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
@@ -117,12 +138,19 @@ class Checkpointer:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _decide(self):
-        if self.config.checkpoint.policy == "full" or self.tracker is None or self.last_full is None:
-            return CheckpointKind.FULL, None
-        return CheckpointKind.INCREMENTAL, self.last_full
+    def _decide(self) -> Tuple[CheckpointKind, Optional[str]]:
+        """Kind and base of the next checkpoint (rank 0; cnr.policy.next_kind)."""
+        policy = self.config.checkpoint.policy
+        have_base = self.tracker is not None and self.chain.last_full is not None
+        kind = next_kind(policy, self.chain.chain_bytes, have_base)
+        if kind == CheckpointKind.FULL:
+            return kind, None
+        # a consecutive increment builds on the checkpoint before it, the others on the baseline
+        return kind, self.chain.last_committed if policy == "consecutive" else self.chain.last_full
 
     def _capture_rows(self, kind: CheckpointKind) -> Optional[Dict[str, torch.Tensor]]:
+        """Rows the checkpoint stores per table (None: all). The "checkpoint" view holds rows
+        touched since the last committed checkpoint, "baseline" since the last full one."""
         if self.tracker is None:
             return None
         self.tracker.fold()
@@ -131,8 +159,10 @@ class Checkpointer:
             self._captured = [self.tracker.capture("checkpoint", clear=True), self.tracker.capture("baseline", clear=True)]
             return None
         since_base = self.tracker.capture("baseline", clear=False)
-        self._captured = [self.tracker.capture("checkpoint", clear=True), since_base]
-        return {t: self.tracker.rows(since_base.bits, t) for t in self.tracker.tables}
+        since_last = self.tracker.capture("checkpoint", clear=True)
+        self._captured = [since_last, since_base]
+        stored = since_last if self.config.checkpoint.policy == "consecutive" else since_base
+        return {t: self.tracker.rows(stored.bits, t) for t in self.tracker.tables}
 
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
@@ -157,8 +187,11 @@ class Checkpointer:
         ckpt_id = self.stats.ids[-1]
         if committed:
             self.stats.checkpoints += 1
+            self.chain.last_committed = ckpt_id
             if self._in_flight_kind == CheckpointKind.FULL:
-                self.last_full = ckpt_id
+                self.chain.last_full = ckpt_id
+            if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
+                self.chain.chain_bytes = list(result.extra["chain_bytes"])
             logger.info("checkpoint %s committed", ckpt_id)
         else:
             self.stats.failed += 1

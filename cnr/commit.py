@@ -71,27 +71,33 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
 
 
 def build_manifest(job, config: Config, tensors: Dict[str, TensorEntry]) -> Manifest:
+    """The manifest of ``job``; its ``chain_bytes`` extend the history the trainer sent (rank 0's
+    ``manifest_fields``) with the chunk bytes every rank stored for this checkpoint."""
     fields: Dict[str, Any] = job.manifest_fields or {}
+    stored = sum(c.nbytes for t in tensors.values() for c in t.chunks)
+    before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
     return Manifest(
         id=job.ckpt_id, step=job.step, kind=job.kind, base=job.base, world_size=job.world_size,
         created_unix=time.time(), arch=config.model.arch, tables=config.table_specs(),
         sparse_optimizer=config.train.sparse_optimizer, dense_optimizer=config.train.dense_optimizer,
         tensors=tensors, reader=dict(fields.get("reader", {})), counters=dict(fields.get("counters", {})),
-        config=config.to_dict(),
+        config=config.to_dict(), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
     )
 
 
-def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[int, int]:
-    """Commit ``job``'s checkpoint; return (manifest bytes, full fp32 bytes of the state)."""
+def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[Manifest, int, int]:
+    """Commit ``job``'s checkpoint; return its manifest, the manifest's size in bytes and the
+    full fp32 bytes of the state."""
     indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, config.checkpoint.commit_timeout_s, cancel)
     tensors = merge_rank_indexes(indexes)
     state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
     check_coverage(state, job.kind)
     full_fp32 = sum(4 * _numel(t.shape) for t in state.values())
-    blob = manifest_to_bytes(build_manifest(job, config, tensors))
+    manifest = build_manifest(job, config, tensors)
+    blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return len(blob), full_fp32
+    return manifest, len(blob), full_fp32

@@ -7,6 +7,7 @@ before any process is spawned or anything is written.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -21,7 +22,8 @@ DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
 ARCHES = ("dlrm", "dcn")
 DATA_SOURCES = ("synthetic", "tsv")
 MALFORMED_POLICIES = ("reject", "skip")
-CHECKPOINT_POLICIES = ("full", "one_shot")
+CHECKPOINT_POLICIES = ("full", "one_shot", "consecutive", "intermittent")  # cnr.policy.POLICIES
+BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
 
 
@@ -80,32 +82,66 @@ class TrainConfig:
     eval_interval: int = 0
 
 
+def _default_tolerated() -> Dict[int, int]:
+    # From `bench accuracy` (README): 2-bit stays within the seed noise (about 0.5% logloss) up
+    # to 3 restores and leaves it by 20; 3- and 4-bit stay within it up to 20, the most measured.
+    return {2: 3, 3: 20, 4: 20}
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """Inputs of ``checkpoint.bit_policy: failures`` (Check-N-Run §5.2.1).
+
+    The failure rate is ``rate_per_node_hour``, or derived from ``log``: a plain file of failure
+    timestamps (unix seconds or ISO-8601, one per line) observed over ``log_nodes`` nodes.
+    ``nodes``: nodes of this job (0: the world size). ``step_seconds``: expected seconds per
+    step (0: measured over the first interval). ``tolerated_restores``: bit-width (2, 3, 4) ->
+    the most restores from checkpoints at that width the accuracy budget allows.
+    """
+
+    rate_per_node_hour: float = 0.0
+    log: str = ""
+    log_nodes: int = 0
+    nodes: int = 0
+    step_seconds: float = 0.0
+    tolerated_restores: Dict[int, int] = field(default_factory=_default_tolerated)
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk.
 
-    ``policy``: "full" (every checkpoint full) or "one_shot" (one full baseline, then
-    incrementals of the rows touched since it). ``on_overlap``: what a boundary does while the
+    ``policy``: "full" (every checkpoint full), "one_shot" (one full baseline, then
+    incrementals of the rows touched since it), "consecutive" (incrementals of the rows touched
+    since the previous checkpoint; restore replays the chain) or "intermittent" (one-shot, with
+    a new baseline whenever the history predictor expects it to pay off; cnr.policy).
+    ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
     writer process. ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
-    is one value per row and stays fp32). ``commit_timeout_s``: how long rank 0's
-    writer waits for every rank's data before it marks the checkpoint failed.
+    is one value per row and stays fp32). ``bit_policy``: "fixed" (``bits``) or "failures"
+    (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
+    writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
+    after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
+    their chains need, delete the rest (0: keep everything).
     """
 
     enabled: bool = True
     interval: int = 50
     chunk_bytes: int = 16 * 1024 * 1024
-    policy: str = "one_shot"
+    policy: str = "intermittent"
     on_overlap: str = "wait"
     upload_threads: int = 2
     commit_timeout_s: float = 600.0
     bits: int = 32
     quant_method: str = ""
     optimizer_bits: int = 32
+    bit_policy: str = "fixed"
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    keep_last: int = 2
 
 
 @dataclass(frozen=True)
@@ -199,6 +235,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
         return [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")
+        return {_coerce(key_hint, k, f"{key} key {k!r}"): _coerce(value_hint, v, f"{key}[{k!r}]") for k, v in value.items()}
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
@@ -273,7 +314,29 @@ def validate(config: Config) -> None:
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))
     _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
+    _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
+    _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
+    _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+
+
+def _validate_failures(f: FailureConfig, bit_policy: str) -> None:
+    k = "checkpoint.failures"
+    _require(math.isfinite(f.rate_per_node_hour) and f.rate_per_node_hour >= 0,
+             f"config key '{k}.rate_per_node_hour' = {f.rate_per_node_hour!r} is not allowed; it must be >= 0")
+    for name in ("log_nodes", "nodes"):
+        _require(getattr(f, name) >= 0, f"config key '{k}.{name}' = {getattr(f, name)} is not allowed; it must be >= 0")
+    _require(math.isfinite(f.step_seconds) and f.step_seconds >= 0,
+             f"config key '{k}.step_seconds' = {f.step_seconds!r} is not allowed; it must be >= 0 (0: measured)")
+    _require(bool(f.tolerated_restores) and all(b in (2, 3, 4) and n >= 0 for b, n in f.tolerated_restores.items()),
+             f"config key '{k}.tolerated_restores' = {f.tolerated_restores!r} is not allowed; it maps bit-widths "
+             "2, 3, 4 to restore counts >= 0, e.g. {2: 1, 3: 3, 4: 20}")
+    if bit_policy == "failures":
+        _require((f.rate_per_node_hour > 0) != bool(f.log),
+                 f"checkpoint.bit_policy 'failures' needs exactly one of '{k}.rate_per_node_hour' (> 0) or "
+                 f"'{k}.log', got rate {f.rate_per_node_hour!r} and log {f.log!r}")
+        _require(not f.log or f.log_nodes >= 1, f"config key '{k}.log_nodes' = {f.log_nodes} is not allowed with a "
+                 "failure log; it must be the number of nodes (>= 1) the log covers")
 
 
 def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[str]) -> None:

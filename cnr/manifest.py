@@ -76,7 +76,12 @@ class RankIndex:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A committed checkpoint. ``counters``: step, samples, restores; ``reader``: the cursor."""
+    """A committed checkpoint. ``counters``: step, samples, restores; ``reader``: the cursor.
+
+    ``chain_bytes``: chunk bytes of the newest full checkpoint of the job and of every committed
+    checkpoint after it, this one last (what the intermittent predictor reads on resume).
+    ``bit_width``: the bit-width decision in force (cnr.policy.BitDecision.to_dict()).
+    """
 
     id: str
     step: int
@@ -92,6 +97,8 @@ class Manifest:
     reader: Dict[str, Any]
     counters: Dict[str, int]
     config: Dict[str, Any] = field(default_factory=dict)
+    chain_bytes: Tuple[int, ...] = ()
+    bit_width: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -143,6 +150,7 @@ def manifest_to_bytes(m: Manifest) -> bytes:
         "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features)} for t in m.tables],
         "sparse_optimizer": m.sparse_optimizer, "dense_optimizer": m.dense_optimizer,
         "tensors": _tensors_to_dict(m.tensors), "reader": m.reader, "counters": m.counters, "config": m.config,
+        "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
     }
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
@@ -158,14 +166,17 @@ def rank_index_to_bytes(r: RankIndex) -> bytes:
 class _Reader:
     """Typed field access on a JSON object that rejects missing, extra and mistyped fields."""
 
-    def __init__(self, obj: Any, where: str, fields: Dict[str, Any]) -> None:
+    def __init__(self, obj: Any, where: str, fields: Dict[str, Any],
+                 optional: Optional[Dict[str, Any]] = None) -> None:
+        """``optional``: fields that may be absent (added after version 1 first shipped)."""
         if not isinstance(obj, dict):
             raise CheckpointError(f"{where} must be a JSON object, got {type(obj).__name__}")
+        optional = optional or {}
         missing = sorted(set(fields) - set(obj))
-        extra = sorted(set(obj) - set(fields))
+        extra = sorted(set(obj) - set(fields) - set(optional))
         if missing or extra:
             raise CheckpointError(f"{where} has missing fields {missing} and unknown fields {extra}")
-        for name, kind in fields.items():
+        for name, kind in list(fields.items()) + [(n, k) for n, k in optional.items() if n in obj]:
             value = obj[name]
             ok = isinstance(value, kind) and not (kind in (int, (int, float)) and isinstance(value, bool))
             if not ok:
@@ -174,6 +185,9 @@ class _Reader:
 
     def __getitem__(self, name: str) -> Any:
         return self.obj[name]
+
+    def get(self, name: str, default: Any) -> Any:
+        return self.obj.get(name, default)
 
 
 _OPT_STR = (str, type(None))
@@ -239,7 +253,7 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
         "format": str, "version": int, "id": str, "step": int, "kind": str, "base": _OPT_STR, "world_size": int,
         "created_unix": _NUM, "arch": str, "tables": list, "sparse_optimizer": str, "dense_optimizer": str,
         "tensors": dict, "reader": dict, "counters": dict, "config": dict,
-    })
+    }, optional={"chain_bytes": list, "bit_width": dict})
     try:
         kind = CheckpointKind(r["kind"])
     except ValueError as e:
@@ -251,12 +265,15 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
     counters = r["counters"]
     if any(not isinstance(v, int) or isinstance(v, bool) for v in counters.values()):
         raise CheckpointError(f"{where}.counters must hold integers, got {counters!r}")
+    chain_bytes = r.get("chain_bytes", [])
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in chain_bytes):
+        raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
     return Manifest(
         id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
         created_unix=float(r["created_unix"]), arch=r["arch"], tables=tuple(tables),
         sparse_optimizer=r["sparse_optimizer"], dense_optimizer=r["dense_optimizer"],
         tensors=_parse_tensors(r["tensors"], f"{where}.tensors", r["id"]), reader=r["reader"],
-        counters=counters, config=r["config"],
+        counters=counters, config=r["config"], chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}),
     )
 
 
@@ -327,19 +344,24 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
 
 
 def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
-    """The manifests to apply in order to restore ``manifest``: its full baseline first."""
-    if manifest.kind == CheckpointKind.FULL:
-        return [manifest]
-    if not manifest.base:
-        raise CheckpointError(f"incremental checkpoint {manifest.id} names no baseline")
-    if not storage.exists(manifest_key(manifest.base)):
-        raise CheckpointError(f"incremental checkpoint {manifest.id} needs baseline {manifest.base}, which is not committed in {storage.uri}")
-    base = read_manifest(storage, manifest.base)
-    if base.kind != CheckpointKind.FULL:
-        raise CheckpointError(f"baseline {base.id} of {manifest.id} is {base.kind.value}, not full")
-    if base.step > manifest.step:
-        raise CheckpointError(f"baseline {base.id} of {manifest.id} is newer than the increment")
-    return [base, manifest]
+    """The manifests to apply in order to restore ``manifest``: its full baseline first.
+
+    Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
+    consecutive increment the checkpoint before it. Every link must be committed and older.
+    """
+    chain = [manifest]
+    while chain[0].kind != CheckpointKind.FULL:
+        head = chain[0]
+        if not head.base:
+            raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
+        if not storage.exists(manifest_key(head.base)):
+            raise CheckpointError(f"checkpoint {manifest.id} needs {head.base} (the base of {head.id}), "
+                                  f"which is not committed in {storage.uri}")
+        base = read_manifest(storage, head.base)
+        if base.step >= head.step:
+            raise CheckpointError(f"base {base.id} of {head.id} is not older than the increment")
+        chain.insert(0, base)
+    return chain
 
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:

@@ -16,12 +16,14 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from cnr.checkpoint import Checkpointer
+from cnr.bit_width import BitWidthPlanner
+from cnr.checkpoint import ChainState, Checkpointer
 from cnr.config import Config
 from cnr.errors import CheckpointError, ConfigError
 from cnr.evaluate import evaluate
 from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed, resolve_chain
+from cnr.policy import rate_from_failure_log, read_failure_log
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
 from cnr.data import make_reader, to_device
 from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_chain, restore_rng
@@ -39,6 +41,7 @@ class TrainJob:
     config: Config
     storage_uri: str
     resume: bool
+    failure_rate: float = 0.0  # per node-hour, for checkpoint.bit_policy "failures"
 
 
 def check_compatible(manifest: Manifest, config: Config) -> None:
@@ -96,7 +99,17 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
         if config.checkpoint.enabled:
             storage.check_writable()
         storage.close()
-    return TrainJob(config, storage_uri, resume)
+    return TrainJob(config, storage_uri, resume, failure_rate(config))
+
+
+def failure_rate(config: Config) -> float:
+    """Failures per node-hour for the bit-width policy: configured, or from the failure log."""
+    f = config.checkpoint.failures
+    if config.checkpoint.bit_policy != "failures":
+        return 0.0
+    if f.log:
+        return rate_from_failure_log(read_failure_log(f.log), f.log_nodes)
+    return f.rate_per_node_hour
 
 
 def _setup_logging(rank: int) -> None:
@@ -107,11 +120,17 @@ def _setup_logging(rank: int) -> None:
 
 @dataclass
 class Restored:
-    """What a resume restored: the newest manifest, its baseline id, rows its increments held."""
+    """What a resume restored: the newest manifest, its chain (full first), rows its increments held."""
 
     manifest: Manifest
-    baseline_id: str
+    chain: List[Manifest]
     increment_rows: Dict[str, torch.Tensor]
+
+    def chain_state(self) -> ChainState:
+        m = self.manifest
+        # manifests written before chain_bytes existed: the restore chain is the best history
+        history = list(m.chain_bytes) or [c.bytes for c in self.chain]
+        return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history)
 
 
 def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Restored:
@@ -126,7 +145,7 @@ def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Rest
     restore_rng(storage, manifest, rank, world_size)
     logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank 0)",
                 manifest.id, manifest.step, len(chain), nbytes)
-    return Restored(manifest, chain[0].id, rows)
+    return Restored(manifest, chain, rows)
 
 
 def _train_step(sharded: ShardedModel, batch) -> float:
@@ -165,8 +184,12 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         cursor = m.reader
     reader = make_reader(config, rank, world_size, cursor, split="train")
     checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored) if config.checkpoint.enabled else None
+    planner = None
+    if checkpointer is not None:
+        recorded = restored.manifest.bit_width if restored is not None else None
+        planner = BitWidthPlanner(config, job.failure_rate, world_size, counters["restores"], recorded, rank)
     try:
-        train_seconds = _loop(config, sharded, reader, checkpointer, counters, rank, world_size, device)
+        train_seconds = _loop(config, sharded, reader, checkpointer, planner, counters, rank, world_size, device)
     except BaseException:
         if checkpointer is not None:
             checkpointer.writer.close()  # no collectives on the error path: other ranks may be gone
@@ -185,6 +208,7 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         "steps": counters["step"], "samples": counters["samples"], "eval_logloss": metrics["logloss"],
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": counters["restores"],
         "world_size": world_size, **stats,
+        "checkpoint_bits": checkpointer.bits.bits if checkpointer is not None else None,
     }
 
 
@@ -196,11 +220,12 @@ def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_si
         tracker.install()
         if restored is not None:
             tracker.seed("baseline", restored.increment_rows)
-    last_full = restored.baseline_id if restored is not None else None
-    return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, last_full)
+    chain = restored.chain_state() if restored is not None else None
+    return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, chain)
 
 
-def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, counters, rank, world_size, device) -> float:
+def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, planner, counters, rank, world_size,
+          device) -> float:
     bar = _progress(rank, config.train.steps, counters["step"])
     start = time.perf_counter()
     interval = config.checkpoint.interval
@@ -209,10 +234,13 @@ def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, counters,
         counters["step"] += 1
         counters["samples"] += config.train.batch_size * world_size
         step = counters["step"]
+        if planner is not None:
+            planner.step_done()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step < config.train.steps:
             m = evaluate(config, sharded.model, rank, world_size, device)
             logger.info("step %d: eval logloss %.5f auc %.5f", step, m["logloss"], m["auc"])
         if checkpointer is not None and step % interval == 0:
+            checkpointer.bits = planner.for_checkpoint()
             pieces = collect_state(sharded.model, sharded.dense_optimizer)
             checkpointer.save(step, pieces, reader.cursor(), dict(counters))
         if bar is not None:

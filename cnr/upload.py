@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
+from cnr.retention import apply_retention
 from cnr.config import Config
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import Cancelled, CnrError
@@ -174,6 +175,16 @@ def _mark_failed(storage: Storage, job: WriteJob, error: str) -> None:
         logger.warning("could not write failure marker %s", key)
 
 
+def _retain(storage: Storage, keep_last: int) -> Dict[str, Any]:
+    """Retention after a commit; its failure is logged, never fails the committed checkpoint."""
+    try:
+        r = apply_retention(storage, keep_last)
+        return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
+    except Exception as e:  # the commit stands; the next commit's retention tries again
+        logger.warning("retention after a commit failed (the checkpoint is committed): %s", e)
+        return {"error": str(e)}
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -188,8 +199,10 @@ def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJo
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
         if job.rank != 0:
             return WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
-        manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
-        return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start)
+        manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
+        extra = {"chain_bytes": list(manifest.chain_bytes), "retention": _retain(storage, config.checkpoint.keep_last)}
+        return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start,
+                           extra=extra)
     except Cancelled as e:
         _mark_failed(storage, job, str(e))
         return WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=str(e))

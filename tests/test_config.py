@@ -54,6 +54,15 @@ def test_overrides_apply():
         ("data.source=tsv", "'data.tsv_paths' is empty"),
         ("checkpoint.chunk_bytes=10", "'checkpoint.chunk_bytes' = 10"),
         ("trainsteps", "use dotted.key=value"),
+        ("checkpoint.policy=sometimes", "allowed: full, one_shot, consecutive, intermittent"),
+        ("checkpoint.bit_policy=guess", "'checkpoint.bit_policy' = 'guess' is not allowed; allowed: fixed, failures"),
+        ("checkpoint.keep_last=-1", "'checkpoint.keep_last' = -1"),
+        ("checkpoint.bit_policy=failures", "needs exactly one of 'checkpoint.failures.rate_per_node_hour'"),
+        ("checkpoint.failures={rate_per_node_hour: -0.5}", "'checkpoint.failures.rate_per_node_hour' = -0.5"),
+        ("checkpoint.failures={tolerated_restores: {5: 1}}", "maps bit-widths 2, 3, 4 to restore counts"),
+        ("checkpoint.failures={tolerated_restores: {2: x}}", "must be an integer"),
+        ("checkpoint.failures={tolerated_restores: [1, 2]}", "'checkpoint.failures.tolerated_restores' must be a mapping"),
+        ("checkpoint.failures={step_seconds: -1}", "'checkpoint.failures.step_seconds' = -1.0"),
     ],
 )
 def test_bad_values_rejected(override, message):

@@ -1,0 +1,107 @@
+"""Retention: after a commit, delete what no kept checkpoint's chain needs.
+
+The plan is a pure function of the listing (``plan_retention``), so it is tested on its own,
+property-based; ``apply_retention`` carries it out on storage. Rules:
+
+- keep the newest ``keep_last`` committed checkpoints and every checkpoint their chains reach
+  through ``base`` links (a one-shot increment's full baseline, a consecutive increment's
+  predecessors);
+- delete any other committed checkpoint older than the newest committed one;
+- a checkpoint that never committed (failed, or cut off by a crash) and is older than the newest
+  committed one loses its data but keeps a ``failed.json`` marker, so ``inspect`` still shows it;
+- nothing newer than the newest committed checkpoint is touched (it may be in flight).
+
+Deletion removes ``manifest.json`` first: a checkpoint half-deleted by a crash reads as
+uncommitted, never as a committed checkpoint with missing chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from cnr.manifest import checkpoint_prefix, failed_key, list_checkpoints, manifest_key
+from cnr.storage.base import Storage
+from cnr.types import CheckpointInfo, CheckpointStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """``delete``: committed checkpoints to remove whole; ``purge``: uncommitted checkpoints
+    whose data goes (their failure marker stays); ``keep``: the committed ones kept."""
+
+    keep: Tuple[str, ...]
+    delete: Tuple[str, ...]
+    purge: Tuple[str, ...]
+
+
+def chain_ids(ckpt_id: str, bases: Dict[str, Optional[str]]) -> List[str]:
+    """``ckpt_id`` and every committed checkpoint its chain reaches, newest first (a missing
+    link ends the walk: retention never invents a chain)."""
+    out = [ckpt_id]
+    seen = {ckpt_id}
+    base = bases.get(ckpt_id)
+    while base is not None and base in bases and base not in seen:
+        out.append(base)
+        seen.add(base)
+        base = bases[base]
+    return out
+
+
+def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> RetentionPlan:
+    """What to delete from ``infos`` (a listing, any order) keeping ``keep_last`` (>= 1) chains."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    committed = sorted((i for i in infos if i.status == CheckpointStatus.COMMITTED), key=lambda i: (i.step, i.id))
+    if not committed:
+        return RetentionPlan((), (), ())
+    bases = {i.id: i.base for i in committed}
+    needed: Set[str] = set()
+    for info in committed[-keep_last:]:
+        needed.update(chain_ids(info.id, bases))
+    newest = committed[-1]
+    older = [i for i in infos if (i.step, i.id) < (newest.step, newest.id)]
+    delete = tuple(sorted(i.id for i in older if i.status == CheckpointStatus.COMMITTED and i.id not in needed))
+    purge = tuple(sorted(i.id for i in older if i.status != CheckpointStatus.COMMITTED))
+    return RetentionPlan(tuple(sorted(needed)), delete, purge)
+
+
+def _remove(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
+    """Delete a checkpoint's objects (manifest first); return bytes freed."""
+    keys = storage.list(checkpoint_prefix(ckpt_id))
+    marker = failed_key(ckpt_id)
+    if keep_marker and marker not in keys:
+        # a crash cut this one off before anyone marked it; say so before its data goes
+        storage.put(marker, json.dumps({"error": "never committed (its writer stopped); data removed by retention"}).encode())
+    first = [k for k in keys if k == manifest_key(ckpt_id)]
+    freed = 0
+    for key in first + sorted(k for k in keys if k not in first):
+        if keep_marker and (key == marker or "/failed-rank-" in key):
+            continue
+        freed += storage.size(key)
+        storage.delete(key)
+    return freed
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    deleted: Tuple[str, ...]
+    purged: Tuple[str, ...]
+    bytes_freed: int
+
+
+def apply_retention(storage: Storage, keep_last: int) -> RetentionResult:
+    """Plan and carry out retention on ``storage``; ``keep_last`` 0 keeps everything."""
+    if keep_last == 0:
+        return RetentionResult((), (), 0)
+    plan = plan_retention(list_checkpoints(storage), keep_last)
+    freed = sum(_remove(storage, i, keep_marker=False) for i in plan.delete)
+    freed += sum(_remove(storage, i, keep_marker=True) for i in plan.purge)
+    if plan.delete or plan.purge:
+        logger.info("retention: deleted %d checkpoints, purged %d uncommitted, freed %d bytes",
+                    len(plan.delete), len(plan.purge), freed)
+    return RetentionResult(plan.delete, plan.purge, freed)

@@ -1,0 +1,102 @@
+"""Every checkpoint policy restores bit-exactly; the bit-width policy decides, falls back, persists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import MIXED_SHARDING, inspect, train
+from cnr.manifest import read_manifest
+from cnr.storage.local import LocalStorage
+
+
+def _kinds(cwd, storage):
+    return [(c["step"], c["kind"]) for c in inspect(cwd, storage) if c["committed"]]
+
+
+def _manifest(cwd, storage, ckpt_id):
+    return read_manifest(LocalStorage(f"{cwd}/{storage}"), ckpt_id)
+
+
+@pytest.mark.parametrize("policy", ["full", "one_shot", "consecutive", "intermittent"])
+def test_every_policy_resumes_bit_exact(tmp_path, baseline_ws1, policy):
+    # interval 5: eleven checkpoints by step 55, enough for the predictor to start a new baseline
+    opts = ["--set", f"checkpoint.policy={policy}", "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=0"]
+    first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
+    assert first["checkpoints"] == 11
+    kinds = [k for _, k in _kinds(str(tmp_path), "ck")]
+    newest = inspect(str(tmp_path), "ck")[-1]
+    m = _manifest(str(tmp_path), "ck", newest["id"])
+    if policy == "full":
+        assert set(kinds) == {"full"}
+    elif policy == "one_shot":
+        assert kinds == ["full"] + ["incremental"] * 10 and m.base == inspect(str(tmp_path), "ck")[0]["id"]
+    elif policy == "consecutive":
+        assert kinds == ["full"] + ["incremental"] * 10
+        assert m.base == inspect(str(tmp_path), "ck")[-2]["id"]  # the checkpoint before, not the baseline
+        assert len(m.chain_bytes) == 11
+    else:
+        assert kinds.count("full") >= 2 and kinds[1] == "incremental"  # a second baseline, chosen by size
+        assert _predictor_agrees(str(tmp_path), "ck")
+    resumed = train(str(tmp_path), "ck", *opts, "--resume")
+    assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]
+
+
+def _predictor_agrees(cwd, storage) -> bool:
+    """Each intermittent decision matches the rule applied to the sizes the manifests recorded."""
+    from cnr.policy import intermittent_wants_full
+
+    committed = [c for c in inspect(cwd, storage) if c["committed"]]
+    for before, after in zip(committed, committed[1:]):
+        history = list(_manifest(cwd, storage, before["id"]).chain_bytes)
+        if intermittent_wants_full(history) != (after["kind"] == "full"):
+            return False
+    return True
+
+
+def test_consecutive_chain_restores_across_world_sizes(tmp_path, runs_ws2):
+    opts = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10", *MIXED_SHARDING]
+    train(str(tmp_path), "ck", *opts, "--set", "train.steps=40", nproc=2)
+    resumed = train(str(tmp_path), "ck", *opts, "--resume", nproc=1)
+    assert resumed["state_sha256"] == runs_ws2["full"]["state_sha256"]
+
+
+FAILURES = ["--set", "checkpoint.bit_policy=failures", "--set", "checkpoint.failures.rate_per_node_hour=1.5",
+            "--set", "checkpoint.failures.step_seconds=180"]
+
+
+def test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts(tmp_path):
+    # 20 steps x 180 s = 1 h x 1 node x 1.5/node-hour: 1.5 expected failures -> 2 bits (<= 3 tolerated)
+    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=20")
+    assert s["checkpoint_bits"] == 2
+    m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
+    assert m.bit_width["expected_failures"] == pytest.approx(1.5) and m.bit_width["bits"] == 2
+    assert m.bits == 2 and not m.bit_width["fallback"]
+    # the estimate is the job's: a resume keeps it (a different step time in the config changes nothing)
+    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=40", "--set",
+              "checkpoint.failures.step_seconds=1", "--resume")
+    assert s["checkpoint_bits"] == 2 and s["restores"] == 1
+    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=60", "--resume")  # 2 failures > 1.5
+    assert s["checkpoint_bits"] == 8
+    m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
+    assert m.bit_width["fallback"] and m.bits == 8
+    assert "2 failures observed exceed the 1.5 expected" in m.bit_width["reason"]
+    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=80", "--resume")  # the restart keeps 8 bits
+    assert s["checkpoint_bits"] == 8
+    assert [c["bits"] for c in inspect(str(tmp_path), "ck") if c["committed"]][-1] == 8
+
+
+def test_bit_width_from_a_failure_log_with_measured_step_time(tmp_path):
+    log = tmp_path / "failures.log"
+    log.write_text("0\n3600\n7200\n")  # 2 failures in 2 h on 1 node: 1 per node-hour
+    opts = ["--set", "checkpoint.bit_policy=failures", "--set", f"checkpoint.failures.log={log}",
+            "--set", "checkpoint.failures.log_nodes=1", "--set", "train.steps=20"]
+    rc_summary = train(str(tmp_path), "ck", *opts)
+    m = _manifest(str(tmp_path), "ck", rc_summary["last_checkpoint"])
+    d = m.bit_width
+    assert d["mode"] == "failures" and d["rate_per_node_hour"] == pytest.approx(1.0) and d["nodes"] == 1
+    assert d["step_seconds"] > 0 and d["steps"] == 20  # measured over the first interval
+    assert d["expected_failures"] == pytest.approx(d["step_seconds"] * 20 / 3600)
+    assert rc_summary["checkpoint_bits"] == 2  # a few seconds of training: far below one failure
+    assert json.dumps(d)  # plain JSON, as stored
