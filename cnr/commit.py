@@ -87,11 +87,11 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
     tensors = merge_rank_indexes(indexes)
     state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
     check_coverage(state, job.kind)
-    full_fp32 = sum(4 * _numel(t.shape) for t in state.values())
-    blob = manifest_to_bytes(build_manifest(job, config, tensors))
+    manifest = build_manifest(job, config, tensors)
+    blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return len(blob), full_fp32
+    return len(blob), manifest.full_fp32_bytes
