@@ -1,4 +1,4 @@
-"""Command line: ``python -m cnr {train,inspect,bench} ...``. Errors exit 2 with one clear line."""
+"""Command line: ``python -m cnr {train,inspect,report,bench} ...``. Errors exit 2 with one clear line."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from cnr.report import write_report
+
+    print(json.dumps(write_report(args.uri, args.out), sort_keys=True), flush=True)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"cnr.bench.{args.name}")
     result = module.run(args.args)
@@ -70,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("uri")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=_inspect)
+    r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
+    r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    r.add_argument("--out", default="cnr-report", help="directory for report.md and the PNGs (created if missing)")
+    r.set_defaults(func=_report)
     b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")

@@ -8,7 +8,7 @@ by other processes, possibly on other machines), gives up on a failure marker, a
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from cnr.config import Config
 from cnr.errors import Cancelled, CheckpointError
@@ -92,7 +92,6 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
     tensors = merge_rank_indexes(indexes)
     state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
     check_coverage(state, job.kind)
-    full_fp32 = sum(4 * _numel(t.shape) for t in state.values())
     manifest = build_manifest(job, config, tensors)
     blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
@@ -100,4 +99,4 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return manifest, len(blob), full_fp32
+    return manifest, len(blob), manifest.full_fp32_bytes

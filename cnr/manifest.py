@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from cnr.errors import CheckpointError
 from cnr.storage.base import Storage, validate_key
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, TableSpec
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, TableSpec
 
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
@@ -106,6 +106,12 @@ class Manifest:
         return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
 
     @property
+    def full_fp32_bytes(self) -> int:
+        """Bytes of all training state as raw fp32 (4 per element of every tensor but RNG state):
+        what a full fp32 checkpoint of this state would store, whatever this one's kind and bits."""
+        return sum(4 * _numel(t.shape) for name, t in self.tensors.items() if not name.startswith(RNG_PREFIX))
+
+    @property
     def rows(self) -> int:
         """Embedding rows stored (rows of table weight chunks)."""
         return sum(c.rows for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks)
@@ -121,6 +127,13 @@ class Manifest:
         """Quantizer of the stored embedding rows ("" when they are raw)."""
         methods = sorted({c.method for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks})
         return ",".join(m for m in methods if m)
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _is_table_weight(name: str) -> bool:
@@ -326,21 +339,26 @@ def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
     return None
 
 
-def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
-    """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
-    infos = []
+def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Manifest]]]:
+    """Every checkpoint in storage, oldest first, with its manifest (None unless committed)."""
+    found: List[Tuple[CheckpointInfo, Optional[Manifest]]] = []
     for ckpt_id in checkpoint_ids(storage):
         step = int(ckpt_id.split("-")[0]) if ckpt_id.split("-")[0].isdigit() else -1
         if not storage.exists(manifest_key(ckpt_id)):
             nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
             error = failure_of(storage, ckpt_id)
             status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
-            infos.append(CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error))
+            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
             continue
         m = read_manifest(storage, ckpt_id)
-        infos.append(CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                                    method=m.method))
-    return infos
+        found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
+                                     method=m.method), m))
+    return found
+
+
+def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
+    """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
+    return [info for info, _ in scan_checkpoints(storage)]
 
 
 def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:

@@ -19,12 +19,11 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.types import ShardRegion
+from cnr.types import RNG_PREFIX, ShardRegion  # noqa: F401  RNG_PREFIX is re-exported: restore/commit import it here
 
 MODEL = "model/"
 SPARSE_OPTIM = "sparse_optim/"
 DENSE_OPTIM = "dense_optim/"
-RNG_PREFIX = "rng/"  # per-rank generator state: stored, but not training state (no digest, no coverage)
 
 
 @dataclass(frozen=True)

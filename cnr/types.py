@@ -10,6 +10,10 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+RNG_PREFIX = "rng/"
+"""Tensor-name prefix of per-rank generator state: stored, but not training state (no digest,
+no coverage, not counted in a checkpoint's full fp32 size)."""
+
 
 class CheckpointKind(str, enum.Enum):
     """What a checkpoint holds."""
