@@ -58,8 +58,13 @@ def _predictor_agrees(cwd, storage) -> bool:
 def test_consecutive_chain_restores_across_world_sizes(tmp_path, runs_ws2):
     opts = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10", *MIXED_SHARDING]
     train(str(tmp_path), "ck", *opts, "--set", "train.steps=40", nproc=2)
-    resumed = train(str(tmp_path), "ck", *opts, "--resume", nproc=1)
+    resumed = train(str(tmp_path), "ck", *opts, "--resume", nproc=2)  # replays full + 3 increments
     assert resumed["state_sha256"] == runs_ws2["full"]["state_sha256"]
+    newest = _manifest(str(tmp_path), "ck", resumed["last_checkpoint"])
+    assert newest.kind.value == "incremental" and len(newest.chain_bytes) == 6
+    # the chain of six, restored at world size 1 with nothing left to train
+    at_one = train(str(tmp_path), "ck", *opts, "--resume", nproc=1)
+    assert at_one["steps"] == 60 and at_one["state_sha256"] == runs_ws2["full"]["state_sha256"]
 
 
 FAILURES = ["--set", "checkpoint.bit_policy=failures", "--set", "checkpoint.failures.rate_per_node_hour=1.5",
