@@ -5,7 +5,10 @@ Layout of a chunk object (all integers little-endian):
     b"CNRC" | u16 format version | u32 header length | header (UTF-8 JSON) | payload
 
 The header names the tensor, dtype, encoding, bit-width, the rows it covers and the payload's
-size and CRC-32. The payload is ``rows`` int64 global row ids when ``row_ids`` is true, then
+size and CRC-32. When ``row_ids`` is true the payload starts with the global row ids, in the
+form the header's ``ids`` names: ``{"format": "int64"}`` (``rows`` int64 values) or, for
+strictly ascending ids where it is smaller, ``{"format": "bitmap", "first": f, "span": n}``
+(``ceil(n / 8)`` bytes, bit ``i`` LSB-first set iff row ``f + i`` is listed). Then
 the values: raw little-endian ``dtype`` values for Encoding.RAW; for Encoding.QUANTIZED the
 bit-packed codes ``[rows, ceil(cols * bits / 8)]`` (cnr.bitpack), then the per-row scale and
 bias in the dtypes the header's ``quant`` names. Nothing is unpickled; every header field is
@@ -20,6 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from cnr.bitpack import packed_bytes_per_row
@@ -28,7 +32,7 @@ from cnr.quantize import QuantizedRows, dequantize_rows
 from cnr.types import ChunkRef, Encoding
 
 MAGIC = b"CNRC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the header's "ids"; version 1 chunks (int64 ids) are still read
 _PREFIX = struct.Struct("<4sHI")
 _MAX_HEADER = 1 << 20
 
@@ -46,8 +50,9 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_FIELDS = {
     "tensor": str, "dtype": str, "encoding": str, "bits": int, "row_start": int, "rows": int,
     "row_ids": bool, "col_offset": int, "cols": int, "row_shape": list, "payload_bytes": int,
-    "payload_crc32": int, "quant": (dict, type(None)),
+    "payload_crc32": int, "quant": (dict, type(None)), "ids": (dict, type(None)),
 }
+_V1_HEADER_FIELDS = {k: v for k, v in _HEADER_FIELDS.items() if k != "ids"}
 _QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
 _QUANT_METHODS = ("naive", "symmetric", "adaptive")
 
@@ -74,12 +79,20 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def _ids_bytes(row_ids: Optional[torch.Tensor], rows: int) -> memoryview:
+def _encode_ids(row_ids: Optional[torch.Tensor], rows: int) -> Tuple[Optional[dict], memoryview]:
+    """The header's ``ids`` and the id bytes: a bitmap when the ids ascend and it is smaller."""
     if row_ids is None:
-        return memoryview(b"")
+        return None, memoryview(b"")
     if row_ids.dtype != torch.int64 or tuple(row_ids.shape) != (rows,):
         raise ValueError(f"row_ids must be int64 of shape [{rows}], got {row_ids.dtype} {tuple(row_ids.shape)}")
-    return _tensor_bytes(row_ids)
+    if rows:
+        ids = row_ids.numpy()
+        first, span = int(ids[0]), int(ids[-1]) - int(ids[0]) + 1
+        if (span + 7) // 8 < 8 * rows and first >= 0 and (rows == 1 or bool((np.diff(ids) > 0).all())):
+            bits = np.zeros(span, dtype=np.bool_)
+            bits[ids - first] = True
+            return {"format": "bitmap", "first": first, "span": span}, memoryview(np.packbits(bits, bitorder="little"))
+    return {"format": "int64"}, _tensor_bytes(row_ids)
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,7 @@ class _Layout:
     row_shape: List[int]
     quant: Optional[dict]
     method: str
+    ids: Optional[dict] = None
 
 
 def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[bytes, ChunkRef]:
@@ -109,6 +123,7 @@ def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[b
         "row_start": layout.row_start, "rows": layout.rows, "row_ids": layout.row_ids,
         "col_offset": layout.col_offset, "cols": layout.cols, "row_shape": layout.row_shape,
         "payload_bytes": sum(len(p) for p in parts), "payload_crc32": crc, "quant": layout.quant,
+        "ids": layout.ids,
     }
     header_bytes = json.dumps(header, sort_keys=True).encode()
     blob = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
@@ -134,10 +149,11 @@ def encode_raw_chunk(
     the rows are ``row_start .. row_start + rows - 1``. ``cols`` is ``data.shape[1]`` for 2-D data.
     """
     rows = int(data.shape[0])
+    ids_format, ids = _encode_ids(row_ids, rows)
     layout = _Layout(tensor, dtype_name(data.dtype), Encoding.RAW, data.element_size() * 8, rows, row_start,
                      row_ids is not None, col_offset, int(data.shape[1]) if data.dim() >= 2 else 0,
-                     list(data.shape[1:]), None, "")
-    return _assemble(key, layout, [_ids_bytes(row_ids, rows), _tensor_bytes(data)])
+                     list(data.shape[1:]), None, "", ids_format)
+    return _assemble(key, layout, [ids, _tensor_bytes(data)])
 
 
 def encode_quantized_chunk(
@@ -152,9 +168,10 @@ def encode_quantized_chunk(
     if q.method not in _QUANT_METHODS or q.scale is None or q.bias is None:
         raise ValueError(f"method {q.method!r} cannot be checkpointed; allowed: {', '.join(_QUANT_METHODS)}")
     quant = {"method": q.method, "scale_dtype": dtype_name(q.scale.dtype), "bias_dtype": dtype_name(q.bias.dtype)}
+    ids_format, ids = _encode_ids(row_ids, q.rows)
     layout = _Layout(tensor, "float32", Encoding.QUANTIZED, q.bits, q.rows, row_start, row_ids is not None,
-                     col_offset, q.dim, [q.dim], quant, q.method)
-    parts = [_ids_bytes(row_ids, q.rows), _tensor_bytes(q.codes), _tensor_bytes(q.scale), _tensor_bytes(q.bias)]
+                     col_offset, q.dim, [q.dim], quant, q.method, ids_format)
+    parts = [ids, _tensor_bytes(q.codes), _tensor_bytes(q.scale), _tensor_bytes(q.bias)]
     return _assemble(key, layout, parts)
 
 
@@ -168,11 +185,11 @@ def decode_chunk(blob: bytes, ref: ChunkRef) -> DecodedChunk:
     magic, version, header_len = _PREFIX.unpack_from(blob, 0)
     if magic != MAGIC:
         raise CorruptChunkError(f"{where} does not start with {MAGIC!r}: not a cnr chunk")
-    if version != FORMAT_VERSION:
-        raise CorruptChunkError(f"{where} has format version {version}; this cnr reads version {FORMAT_VERSION}")
+    if version not in (1, FORMAT_VERSION):
+        raise CorruptChunkError(f"{where} has format version {version}; this cnr reads versions 1 and {FORMAT_VERSION}")
     if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(blob):
         raise CorruptChunkError(f"{where} declares a {header_len}-byte header that does not fit")
-    header = _parse_header(blob[_PREFIX.size:_PREFIX.size + header_len], where)
+    header = _parse_header(blob[_PREFIX.size:_PREFIX.size + header_len], where, version)
     _check_header_matches(header, ref, where)
     payload = memoryview(blob)[_PREFIX.size + header_len:]
     if len(payload) != header["payload_bytes"]:
@@ -186,14 +203,17 @@ def _typed(value, kind) -> bool:
     return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
-def _parse_header(raw: bytes, where: str) -> dict:
+def _parse_header(raw: bytes, where: str, version: int) -> dict:
     try:
         header = json.loads(bytes(raw).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptChunkError(f"{where} header is not valid JSON: {e}") from e
-    if not isinstance(header, dict) or set(header) != set(_HEADER_FIELDS):
+    fields = _HEADER_FIELDS if version >= 2 else _V1_HEADER_FIELDS
+    if not isinstance(header, dict) or set(header) != set(fields):
         got = sorted(header) if isinstance(header, dict) else type(header).__name__
-        raise CorruptChunkError(f"{where} header fields {got} differ from the expected {sorted(_HEADER_FIELDS)}")
+        raise CorruptChunkError(f"{where} header fields {got} differ from the expected {sorted(fields)}")
+    if version == 1:
+        header["ids"] = {"format": "int64"} if header["row_ids"] else None
     for name, kind in _HEADER_FIELDS.items():
         if not _typed(header[name], kind):
             raise CorruptChunkError(f"{where} header field {name!r} = {header[name]!r} has the wrong type")
@@ -207,7 +227,20 @@ def _parse_header(raw: bytes, where: str) -> dict:
         raise CorruptChunkError(f"{where} header's quant parameters do not match its encoding")
     if header["quant"] is not None:
         _parse_quant(header, where)
+    _parse_ids(header, where)
     return header
+
+
+def _parse_ids(header: dict, where: str) -> None:
+    ids = header["ids"]
+    if (ids is not None) != header["row_ids"]:
+        raise CorruptChunkError(f"{where} header's ids {ids!r} do not match row_ids={header['row_ids']}")
+    if ids is None or ids == {"format": "int64"}:
+        return
+    ok = (set(ids) == {"format", "first", "span"} and ids["format"] == "bitmap"
+          and _typed(ids["first"], int) and _typed(ids["span"], int) and ids["first"] >= 0 and ids["span"] >= 0)
+    if not ok:
+        raise CorruptChunkError(f"{where} header ids {ids!r} are neither int64 nor a valid bitmap")
 
 
 def _parse_quant(header: dict, where: str) -> None:
@@ -251,7 +284,7 @@ def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: st
     row_ids = None
     offset = 0
     if header["row_ids"]:
-        row_ids, offset = _take(payload, 0, rows, torch.int64, where)
+        row_ids, offset = _decode_ids(payload, header, where)
     if header["quant"] is None:
         row_shape = tuple(header["row_shape"])
         numel = rows
@@ -264,6 +297,18 @@ def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: st
     if offset != len(payload):
         raise CorruptChunkError(f"{where} payload has {len(payload) - offset} bytes beyond its declared contents")
     return DecodedChunk(ref=ref, row_ids=row_ids, data=data)
+
+
+def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Tensor, int]:
+    rows, ids = header["rows"], header["ids"]
+    if ids["format"] == "int64":
+        return _take(payload, 0, rows, torch.int64, where)
+    packed, offset = _take(payload, 0, (ids["span"] + 7) // 8, torch.uint8, where)
+    bits = np.unpackbits(packed.numpy(), count=ids["span"], bitorder="little")
+    listed = np.flatnonzero(bits)
+    if len(listed) != rows:
+        raise CorruptChunkError(f"{where} id bitmap lists {len(listed)} rows, the header says {rows}")
+    return torch.from_numpy(listed.astype(np.int64) + ids["first"]), offset
 
 
 def _dequantized(payload: memoryview, offset: int, header: dict, where: str) -> Tuple[torch.Tensor, int]:

@@ -35,6 +35,58 @@ def test_roundtrip_with_row_ids():
     assert ref.row_ids and torch.equal(out.row_ids, ids) and torch.equal(out.data, data)
 
 
+def _header(blob):
+    header_len = struct.unpack_from("<I", blob, 6)[0]
+    return json.loads(blob[10:10 + header_len]), header_len
+
+
+@pytest.mark.parametrize("ids,fmt,id_bytes", [
+    ([3, 4, 6, 10], "bitmap", 1),                 # 8 rows of span in 1 byte instead of 32
+    (list(range(1000, 1800, 4)), "bitmap", 100),  # a quarter of a range: 0.5 byte per row
+    ([0], "bitmap", 1),
+    ([3, 17, 18, 900], "int64", 32),              # sparse: the bitmap would be larger
+    ([5, 4, 6], "int64", 24),                     # not ascending
+    ([4, 4, 6], "int64", 24),                     # repeated
+])
+def test_row_ids_are_stored_as_a_bitmap_when_ascending_and_smaller(ids, fmt, id_bytes):
+    data = torch.randn(len(ids), 3)
+    row_ids = torch.tensor(ids, dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", data, row_start=0, col_offset=0, row_ids=row_ids)
+    header, _ = _header(blob)
+    assert header["ids"]["format"] == fmt
+    assert header["payload_bytes"] == id_bytes + data.numel() * 4
+    out = decode_chunk(blob, ref)
+    assert torch.equal(out.row_ids, row_ids) and torch.equal(out.data, data)
+
+
+def _rewrite(blob, ref, header, version=2):
+    new_header = json.dumps(header).encode()
+    _, old_len = _header(blob)
+    new_blob = blob[:4] + struct.pack("<HI", version, len(new_header)) + new_header + blob[10 + old_len:]
+    return new_blob, dataclasses.replace(ref, nbytes=len(new_blob))
+
+
+def test_version_1_chunks_with_int64_ids_still_decode():
+    ids = torch.tensor([3, 17, 18, 900], dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", torch.ones(4, 2), row_start=0, col_offset=0, row_ids=ids)
+    header, _ = _header(blob)
+    del header["ids"]
+    out = decode_chunk(*_rewrite(blob, ref, header, version=1))
+    assert torch.equal(out.row_ids, ids)
+
+
+def test_a_bitmap_that_disagrees_with_the_row_count_is_rejected():
+    ids = torch.tensor([1, 2, 3, 5], dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", torch.ones(4, 2), row_start=0, col_offset=0, row_ids=ids)
+    header, _ = _header(blob)
+    header["ids"]["first"] = -1
+    with pytest.raises(CorruptChunkError, match="neither int64 nor a valid bitmap"):
+        decode_chunk(*_rewrite(blob, ref, header))
+    header["ids"] = {"format": "bitmap", "first": 1, "span": 3}  # drops row 5: 3 listed, 4 declared
+    with pytest.raises(CorruptChunkError, match="too short|bitmap lists 3 rows"):
+        decode_chunk(*_rewrite(blob, ref, header))
+
+
 def test_payload_is_not_a_copy_of_more_than_the_slice():
     big = torch.arange(100, dtype=torch.float32).reshape(20, 5)
     blob, ref = encode_raw_chunk("k", "model/t", big[5:8], row_start=5, col_offset=0)
