@@ -1,0 +1,50 @@
+"""bench policies: the headline figures from a policy table, and a real (tiny) run end to end."""
+
+from __future__ import annotations
+
+import json
+
+from cli_helpers import TINY, run_cnr
+from cnr.bench.policies import summarize
+
+TOLERATED = {2: 3, 3: 20, 4: 20}
+
+
+def _row(policy, bits, bw, cap, data):
+    return {"policy": policy, "bits": bits, "bw_reduction": bw, "capacity_reduction": cap,
+            "avg_data_bytes_per_interval": data}
+
+
+def test_summary_picks_the_best_policy_at_the_bit_width_for_one_failure():
+    table = [_row("one_shot", 2, 20.0, 6.0, 100), _row("consecutive", 2, 30.0, 3.0, 80),
+             _row("intermittent", 2, 22.0, 7.5, 95), _row("one_shot", 8, 9.0, 3.0, 300),
+             _row("intermittent", 8, 8.0, 2.0, 310)]
+    s = summarize(table, TOLERATED)
+    assert s["bits_for_1_failure"] == 2
+    assert (s["bw_reduction_best"], s["bw_reduction_best_policy"]) == (30.0, "consecutive")
+    assert (s["capacity_reduction_best"], s["capacity_reduction_best_policy"]) == (7.5, "intermittent")
+    assert s["intermittent_not_worse_than_one_shot"] == {"2": True, "8": False}
+    assert s["targets_met"] == {"bw_reduction_best>=25": True, "capacity_reduction_best>=10": False,
+                                "intermittent<=one_shot": False}
+    assert summarize(table, {2: 0, 3: 0, 4: 5})["bits_for_1_failure"] == 4
+
+
+def test_bench_policies_runs_real_training(tmp_path):
+    rc, out, err = run_cnr(["bench", "policies", "--config", TINY, "--intervals", "3", "--bits", "2",
+                            "--policies", "one_shot,consecutive"], str(tmp_path), timeout=600)
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = {r["policy"]: r for r in result["policy_table"]}
+    assert set(rows) == {"one_shot", "consecutive"} and result["intervals"] == 3
+    for r in rows.values():
+        assert r["checkpoints"] == 3 and r["kinds"] == "Fii" and r["bits"] == 2
+        assert abs(r["avg_bytes_per_interval"] * 3 - r["summary_bytes_written"]) < 3  # the report agrees with training
+    # consecutive keeps its whole chain; one-shot only the baseline and the newest increment
+    assert rows["consecutive"]["peak_storage_bytes"] == rows["consecutive"]["summary_bytes_written"]
+    assert rows["one_shot"]["peak_storage_bytes"] < rows["one_shot"]["summary_bytes_written"]
+    assert result["bw_reduction_best"] == max(r["bw_reduction"] for r in rows.values())
+
+
+def test_bad_arguments_are_refused_before_any_run(tmp_path):
+    rc, _out, err = run_cnr(["bench", "policies", "--config", TINY, "--policies", "sometimes"], str(tmp_path))
+    assert rc == 2 and "sometimes" in err
