@@ -1,13 +1,19 @@
 """``python -m cnr bench policies``: bytes per interval and peak storage of every checkpoint
 policy at every bit-width, relative to a full fp32 checkpoint every interval.
 
-Each (policy, bit-width) cell is a real ``cnr train`` run of ``configs/bench.yaml`` (about a
-quarter of the rows touched per 100-step interval) over ``--intervals`` intervals, with
-retention off so that every checkpoint stays to be counted. The figures come from the
-manifests, as ``cnr report`` computes them (cnr.report): average bytes written per interval
-(chunks + metadata), and peak storage: the largest chain (a checkpoint and everything its
-restore reads) over the run, which is what retention keeping the newest chain holds. The
-baseline writes a full fp32 checkpoint every interval and keeps the newest one.
+One training run of ``configs/bench.yaml`` (about a quarter of the rows touched per 100-step
+interval) over ``--intervals`` intervals feeds every (policy, bit-width) cell: at each boundary
+each cell's own ``Checkpointer`` (the trainer's, with its own storage directory and its own
+views of one shared row tracker) takes its checkpoint through the real writer, one cell after
+the other (they share one set of host buffers). Training does not depend on checkpointing, so
+every cell sees exactly the state and touched rows its own ``cnr train`` run would; retention is
+off so that every checkpoint stays to be counted.
+
+The figures come from the manifests, as ``cnr report`` computes them (cnr.report): average
+bytes written per interval (chunks + metadata), and peak storage: the largest chain (a
+checkpoint and everything its restore reads) over the run, which is what retention keeping the
+newest chain holds. The baseline writes a full fp32 checkpoint every interval and keeps the
+newest one.
 
 ``bw_reduction_best``/``capacity_reduction_best``: the best policy at the bit-width chosen for
 at most 1 expected failure (cnr.policy.choose_bits with the default tolerances).
@@ -15,59 +21,110 @@ at most 1 expected failure (cnr.policy.choose_bits with the default tolerances).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-from typing import Any, Dict, List
+import time
+from typing import Any, Dict, List, Tuple
 
-from cnr.bench.common import ROOT, argv_list, base_parser
-from cnr.config import FailureConfig, load_config
+import numpy as np
+import torch
+
+from cnr.bench.common import argv_list, base_parser
+from cnr.checkpoint import Checkpointer
+from cnr.config import Config, FailureConfig, load_config
+from cnr.data import make_reader, to_device
 from cnr.errors import ConfigError
+from cnr.launch import launch
+from cnr.parallel import build_sharded_model
 from cnr.policy import choose_bits
 from cnr.report import collect
+from cnr.snapshot import HostBuffers
+from cnr.state import collect_state
 from cnr.storage import open_storage
+from cnr.tracker import Captured, RowTracker
 
 POLICIES = ("one_shot", "consecutive", "intermittent")
 
 
-def _train(config: str, storage: str, overrides: List[str], log_path: str) -> Dict[str, Any]:
-    """One ``cnr train`` run as a user runs it; returns its summary (last stdout line)."""
-    cmd = [sys.executable, "-m", "cnr", "train", "--config", config, "--storage", storage]
-    for o in overrides:
-        cmd += ["--set", o]
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("CNR_FAULT_INJECT", None)
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"cnr train failed ({proc.returncode}) for {overrides}; see {log_path}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class CellTracker:
+    """One cell's views ("<cell>:checkpoint", "<cell>:baseline") of a shared RowTracker, with the
+    interface a Checkpointer uses. Folding twice is harmless: the first fold empties ``current``."""
+
+    def __init__(self, shared: RowTracker, cell: str) -> None:
+        self.shared = shared
+        self.cell = cell
+        self.tables = shared.tables
+
+    def fold(self) -> None:
+        self.shared.fold()
+
+    def capture(self, view: str, clear: bool) -> Captured:
+        return self.shared.capture(f"{self.cell}:{view}", clear)
+
+    def release(self, captured: List[Captured], committed: bool) -> None:
+        self.shared.release(captured, committed)
+
+    def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
+        return self.shared.rows(bits, table)
 
 
-def _cell(config: str, workdir: str, policy: str, bits: int, steps: int, extra: List[str]) -> Dict[str, Any]:
-    storage = os.path.join(workdir, f"{policy}-{bits}")
-    overrides = [f"train.steps={steps}", f"checkpoint.policy={policy}", f"checkpoint.bits={bits}",
-                 "checkpoint.keep_last=0", "checkpoint.bit_policy=fixed", *extra]
-    summary = _train(config, storage, overrides, storage + ".log")
-    store = open_storage(storage)
+def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
+    return [(p, b) for p in policies for b in bits]
+
+
+def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
+    """Train once; every cell checkpoints at every boundary. Returns per-cell summaries."""
+    from cnr.train import _train_step
+
+    config: Config = arg["config"]
+    cells = [f"{p}-{b}" for p, b in arg["cells"]]
+    sharded = build_sharded_model(config, torch.device("cpu"))
+    tracker = RowTracker(sharded.model, views=[f"{c}:{v}" for c in cells for v in ("checkpoint", "baseline")])
+    tracker.install()
+    buffers = HostBuffers()
+    ckpts = {}
+    for (policy, bits), cell in zip(arg["cells"], cells):
+        c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed")
+        ckpt = Checkpointer(os.path.join(arg["workdir"], cell), dataclasses.replace(config, checkpoint=c), rank,
+                            world_size, CellTracker(tracker, cell))
+        ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
+        ckpts[cell] = ckpt
+    reader = make_reader(config, rank, world_size, None, split="train")
+    start, train_seconds = time.perf_counter(), 0.0
+    for step in range(1, arg["steps"] + 1):
+        t0 = time.perf_counter()
+        _train_step(sharded, to_device(reader.next_batch(), torch.device("cpu")))
+        train_seconds += time.perf_counter() - t0
+        if step % config.checkpoint.interval == 0:
+            pieces = collect_state(sharded.model, sharded.dense_optimizer)
+            for ckpt in ckpts.values():
+                ckpt.save(step, pieces, reader.cursor(), {"step": step, "samples": 0, "restores": 0})
+                ckpt.wait()
+    for ckpt in ckpts.values():
+        ckpt.finish()
+    stats = {cell: {"bytes_written": k.stats.bytes_written, "checkpoints": k.stats.checkpoints,
+                    "failed": k.stats.failed} for cell, k in ckpts.items()}
+    return {"cells": stats, "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
+
+
+def _cell_row(workdir: str, policy: str, bits: int, stats: Dict[str, int]) -> Dict[str, Any]:
+    store = open_storage(os.path.join(workdir, f"{policy}-{bits}"))
     try:
         data = collect(store)
     finally:
         store.close()
     totals = data.totals()
-    kinds = "".join("F" if p.entry.kind == "full" else "i" for p in data.points)
-    shutil.rmtree(storage, ignore_errors=True)  # 15 cells of the 772 MB model would not fit a small disk
     return {
-        "policy": policy, "bits": bits, "checkpoints": totals["checkpoints"], "kinds": kinds,
+        "policy": policy, "bits": bits, "checkpoints": totals["checkpoints"], "failed": stats["failed"],
+        "kinds": "".join("F" if p.entry.kind == "full" else "i" for p in data.points),
         "avg_bytes_per_interval": int(totals["avg_written_per_interval"]),
         "avg_data_bytes_per_interval": int(sum(p.entry.data_bytes for p in data.points) / len(data.points)),
         "peak_storage_bytes": int(totals["peak_needed_bytes"]),
         "bw_reduction": round(totals["avg_fp32_per_interval"] / totals["avg_written_per_interval"], 3),
         "capacity_reduction": round(totals["peak_fp32_bytes"] / totals["peak_needed_bytes"], 3),
-        "summary_bytes_written": summary["bytes_written"], "train_seconds": summary["train_seconds"],
+        "bytes_written_by_writer": stats["bytes_written"],
     }
 
 
@@ -99,7 +156,7 @@ def summarize(table: List[Dict[str, Any]], tolerated: Dict[int, int]) -> Dict[st
 
 def run(argv: List[str]) -> Dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--intervals", type=int, default=12, help="checkpoint intervals per run (>= 2)")
+    parser.add_argument("--intervals", type=int, default=12, help="checkpoint intervals (>= 2)")
     parser.add_argument("--bits", default="2,3,4,8,32", help="comma-separated bit-widths")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     args = parser.parse_args(argv_list(argv))
@@ -109,14 +166,17 @@ def run(argv: List[str]) -> Dict[str, Any]:
     if bad or args.intervals < 2:
         raise ConfigError(f"bench policies: {bad or args.intervals} not allowed; policies {', '.join(POLICIES)}, "
                           "bits 2, 3, 4, 8, 32, --intervals >= 2")
-    config = load_config(args.config, args.set)  # validates before any run
-    steps = args.intervals * config.checkpoint.interval
+    config = load_config(args.config, args.set)  # validates before any work
+    cells = _cells(policies, bits)
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-policies-")
     try:
-        table = [_cell(args.config, workdir, p, b, steps, args.set) for p in policies for b in bits]
+        out = launch(_run_cells, 1, {"config": config, "cells": cells, "workdir": workdir,
+                                     "steps": args.intervals * config.checkpoint.interval})
+        table = [_cell_row(workdir, p, b, out["cells"][f"{p}-{b}"]) for p, b in cells]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     tolerated = FailureConfig().tolerated_restores
     return {"bench": "policies", "config": os.path.basename(args.config), "intervals": args.intervals,
+            "train_seconds": out["train_seconds"], "wall_seconds": out["wall_seconds"],
             **summarize(table, tolerated), "policy_table": table}
