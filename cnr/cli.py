@@ -1,4 +1,4 @@
-"""Command line: ``python -m cnr {train,inspect,report,bench} ...``. Errors exit 2 with one clear line."""
+"""Command line: ``python -m cnr {train,inspect,report,subscribe,bench} ...``. Errors exit 2 with one clear line."""
 
 from __future__ import annotations
 
@@ -56,6 +56,45 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_subscribe_args(args: argparse.Namespace) -> None:
+    from cnr.errors import ConfigError
+
+    if not args.poll_s > 0:
+        raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be > 0 seconds")
+    if not args.timeout_s >= 0:
+        raise ConfigError(f"--timeout-s {args.timeout_s} is not allowed; it must be >= 0 seconds (0: no limit)")
+    if args.until_seq is not None and args.until_seq < 1:
+        raise ConfigError(f"--until-seq {args.until_seq} is not allowed; sequence numbers start at 1")
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from cnr.config import load_config
+    from cnr.inference import InferenceModel
+    from cnr.storage import open_storage
+    from cnr.subscribe import Subscriber
+
+    _check_subscribe_args(args)
+    config = load_config(args.config, args.set)
+    subscriber = Subscriber(open_storage(args.uri), InferenceModel(config, quantized=args.quantized), args.state)
+    try:
+        try:
+            if args.once:
+                subscriber.poll()
+            else:
+                subscriber.follow(args.until_seq, args.timeout_s, args.poll_s)
+        except KeyboardInterrupt:  # a follower is stopped by hand: report where it stands
+            pass
+        out = subscriber.summary()
+        if args.eval and subscriber.applied is not None:
+            out["eval"] = subscriber.model.evaluate()
+            if args.quantized:
+                out["eval_int8"] = subscriber.model.evaluate(quantized=True)
+    finally:
+        subscriber.close()
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"cnr.bench.{args.name}")
     result = module.run(args.args)
@@ -81,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
     r.add_argument("--out", default="cnr-report", help="directory for report.md and the PNGs (created if missing)")
     r.set_defaults(func=_report)
+    s = sub.add_parser("subscribe", help="apply publishes from a publish store to an inference model; last stdout "
+                       "line is a JSON object")
+    s.add_argument("uri", help="the publish store: local path, file://PATH or s3://BUCKET/PREFIX")
+    s.add_argument("--config", required=True, help="the trainer's YAML config (tables and dense shape)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
+    s.add_argument("--state", default=None, help="file keeping the applied publish and its tensors across restarts")
+    s.add_argument("--once", action="store_true", help="apply what is committed now and exit")
+    s.add_argument("--until-seq", type=int, default=None, help="stop once this sequence number is applied")
+    s.add_argument("--timeout-s", type=float, default=0.0, help="stop following after this many seconds (0: never)")
+    s.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls")
+    s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
+    s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
+    s.set_defaults(func=_subscribe)
     b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")

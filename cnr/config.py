@@ -25,6 +25,7 @@ MALFORMED_POLICIES = ("reject", "skip")
 CHECKPOINT_POLICIES = ("full", "one_shot", "consecutive", "intermittent")  # cnr.policy.POLICIES
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
+PUBLISH_BITS = (4, 8, 32)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,29 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class PublishConfig:
+    """Online-training publishing to inference (cnr.publish), independent of checkpoints.
+
+    Every ``interval`` steps the embedding rows modified since the previous publish go to
+    ``storage`` as a consecutive increment with the next sequence number; every
+    ``full_every``-th publish (and the first of every run) is a full base instead. Dense
+    parameters ride along every ``dense_interval`` steps (a multiple of ``interval``) and in
+    every base. ``bits``: 4, 8 or 32 (fp32, exact); ``quant_method`` as checkpoint.quant_method.
+    ``storage``: a URI of its own ("" = ``<--storage>/publish``). ``keep_bases``: after each
+    commit keep the newest N bases and every publish after the oldest of them (0: keep all).
+    """
+
+    enabled: bool = False
+    storage: str = ""
+    interval: int = 20
+    full_every: int = 10
+    dense_interval: int = 100
+    bits: int = 8
+    quant_method: str = ""
+    keep_bases: int = 2
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole job configuration."""
 
@@ -152,6 +176,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
 
     def table_specs(self) -> Tuple[TableSpec, ...]:
         """The tables as shared TableSpec values, in config order."""
@@ -318,6 +343,20 @@ def validate(config: Config) -> None:
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+    _validate_publish(config.publish)
+
+
+def _validate_publish(p: PublishConfig) -> None:
+    _positive("publish.interval", p.interval)
+    _positive("publish.full_every", p.full_every)
+    _require(p.dense_interval > 0 and p.dense_interval % p.interval == 0,
+             f"config key 'publish.dense_interval' = {p.dense_interval} is not allowed; it must be a positive "
+             f"multiple of publish.interval = {p.interval}")
+    _require(p.bits in PUBLISH_BITS, f"config key 'publish.bits' = {p.bits} is not allowed; allowed: "
+             + ", ".join(str(b) for b in PUBLISH_BITS))
+    _one_of("publish.quant_method", p.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _require(p.keep_bases >= 0, f"config key 'publish.keep_bases' = {p.keep_bases} is not allowed; "
+             "it must be >= 0 (0 keeps everything)")
 
 
 def _validate_failures(f: FailureConfig, bit_policy: str) -> None:

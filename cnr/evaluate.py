@@ -38,8 +38,10 @@ def evaluate(config: Config, model: torch.nn.Module, rank: int, world_size: int,
     finally:
         model.train()
     local = torch.cat(mine) if mine else torch.empty(0, 3, dtype=torch.float64)
-    everyone: List = [None] * world_size
-    dist.all_gather_object(everyone, local)
+    everyone: List = [local]
+    if world_size > 1:  # a single process (e.g. a subscriber's inference model) needs no process group
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, local)
     if rank != 0:
         return {"logloss": float("nan"), "auc": float("nan")}
     rows = torch.cat(everyone)

@@ -79,15 +79,18 @@ def check_incremental_safe(config: Config) -> None:
     fbgemm's fused sparse optimizers update only looked-up rows. A data-parallel table is
     trained by the dense optimizer instead; Adam's moments move every row of it each step.
     """
-    if config.checkpoint.policy == "full" or config.train.dense_optimizer != "adam":
+    incremental = config.checkpoint.policy != "full"
+    if not (incremental or config.publish.enabled) or config.train.dense_optimizer != "adam":
         return
     dp = [t.name for t in config.model.tables
           if "data_parallel" in (t.sharding_types or config.model.sharding_types)]
     if dp:
+        what = f"checkpoint.policy = {config.checkpoint.policy!r}" if incremental else "publish.enabled (increments)"
         raise ConfigError(
-            f"checkpoint.policy = {config.checkpoint.policy!r} needs every changed row to be a looked-up row, but "
+            f"{what} needs every changed row to be a looked-up row, but "
             f"tables {dp} may be data_parallel and train.dense_optimizer = 'adam' changes all their rows every step; "
-            "use checkpoint.policy = 'full', another dense optimizer, or sharding types without data_parallel"
+            "use checkpoint.policy = 'full' (and publish.enabled = false), another dense optimizer, or sharding "
+            "types without data_parallel"
         )
 
 

@@ -98,7 +98,11 @@ def apply_retention(storage: Storage, keep_last: int) -> RetentionResult:
     """Plan and carry out retention on ``storage``; ``keep_last`` 0 keeps everything."""
     if keep_last == 0:
         return RetentionResult((), (), 0)
-    plan = plan_retention(list_checkpoints(storage), keep_last)
+    return execute_plan(storage, plan_retention(list_checkpoints(storage), keep_last))
+
+
+def execute_plan(storage: Storage, plan: RetentionPlan) -> RetentionResult:
+    """Carry out ``plan``: delete its checkpoints whole, purge the data of its uncommitted ones."""
     freed = sum(_remove(storage, i, keep_marker=False) for i in plan.delete)
     freed += sum(_remove(storage, i, keep_marker=True) for i in plan.purge)
     if plan.delete or plan.purge:

@@ -24,6 +24,7 @@ from cnr.evaluate import evaluate
 from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed, resolve_chain
 from cnr.policy import rate_from_failure_log, read_failure_log
+from cnr.publish import check_publish_storage, make_publisher, tracker_views
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
 from cnr.data import make_reader, to_device
 from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_chain, restore_rng
@@ -99,6 +100,8 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
         if config.checkpoint.enabled:
             storage.check_writable()
         storage.close()
+    if config.publish.enabled:
+        check_publish_storage(storage_uri, config)
     return TrainJob(config, storage_uri, resume, failure_rate(config))
 
 
@@ -184,22 +187,30 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         cursor = m.reader
     reader = make_reader(config, rank, world_size, cursor, split="train")
     checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored) if config.checkpoint.enabled else None
+    publisher = make_publisher(job.storage_uri, config, rank, world_size, sharded.model,
+                               checkpointer.tracker if checkpointer is not None else None)
     planner = None
     if checkpointer is not None:
         recorded = restored.manifest.bit_width if restored is not None else None
         planner = BitWidthPlanner(config, job.failure_rate, world_size, counters["restores"], recorded, rank)
     try:
-        train_seconds = _loop(config, sharded, reader, checkpointer, planner, counters, rank, world_size, device)
+        train_seconds = _loop(config, sharded, reader, checkpointer, planner, counters, rank, world_size, device,
+                              publisher)
     except BaseException:
-        if checkpointer is not None:
-            checkpointer.writer.close()  # no collectives on the error path: other ranks may be gone
+        for background in (checkpointer, publisher):
+            if background is not None:
+                background.writer.close()  # no collectives on the error path: other ranks may be gone
         raise
     if checkpointer is not None:
         checkpointer.finish()
+    if publisher is not None:
+        publisher.finish(counters["step"], collect_state(sharded.model, sharded.dense_optimizer))
     metrics = evaluate(config, sharded.model, rank, world_size, device)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     digest = state_digest(pieces, global_names(pieces))
     stats = _reduce_stats(checkpointer, train_seconds)
+    if publisher is not None:
+        stats.update(publisher.summary())
     if storage is not None:
         storage.close()
     if rank != 0:
@@ -216,7 +227,7 @@ def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_si
                        restored: Optional[Restored]) -> Checkpointer:
     tracker = None
     if job.config.checkpoint.policy != "full":
-        tracker = RowTracker(sharded.model)
+        tracker = RowTracker(sharded.model, views=tracker_views(job.config))
         tracker.install()
         if restored is not None:
             tracker.seed("baseline", restored.increment_rows)
@@ -225,7 +236,7 @@ def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_si
 
 
 def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, planner, counters, rank, world_size,
-          device) -> float:
+          device, publisher=None) -> float:
     bar = _progress(rank, config.train.steps, counters["step"])
     start = time.perf_counter()
     interval = config.checkpoint.interval
@@ -243,6 +254,10 @@ def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, planner, 
             checkpointer.bits = planner.for_checkpoint()
             pieces = collect_state(sharded.model, sharded.dense_optimizer)
             checkpointer.save(step, pieces, reader.cursor(), dict(counters))
+        if publisher is not None and publisher.due(step):
+            # at a shared boundary the checkpoint's pieces serve the publish too
+            shared = checkpointer is not None and step % interval == 0
+            publisher.publish(step, pieces if shared else collect_state(sharded.model, sharded.dense_optimizer))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")

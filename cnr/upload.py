@@ -23,7 +23,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -45,6 +45,8 @@ from cnr.storage.base import Storage
 from cnr.types import CheckpointKind, ChunkRef
 
 logger = logging.getLogger(__name__)
+
+Retain = Callable[[Storage], Dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -193,14 +195,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
+def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel,
+             retain: Optional[Retain] = None) -> WriteResult:
     start = time.perf_counter()
     try:
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
         if job.rank != 0:
             return WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
         manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
-        extra = {"chain_bytes": list(manifest.chain_bytes), "retention": _retain(storage, config.checkpoint.keep_last)}
+        retention = retain(storage) if retain is not None else _retain(storage, config.checkpoint.keep_last)
+        extra = {"chain_bytes": list(manifest.chain_bytes), "retention": retention}
         return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start,
                            extra=extra)
     except Cancelled as e:
@@ -212,7 +216,7 @@ def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJo
         return WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
 
 
-def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None:
+def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain: Optional[Retain] = None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel."""
     _die_with_parent()
     faults.KILL_PARENT = True
@@ -225,21 +229,26 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None
             job = jobs.get()
             if job is None:
                 return
-            results.put(_run_job(storage, uploader, config, job, cancel))
+            results.put(_run_job(storage, uploader, config, job, cancel, retain))
     finally:
         uploader.close()
         storage.close()
 
 
 class Writer:
-    """The trainer's handle on its writer process: submit, poll, wait, cancel, close."""
+    """The trainer's handle on its writer process: submit, poll, wait, cancel, close.
 
-    def __init__(self, storage_uri: str, config: Config) -> None:
+    ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
+    storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
+    """
+
+    def __init__(self, storage_uri: str, config: Config, retain: Optional[Retain] = None) -> None:
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
         self._cancel = ctx.Event()
-        self._process = ctx.Process(target=writer_main, args=(storage_uri, config, self._jobs, self._results, self._cancel),
+        self._process = ctx.Process(target=writer_main,
+                                    args=(storage_uri, config, self._jobs, self._results, self._cancel, retain),
                                     name="cnr-writer", daemon=True)
         self._process.start()
         self.in_flight: Optional[WriteJob] = None
