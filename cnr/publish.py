@@ -4,8 +4,9 @@ Every ``publish.interval`` steps the embedding rows modified since the previous 
 publish store as a *consecutive increment* whose ``base`` is the previous publish. Every
 ``publish.full_every``-th publish, and the first one of every run (a resumed trainer has moved
 back to its checkpoint, so increments on the old publishes would be wrong), is a *full base*:
-every row of every table. Dense parameters go into every base and, in increments, every
-``publish.dense_interval`` steps. A subscriber (cnr.subscribe) applies them in order.
+every row of every table. Dense parameters go into every base and into the first publish on or
+after each multiple of ``publish.dense_interval`` steps. A subscriber (cnr.subscribe) applies
+publishes in order.
 
 A publish reuses the checkpoint machinery end to end: host buffers (its share of the stall), the
 rank's background ``Writer`` process (encode, quantize at ``publish.bits``, upload), the commit
@@ -243,7 +244,8 @@ class Publisher:
         """Rank 0: the next publish's id, sequence number, kind, base and whether dense rides along."""
         c, p = self.chain, self.config.publish
         full = c.last_id is None or c.since_base + 1 >= p.full_every
-        dense = full or force_dense or step - c.dense_step >= p.dense_interval
+        # dense goes out at multiples of dense_interval; one crossed during a skipped boundary goes now
+        dense = full or force_dense or step // p.dense_interval > c.dense_step // p.dense_interval
         seq = c.seq + 1
         return _Plan(make_id(seq, uuid.uuid4().hex[:8]), seq, step, CheckpointKind.FULL if full else CheckpointKind.INCREMENTAL,
                      None if full else c.last_id, dense, int(time.time() * 1e6))

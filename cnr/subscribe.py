@@ -68,7 +68,8 @@ class Applied:
 class SubscriberStats:
     """Counts over this subscriber's life. ``records``: one dict per applied publish (id, seq,
     step, kind, rows, bytes, whether by reload, and unix microseconds of its trigger on the
-    trainer, of the poll that first listed it, and of the end of its apply)."""
+    trainer, of its commit (manifest time), of the poll that first listed it, and of the end of
+    its apply)."""
 
     polls: int = 0
     bases: int = 0
@@ -233,7 +234,8 @@ class Subscriber:
             self.stats.records.append({
                 "id": m.id, "seq": m.step, "step": m.counters.get("step", -1), "kind": m.kind.value,
                 "rows": m.rows, "bytes": m.bytes, "reload": reload, "dense": _has_dense(m),
-                "trigger_unix_us": m.counters.get("trigger_unix_us"), "seen_unix_us": self._seen.get(m.id, done),
+                "trigger_unix_us": m.counters.get("trigger_unix_us"), "created_unix_us": int(m.created_unix * 1e6),
+                "seen_unix_us": self._seen.get(m.id, done),
                 "applied_unix_us": done})
         newest = chain[-1]
         base = newest.id if newest.kind == CheckpointKind.FULL else (chain[0].id if reload else self.applied.base)

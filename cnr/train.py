@@ -84,6 +84,8 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
     for path in list(config.data.tsv_paths) + list(config.data.eval_tsv_paths):
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist or is not a file")
+    if config.publish.enabled:
+        check_publish_storage(storage_uri, config)
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
         storage = open_storage(storage_uri)
@@ -100,8 +102,6 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
         if config.checkpoint.enabled:
             storage.check_writable()
         storage.close()
-    if config.publish.enabled:
-        check_publish_storage(storage_uri, config)
     return TrainJob(config, storage_uri, resume, failure_rate(config))
 
 

@@ -1,0 +1,58 @@
+"""bench publish: its figures from run records (pure), and bad arguments rejected before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from cnr.bench.publish import run, summarize
+from cnr.errors import ConfigError
+
+
+def _run_record():
+    def pub(seq, kind, nbytes, status="committed"):
+        return {"id": f"{seq}-{status}", "seq": seq, "step": 25 * seq, "kind": kind, "dense": kind == "full",
+                "status": status, "bytes": nbytes}
+
+    def applied(kind, trigger, created, seen, done):
+        return {"kind": kind, "trigger_unix_us": trigger, "created_unix_us": created, "seen_unix_us": seen,
+                "applied_unix_us": done}
+
+    return {
+        "model_fp32_bytes": 1000, "train_seconds": 12.0, "step_ms_median": 50.0, "load_avg_1m": [1.0, 1.5],
+        "calls": [(0.010, "1-committed"), (0.001, None), (0.002, "2-committed"), (0.004, "3-failed"),
+                  (0.003, "3-committed")],
+        "records": [pub(1, "full", 300), pub(2, "incremental", 20), pub(3, "incremental", 40, "failed"),
+                    pub(3, "incremental", 50)],
+        "summary": {"publish_skipped": 1, "publish_failed": 1},
+        "subscriber": {"records": [applied("full", 1_000_000, 2_000_000, 2_100_000, 4_000_000),
+                                   applied("incremental", 10_000_000, 10_100_000, 10_200_000, 10_250_000),
+                                   applied("incremental", 20_000_000, 20_300_000, 20_400_000, 20_650_000)],
+                       "summary": {"bases": 1, "increments": 2, "reloads": 1, "errors": []}},
+    }
+
+
+def test_summarize_relates_bytes_freshness_and_stall():
+    baseline = {"train_seconds": 10.0, "step_ms_median": 40.0, "load_avg_1m": [0.5, 0.5]}
+    out = summarize(_run_record(), baseline)
+    assert out["publishes"] == 3 and out["skipped"] == 1 and out["failed"] == 1
+    assert out["bytes_over_full_model"]["base"] == {"median": 0.3, "max": 0.3, "n": 1}
+    assert out["bytes_over_full_model"]["increment"] == {"median": 0.035, "max": 0.05, "n": 2}
+    inc = out["freshness_s"]["increment"]
+    assert inc["commit"]["median"] == 0.2 and inc["visible"]["max"] == 0.4 and inc["applied"]["max"] == 0.65
+    assert out["freshness_s"]["base"]["applied"] == {"median": 3.0, "max": 3.0, "n": 1}
+    stall = out["stall"]
+    assert stall["per_publish_ms"] == {"median": 3.0, "max": 10.0, "n": 5} and stall["base_ms"] == [10.0]
+    assert stall["total_s"] == 0.02 and stall["pct_of_train"] == round(100 * 0.02 / 12, 2)
+    assert (stall["step_ms_median"], stall["baseline_step_ms_median"]) == (50.0, 40.0)
+    assert [r["seq"] for r in out["publish_table"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stores", "local,gcs"], "--stores 'local,gcs' is not allowed"),
+    (["--steps", "0"], "--steps 0"),
+    (["--poll-s", "0"], "poll-s 0.0"),
+    (["--set", "publish.bits=3"], "'publish.bits' = 3 is not allowed"),
+])
+def test_bad_arguments_are_rejected(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        run(argv)
