@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "line is a JSON object")
     s.add_argument("uri", help="the publish store: local path, file://PATH or s3://BUCKET/PREFIX")
     s.add_argument("--config", required=True, help="the trainer's YAML config (tables and dense shape)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     s.add_argument("--state", default=None, help="file keeping the applied publish and its tensors across restarts")
     s.add_argument("--once", action="store_true", help="apply what is committed now and exit")
     s.add_argument("--until-seq", type=int, default=None, help="stop once this sequence number is applied")

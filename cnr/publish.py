@@ -176,7 +176,8 @@ class Publisher:
         self.buffers = HostBuffers()
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
-        self.writer = Writer(uri, config, retain=functools.partial(retain_publishes, keep_bases=config.publish.keep_bases))
+        retain = functools.partial(retain_publishes, keep_bases=config.publish.keep_bases)
+        self.writer = Writer(uri, config, retain=retain)
         self._captured: List[Captured] = []
         self._in_flight: Optional[_Plan] = None
         self._result: Optional[WriteResult] = None
@@ -235,8 +236,9 @@ class Publisher:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         return {"publishes": s.published, "publish_failed": s.failed, "publish_skipped": s.skipped,
                 "publish_bytes_written": int(sums[0]), "publish_stall_seconds": round(float(maxes[0]), 6),
-                "publish_snapshot_seconds": round(float(maxes[1]), 6), "publish_drain_seconds": round(s.drain_seconds, 6),
-                "last_publish_seq": self.chain.seq, "publish_uri": self.uri}
+                "publish_snapshot_seconds": round(float(maxes[1]), 6),
+                "publish_drain_seconds": round(s.drain_seconds, 6), "last_publish_seq": self.chain.seq,
+                "publish_uri": self.uri}
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -247,8 +249,9 @@ class Publisher:
         # dense goes out at multiples of dense_interval; one crossed during a skipped boundary goes now
         dense = full or force_dense or step // p.dense_interval > c.dense_step // p.dense_interval
         seq = c.seq + 1
-        return _Plan(make_id(seq, uuid.uuid4().hex[:8]), seq, step, CheckpointKind.FULL if full else CheckpointKind.INCREMENTAL,
-                     None if full else c.last_id, dense, int(time.time() * 1e6))
+        kind = CheckpointKind.FULL if full else CheckpointKind.INCREMENTAL
+        return _Plan(make_id(seq, uuid.uuid4().hex[:8]), seq, step, kind, None if full else c.last_id, dense,
+                     int(time.time() * 1e6))
 
     def _submit(self, pieces: List[StatePiece], plan: _Plan) -> None:
         """The snapshot (this publish's share of the stall) and the hand-off to the writer."""

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = "cnr.subscriber-state"
 STATE_VERSION = 1
 _RELOAD_TRIES = 3  # a reload races retention at most a few times before a newer base is stable
+_KEPT = 10000  # records and errors kept, so a subscriber that runs for months stays small
 
 
 class GapError(CheckpointError):
@@ -132,6 +133,8 @@ class Subscriber:
         applied one). False if it is at or below the applied sequence number (a harmless no-op);
         GapError if it does not follow."""
         manifest = read_manifest(self.storage, pub_id)
+        if str(manifest.step) != pub_id.split("-")[0].lstrip("0"):
+            raise CheckpointError(f"publish {pub_id} says its sequence number is {manifest.step}")
         if self.applied is not None and manifest.step <= self.applied.seq:
             self.stats.skipped += 1
             return False
@@ -237,6 +240,7 @@ class Subscriber:
                 "trigger_unix_us": m.counters.get("trigger_unix_us"), "created_unix_us": int(m.created_unix * 1e6),
                 "seen_unix_us": self._seen.get(m.id, done),
                 "applied_unix_us": done})
+        del self.stats.records[:-_KEPT]
         newest = chain[-1]
         base = newest.id if newest.kind == CheckpointKind.FULL else (chain[0].id if reload else self.applied.base)
         self.applied = Applied(newest.id, newest.step, newest.counters.get("step", -1), base, dense_step)
@@ -246,7 +250,9 @@ class Subscriber:
     def _error(self, e: Exception) -> None:
         message = f"{type(e).__name__}: {e}"
         self.stats.errors.append(message)
-        logger.warning("subscriber: %s (the model keeps publish %s)", message, self.applied.id if self.applied else None)
+        del self.stats.errors[:-_KEPT]
+        logger.warning("subscriber: %s (the model keeps publish %s)", message,
+                       self.applied.id if self.applied else None)
 
     # ---- state file --------------------------------------------------------------------------
 

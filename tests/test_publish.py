@@ -120,3 +120,25 @@ def test_two_ranks_on_s3_publish_8bit_within_the_bound(tmp_path, s3_bucket):
     listing = [i for i in list_checkpoints(subscriber.storage) if i.status == C]
     assert [i.kind for i in listing].count(F) == 1 and listing[0].kind == F
     subscriber.close()
+
+
+def test_publishing_continues_across_a_resume(tmp_path):
+    # checkpoint.policy full: the publisher installs a tracker of its own
+    opts = ["--set", "publish.enabled=true", "--set", "publish.bits=32", "--set", "publish.interval=10",
+            "--set", "publish.full_every=10", "--set", "checkpoint.policy=full"]
+    cwd, store = str(tmp_path), str(tmp_path / "ck")
+    first = train(cwd, "ck", *opts, "--set", "train.steps=30")
+    config = load_config(TINY, [o for o in opts if o != "--set"])
+    model = InferenceModel(config)
+    subscriber = Subscriber(store + "/publish", model)
+    assert subscriber.poll() and subscriber.applied.step == 30 and subscriber.applied.seq == first["last_publish_seq"]
+    # the resumed trainer restarts from its step-20 checkpoint: the publish sequence goes on with a base
+    second = train(cwd, "ck", *opts, "--resume")
+    assert subscriber.poll() and subscriber.stats.errors == []
+    assert subscriber.applied.step == 60 and subscriber.applied.seq == second["last_publish_seq"]
+    after = [i for i in list_checkpoints(subscriber.storage) if i.step > first["last_publish_seq"]]
+    assert after[0].step == first["last_publish_seq"] + 1 and after[0].kind == F
+    assert all(i.kind == I for i in after[1:]) and len(after) >= 2
+    for name, want in _trainer_tables(store, model).items():
+        assert torch.equal(model.tensors[name], want), name
+    subscriber.close()
