@@ -149,7 +149,10 @@ class InferenceModel:
             raise CheckpointError(f"saved subscriber tensors {sorted(set(tensors) ^ set(self.tensors))[:5]} do not "
                                   "match the inference model")
         for name, t in tensors.items():
-            self.check_tensor(name, tuple(t.shape), "float32" if t.dtype == torch.float32 else str(t.dtype))
+            live = self.tensors[name]
+            if t.shape != live.shape or t.dtype != live.dtype:
+                raise CheckpointError(f"saved tensor {name!r} is {t.dtype} {list(t.shape)}, the inference model has "
+                                      f"{live.dtype} {list(live.shape)}")
         with self.lock, torch.no_grad():
             for name, t in tensors.items():
                 self.tensors[name].copy_(t)
