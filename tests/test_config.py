@@ -53,6 +53,12 @@ def test_overrides_apply():
         ("data.source=parquet", "'data.source' = 'parquet'"),
         ("data.source=tsv", "'data.tsv_paths' is empty"),
         ("checkpoint.chunk_bytes=10", "'checkpoint.chunk_bytes' = 10"),
+        ("data.reader_processes=-1", "'data.reader_processes' = -1 is not allowed; it must be in [0, 64]"),
+        ("data.reader_processes=65", "'data.reader_processes' = 65"),
+        ("data.queue_depth=0", "'data.queue_depth' = 0 is not allowed; it must be in [1, 1024]"),
+        ("data.reader_timeout_s=0", "'data.reader_timeout_s' = 0.0 is not allowed; it must be a finite number > 0"),
+        ("data.reader_timeout_s=.inf", "'data.reader_timeout_s' = inf"),
+        ("data.trace_dir=3", "'data.trace_dir' must be a string"),
         ("trainsteps", "use dotted.key=value"),
     ],
 )
