@@ -281,6 +281,8 @@ class ReaderTier:
             msg = self._receive(p, "done", f"the end of the grant at batch {self._end}")
             if msg[1] != self._end:
                 raise ReaderError(f"{self._name(p)} ended its grant at {msg[1]}, not {self._end}")
+            if not self._data[p].empty():  # "done" is a reader's last word until the next grant
+                raise ReaderError(f"{self._name(p)} sent more after the end of its grant at batch {self._end}")
             cursors.append(msg[2])
             self._skipped = max(self._skipped, int(msg[3]))
         if any(c != cursors[0] for c in cursors):

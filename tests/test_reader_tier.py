@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any, Callable, List
+from typing import Callable, List
 
 import pytest
 import torch

@@ -51,6 +51,7 @@ def _step_times(config: Config, processes: int, rounds: int, block: int, warmup:
                "tier": open_source(config, 0, 1, None, 0, processes=processes)}
     times: Dict[str, List[float]] = {m: [] for m in sources}
     waits: Dict[str, List[float]] = {m: [] for m in sources}
+    block_means: Dict[str, List[float]] = {m: [] for m in sources}
     try:
         for mode, source in sources.items():  # warm-up: reader start-up and first steps
             source.grant(warmup)
@@ -68,6 +69,7 @@ def _step_times(config: Config, processes: int, rounds: int, block: int, warmup:
                     times[mode].append(time.perf_counter() - start)
                     waits[mode].append(got - start)
                 source.collect()
+                block_means[mode].append(statistics.fmean(times[mode][-block:]))
     finally:
         for source in sources.values():
             source.close()
@@ -76,6 +78,9 @@ def _step_times(config: Config, processes: int, rounds: int, block: int, warmup:
         "step_s_in_process": round(mean["in_process"], 5), "step_s_tier": round(mean["tier"], 5),
         "step_ratio_tier_over_in_process": ratio(mean["tier"], mean["in_process"]),
         "median_step_ratio": ratio(statistics.median(times["tier"]), statistics.median(times["in_process"])),
+        # each tier block against the in-process block just before it: robust to slow drift
+        "block_ratio_median": round(statistics.median(
+            t / i for t, i in zip(block_means["tier"], block_means["in_process"])), 4),
         "batch_wait_s_in_process": round(statistics.fmean(waits["in_process"]), 5),
         "batch_wait_s_tier": round(statistics.fmean(waits["tier"]), 5),
         "steps_per_mode": len(times["tier"]),
@@ -126,8 +131,8 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
 def run(argv: List[str]) -> Dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=1, help="reader processes in the step-time comparison")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--block", type=int, default=20, help="steps per block (one grant) of one mode")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=10, help="steps per block (one grant) of one mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=30, help="batches per throughput measurement")
     parser.add_argument("--throughput-processes", type=int, nargs="+", default=[1, 2])
