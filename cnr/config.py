@@ -25,6 +25,8 @@ MALFORMED_POLICIES = ("reject", "skip")
 CHECKPOINT_POLICIES = ("full", "one_shot", "consecutive", "intermittent")  # cnr.policy.POLICIES
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
+MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
+MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids."""
+    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids.
+
+    The reader tier (``readers.tier``): ``reader_processes`` per trainer rank (0: read in the
+    trainer's own process), each buffering at most ``queue_depth`` batches; the trainer waits
+    at most ``reader_timeout_s`` seconds for any reader message before it fails naming the
+    reader. ``trace_dir``: if set, each rank
+    records the sample ids it trains per step there (``cnr.trace``); "" = off.
+    """
 
     source: str = "synthetic"
     num_dense: int = 13
@@ -66,6 +75,10 @@ class DataConfig:
     eval_tsv_paths: List[str] = field(default_factory=list)
     on_malformed: str = "reject"
     eval_batches: int = 8
+    reader_processes: int = 1
+    queue_depth: int = 4
+    reader_timeout_s: float = 60.0
+    trace_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -298,6 +311,13 @@ def validate(config: Config) -> None:
     _one_of("data.on_malformed", d.on_malformed, MALFORMED_POLICIES)
     if d.source == "tsv":
         _require(bool(d.tsv_paths), "config key 'data.tsv_paths' is empty; data.source = 'tsv' needs at least one file")
+    _require(0 <= d.reader_processes <= MAX_READER_PROCESSES,
+             f"config key 'data.reader_processes' = {d.reader_processes} is not allowed; it must be in "
+             f"[0, {MAX_READER_PROCESSES}] (0 reads in the trainer's process)")
+    _require(1 <= d.queue_depth <= MAX_QUEUE_DEPTH,
+             f"config key 'data.queue_depth' = {d.queue_depth} is not allowed; it must be in [1, {MAX_QUEUE_DEPTH}]")
+    _require(math.isfinite(d.reader_timeout_s) and d.reader_timeout_s > 0,
+             f"config key 'data.reader_timeout_s' = {d.reader_timeout_s} is not allowed; it must be a finite number > 0")
     _positive("train.steps", t.steps)
     _positive("train.batch_size", t.batch_size)
     _require(t.seed >= 0, f"config key 'train.seed' = {t.seed} is not allowed; it must be >= 0")

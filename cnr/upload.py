@@ -191,6 +191,11 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # A trainer killed while this process was still importing is gone before prctl took effect:
+    # no signal will come, and the writer would wait for jobs forever.
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
 def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
