@@ -183,8 +183,14 @@ def restore_rng(storage: Storage, manifest: Manifest, rank: int, world_size: int
         logger.info("world size changed (%d -> %d): per-rank RNG state not restored", manifest.world_size, world_size)
         return False
     entry = manifest.tensors.get(f"{RNG_PREFIX}rank-{rank:05d}")
-    if entry is None or len(entry.chunks) != 1:
+    if entry is None or not entry.chunks:
         raise CheckpointError(f"checkpoint {manifest.id} lacks the RNG state of rank {rank}")
-    chunk = ChunkFetcher(storage).get(entry.chunks[0])
-    torch.set_rng_state(chunk.data.clone())
+    # a small checkpoint.chunk_bytes splits the state (about 5 KB) into consecutive row ranges
+    chunks = sorted(entry.chunks, key=lambda c: c.row_start)
+    starts = [c.row_start for c in chunks]
+    if any(c.row_ids for c in chunks) or starts != [sum(c.rows for c in chunks[:i]) for i in range(len(chunks))] \
+            or sum(c.rows for c in chunks) != entry.shape[0]:
+        raise CheckpointError(f"checkpoint {manifest.id}: the chunks of rank {rank}'s RNG state do not cover it exactly once")
+    fetcher = ChunkFetcher(storage)
+    torch.set_rng_state(torch.cat([fetcher.get(c).data for c in chunks]).clone())
     return True
