@@ -263,4 +263,5 @@ def _reduce_stats(checkpointer: Optional[Checkpointer], train_seconds: float) ->
         "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
         "last_checkpoint": s.ids[-1] if s and s.ids else None,
+        "checkpoint_errors": dict(s.errors) if s else {},
     }

@@ -13,6 +13,7 @@ it never opens torchrec: it needs only storage, encoding and manifests.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -69,6 +70,19 @@ class WriteJob:
 
 
 @dataclass
+class ChunkTimes:
+    """One stored chunk: its key and size (bytes), and wall-clock seconds (``time.time()``) at
+    which its encoding started and ended and its put started and ended (0: never started)."""
+
+    key: str
+    nbytes: int
+    encode_start: float
+    encode_end: float
+    put_start: float = 0.0
+    put_end: float = 0.0
+
+
+@dataclass
 class WriteResult:
     """What the writer reports for a job. ``status``: committed, written, failed or cancelled."""
 
@@ -92,24 +106,63 @@ def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
 
 
 class _Uploader:
-    """Puts blobs on a thread pool, at most ``depth`` in flight, so encoding overlaps uploads."""
+    """Puts blobs on a thread pool, at most ``threads + 1`` in flight, so encoding overlaps uploads.
+
+    A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
+    that refuses writes costs a few requests, not one per remaining chunk. ``timeline`` records,
+    per chunk, wall-clock seconds (``time.time()``, comparable across processes) of its encode
+    and its put, for the upload benchmark.
+    """
 
     def __init__(self, storage: Storage, threads: int) -> None:
         self.storage = storage
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
         self.slots = threading.Semaphore(threads + 1)
         self.futures: List[Future] = []
+        self.timeline: List[ChunkTimes] = []
+        self._error: Optional[BaseException] = None
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes, encode_start: float = 0.0, encode_end: float = 0.0) -> None:
+        self._raise_error()
         self.slots.acquire()
-        future = self.pool.submit(self.storage.put, key, blob)
-        future.add_done_callback(lambda _f: self.slots.release())
+        if self._error is not None:  # a put failed while this one waited for a slot
+            self.slots.release()
+            self._raise_error()
+        times = ChunkTimes(key, len(blob), encode_start, encode_end)
+        self.timeline.append(times)
+        future = self.pool.submit(self._timed_put, times, blob)
+        future.add_done_callback(self._done)
         self.futures.append(future)
 
+    def _timed_put(self, times: ChunkTimes, blob: bytes) -> None:
+        times.put_start = time.time()
+        self.storage.put(times.key, blob)
+        times.put_end = time.time()
+
+    def _done(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None and self._error is None:
+            self._error = future.exception()
+        self.slots.release()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            self.wait()  # let the puts in flight end before the job reports its failure
+
     def wait(self) -> None:
+        """Block until every submitted put ended; re-raise the first error, then forget it."""
         futures, self.futures = self.futures, []
+        error, self._error = self._error, None
         for f in futures:
-            f.result()  # re-raises the first upload error
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - the first error is re-raised below
+                error = error or e
+        if error is not None:
+            raise error
+
+    def take_timeline(self) -> List[ChunkTimes]:
+        timeline, self.timeline = self.timeline, []
+        return timeline
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -148,8 +201,9 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
         for lo, hi in _blocks(piece, chunk_bytes):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
+            encode_start = time.time()
             blob, ref = _encode_block(job, piece, chunk_key(job.ckpt_id, job.rank, n), lo, hi, row0, col0)
-            uploader.put(ref.key, blob)
+            uploader.put(ref.key, blob, encode_start, time.time())
             refs.append(ref)
             written += ref.nbytes
             n += 1
@@ -167,12 +221,24 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
     return index, written + len(blob)
 
 
-def _mark_failed(storage: Storage, job: WriteJob, error: str) -> None:
+def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
+    """Write the failure marker; return ``error``, extended when even the marker cannot be written."""
     key = failed_key(job.ckpt_id, None if job.rank == 0 else job.rank)
     try:
         storage.put(key, json.dumps({"error": error, "rank": job.rank, "step": job.step}).encode())
-    except Exception:  # the storage may be what failed; the trainer still gets the error
-        logger.warning("could not write failure marker %s", key)
+        return error
+    except Exception as e:  # the storage may be what failed; the trainer still gets the error
+        reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
+        logger.error("could not write the failure marker %s/%s either: %s", storage.uri, key, reason)
+        return f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})"
+
+
+def _drain(uploader: _Uploader) -> None:
+    """After a failed job: let its puts in flight end, so none leaks into the next job."""
+    try:
+        uploader.wait()
+    except Exception:  # noqa: BLE001 - the job already failed with its first error
+        pass
 
 
 def _retain(storage: Storage, keep_last: int) -> Dict[str, Any]:
@@ -198,18 +264,26 @@ def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJo
     try:
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
         if job.rank != 0:
-            return WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
-        manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
-        extra = {"chain_bytes": list(manifest.chain_bytes), "retention": _retain(storage, config.checkpoint.keep_last)}
-        return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start,
-                           extra=extra)
+            result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
+            result.extra["stored_at"] = time.time()
+        else:
+            manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
+            committed_at = time.time()  # wall clock, for the time from snapshot to commit
+            extra = {"chain_bytes": list(manifest.chain_bytes), "retention": _retain(storage, config.checkpoint.keep_last),
+                     "stored_at": committed_at}
+            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32,
+                                 time.perf_counter() - start, extra=extra)
     except Cancelled as e:
-        _mark_failed(storage, job, str(e))
-        return WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=str(e))
+        _drain(uploader)
+        error = _mark_failed(storage, job, str(e))
+        result = WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=error)
     except Exception as e:
+        _drain(uploader)
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
-        _mark_failed(storage, job, error)
-        return WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+        error = _mark_failed(storage, job, error)
+        result = WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+    result.extra["chunks"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    return result
 
 
 def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None:
@@ -217,6 +291,7 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None
     _die_with_parent()
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     torch.set_num_threads(1)
     storage = open_storage(storage_uri)
     uploader = _Uploader(storage, config.checkpoint.upload_threads)
