@@ -105,7 +105,7 @@ def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
 
 
-class _Uploader:
+class Uploader:
     """Puts blobs on a thread pool, at most ``threads + 1`` in flight, so encoding overlaps uploads.
 
     A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
@@ -187,7 +187,7 @@ def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, r
     return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
 
 
-def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_bytes: int,
+def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
                     cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
     tensors: Dict[str, TensorEntry] = {}
@@ -233,7 +233,7 @@ def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
         return f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})"
 
 
-def _drain(uploader: _Uploader) -> None:
+def _drain(uploader: Uploader) -> None:
     """After a failed job: let its puts in flight end, so none leaks into the next job."""
     try:
         uploader.wait()
@@ -259,7 +259,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
+def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
     start = time.perf_counter()
     try:
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
@@ -294,7 +294,7 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel) -> None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     torch.set_num_threads(1)
     storage = open_storage(storage_uri)
-    uploader = _Uploader(storage, config.checkpoint.upload_threads)
+    uploader = Uploader(storage, config.checkpoint.upload_threads)
     try:
         while True:
             job = jobs.get()

@@ -13,7 +13,7 @@ from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion
-from cnr.upload import WriteJob, _Uploader, write_rank_data
+from cnr.upload import WriteJob, Uploader, write_rank_data
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
 
@@ -25,7 +25,7 @@ def write_piece_chunks(store, ckpt_id, rank, piece, chunk_bytes, first_n=0, row_
         data = data[row_ids - piece.region.offsets[0]]
     host = HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids)
     job = WriteJob(ckpt_id, 1, CheckpointKind.FULL, None, rank + first_n, 1, [host])
-    uploader = _Uploader(store, 2)
+    uploader = Uploader(store, 2)
     try:
         index, _ = write_rank_data(store, uploader, job, chunk_bytes)
     finally:
@@ -163,7 +163,7 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     full = torch.randn(ROWS, COLS)
     piece = _split(full, [0, ROWS], [0, COLS])[0]
     host = HostPiece(piece.name, piece.global_shape, piece.region, False, piece.tensor, None)
-    uploader = _Uploader(store, 2)
+    uploader = Uploader(store, 2)
     try:
         job = WriteJob("0000000001-q", 1, CheckpointKind.FULL, None, 0, 1, [host], bits=bits)
         index, _written = write_rank_data(store, uploader, job, chunk_bytes=96)
