@@ -133,7 +133,7 @@ class Restored:
         return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history)
 
 
-def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Restored:
+def _restore(storage, sharded: ShardedModel, rank: int, world_size: int, threads: int) -> Restored:
     manifest = newest_committed(storage)
     if manifest is None:
         raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
@@ -141,7 +141,7 @@ def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Rest
     prepare_dense_optimizer(manifest, sharded.dense_optimizer)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     check_no_extra_tensors(manifest, global_names(pieces))
-    nbytes, rows = restore_chain(storage, chain, pieces)
+    nbytes, rows = restore_chain(storage, chain, pieces, threads)
     restore_rng(storage, manifest, rank, world_size)
     logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank 0)",
                 manifest.id, manifest.step, len(chain), nbytes)
@@ -178,7 +178,7 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     cursor = None
     restored: Optional[Restored] = None
     if job.resume:
-        restored = _restore(storage, sharded, rank, world_size)
+        restored = _restore(storage, sharded, rank, world_size, config.checkpoint.restore_threads)
         m = restored.manifest
         counters = {"step": m.counters["step"], "samples": m.counters["samples"], "restores": m.counters.get("restores", 0) + 1}
         cursor = m.reader

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import List
+
 import pytest
 import torch
 
@@ -71,13 +73,37 @@ LAYOUTS = {
 @pytest.mark.parametrize("src", sorted(LAYOUTS))
 @pytest.mark.parametrize("dst", sorted(LAYOUTS))
 @pytest.mark.parametrize("chunk_bytes", [24, 4096])
-def test_any_split_restores_into_any_split(tmp_path, src, dst, chunk_bytes):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_split_restores_into_any_split(tmp_path, src, dst, chunk_bytes, threads):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     manifest = _write(store, _split(full, *LAYOUTS[src]), chunk_bytes)
     target = torch.zeros(ROWS, COLS)
-    restore_pieces(store, manifest, _split(target, *LAYOUTS[dst]))
+    restore_pieces(store, manifest, _split(target, *LAYOUTS[dst]), threads=threads)
     assert torch.equal(target, full)
+
+
+class _CountingStorage(LocalStorage):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.gets: List[str] = []
+
+    def get(self, key, byte_range=None):
+        self.gets.append(key)
+        return super().get(key, byte_range)
+
+
+def test_each_chunk_is_fetched_once_and_intra_op_threads_are_put_back(tmp_path):
+    store = _CountingStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    manifest = _write(store, _split(full, *LAYOUTS["whole"]), 4096)  # one chunk per 4096 bytes, many pieces each
+    target = torch.zeros(ROWS, COLS)
+    before = torch.get_num_threads()
+    restore_pieces(store, manifest, _split(target, *LAYOUTS["grid"]), threads=2)
+    assert torch.equal(target, full) and torch.get_num_threads() == before
+    assert sorted(store.gets) == sorted(c.key for c in manifest.tensors[NAME].chunks)
+    with pytest.raises(ValueError, match="threads=0"):
+        restore_pieces(store, manifest, _split(target, *LAYOUTS["grid"]), threads=0)
 
 
 def test_one_dimensional_and_scalar_state(tmp_path):
@@ -135,7 +161,8 @@ def test_altered_chunk_detected_on_restore(tmp_path):
 
 @pytest.mark.parametrize("src", sorted(LAYOUTS))
 @pytest.mark.parametrize("dst", sorted(LAYOUTS))
-def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst, threads):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     base = _write(store, _split(full, *LAYOUTS[src]), 96)
@@ -150,7 +177,7 @@ def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst):
     inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {NAME: TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))},
                     base=base.id)
     target = torch.zeros(ROWS, COLS)
-    _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]))
+    _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]), threads=threads)
     assert torch.equal(target, later)
     assert applied["t"].tolist() == touched.tolist()
 
