@@ -118,7 +118,8 @@ class CheckpointConfig:
     ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore. ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
+    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore.
+    ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
