@@ -22,7 +22,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -190,7 +190,7 @@ def encode_quantized_chunk(
     return _assemble(key, layout, parts)
 
 
-def decode_chunk(blob: bytes, ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
     """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong.
 
     ``dequantize=False`` leaves a quantized chunk's rows quantized (see DecodedChunk.values).

@@ -70,9 +70,10 @@ class WriteJob:
 
 
 @dataclass
-class ChunkTimes:
-    """One stored chunk: its key and size (bytes), and wall-clock seconds (``time.time()``) at
-    which its encoding started and ended and its put started and ended (0: never started)."""
+class ObjectTimes:
+    """One stored object (a chunk, or small chunks packed together): its key and size (bytes),
+    and wall-clock seconds (``time.time()``) at which the encoding of its chunks started and
+    ended and its put started and ended (0: never started)."""
 
     key: str
     nbytes: int
@@ -95,6 +96,10 @@ class WriteResult:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload._Packer).
+PACK_FRACTION = 8
+
+
 def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     """Row ranges of at most ``chunk_bytes`` each; an empty increment has none."""
     rows = piece.data.shape[0]
@@ -110,8 +115,8 @@ class Uploader:
 
     A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
     that refuses writes costs a few requests, not one per remaining chunk. ``timeline`` records,
-    per chunk, wall-clock seconds (``time.time()``, comparable across processes) of its encode
-    and its put, for the upload benchmark.
+    per stored object, wall-clock seconds (``time.time()``, comparable across processes) of its
+    encoding and its put, for the upload benchmark.
     """
 
     def __init__(self, storage: Storage, threads: int) -> None:
@@ -119,7 +124,7 @@ class Uploader:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
         self.slots = threading.Semaphore(threads + 1)
         self.futures: List[Future] = []
-        self.timeline: List[ChunkTimes] = []
+        self.timeline: List[ObjectTimes] = []
         self._error: Optional[BaseException] = None
 
     def put(self, key: str, blob: bytes, encode_start: float = 0.0, encode_end: float = 0.0) -> None:
@@ -128,13 +133,13 @@ class Uploader:
         if self._error is not None:  # a put failed while this one waited for a slot
             self.slots.release()
             self._raise_error()
-        times = ChunkTimes(key, len(blob), encode_start, encode_end)
+        times = ObjectTimes(key, len(blob), encode_start, encode_end)
         self.timeline.append(times)
         future = self.pool.submit(self._timed_put, times, blob)
         future.add_done_callback(self._done)
         self.futures.append(future)
 
-    def _timed_put(self, times: ChunkTimes, blob: bytes) -> None:
+    def _timed_put(self, times: ObjectTimes, blob: bytes) -> None:
         times.put_start = time.time()
         self.storage.put(times.key, blob)
         times.put_end = time.time()
@@ -160,7 +165,7 @@ class Uploader:
         if error is not None:
             raise error
 
-    def take_timeline(self) -> List[ChunkTimes]:
+    def take_timeline(self) -> List[ObjectTimes]:
         timeline, self.timeline = self.timeline, []
         return timeline
 
@@ -187,12 +192,54 @@ def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, r
     return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
 
 
+class _Packer:
+    """Names each encoded chunk's object: a chunk of at least ``limit // PACK_FRACTION`` bytes is
+    an object of its own; smaller ones go back to back into shared objects of up to ``limit``
+    bytes, so small tensors and tables cost one request per object, not one per chunk."""
+
+    def __init__(self, uploader: Uploader, ckpt_id: str, rank: int, limit: int) -> None:
+        self.uploader = uploader
+        self.ckpt_id, self.rank, self.limit = ckpt_id, rank, limit
+        self.objects = 0
+        self.parts: List[bytes] = []
+        self.size = 0
+        self.key = ""
+        self.times = (0.0, 0.0)
+
+    def _next_key(self) -> str:
+        self.objects += 1
+        return chunk_key(self.ckpt_id, self.rank, self.objects - 1)
+
+    def add(self, blob: bytes, ref: ChunkRef, encode_start: float, encode_end: float) -> ChunkRef:
+        """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""
+        if len(blob) * PACK_FRACTION >= self.limit:
+            key = self._next_key()
+            self.uploader.put(key, blob, encode_start, encode_end)
+            return dataclasses.replace(ref, key=key, offset=0)
+        if self.parts and self.size + len(blob) > self.limit:
+            self.flush()
+        if not self.parts:
+            self.key, self.times = self._next_key(), (encode_start, encode_start)
+        placed = dataclasses.replace(ref, key=self.key, offset=self.size)
+        self.parts.append(blob)
+        self.size += len(blob)
+        self.times = (self.times[0], encode_end)
+        return placed
+
+    def flush(self) -> None:
+        """Put the shared object being filled, if any."""
+        if self.parts:
+            blob = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            self.uploader.put(self.key, blob, *self.times)
+            self.parts, self.size = [], 0
+
+
 def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
                     cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
     tensors: Dict[str, TensorEntry] = {}
     written = 0
-    n = 0
+    packer = _Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
     maybe_crash("before_data", job.step, job.rank, cancel)
     for i, piece in enumerate(job.pieces):
         refs: List[ChunkRef] = []
@@ -202,17 +249,17 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
             encode_start = time.time()
-            blob, ref = _encode_block(job, piece, chunk_key(job.ckpt_id, job.rank, n), lo, hi, row0, col0)
-            uploader.put(ref.key, blob, encode_start, time.time())
-            refs.append(ref)
+            blob, ref = _encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
+            refs.append(packer.add(blob, ref, encode_start, time.time()))
             written += ref.nbytes
-            n += 1
         have = tensors.get(piece.name)
         tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
                                           (have.chunks if have else ()) + tuple(refs))
         if i == 0:
+            packer.flush()
             uploader.wait()
             maybe_crash("mid_data", job.step, job.rank, cancel)
+    packer.flush()
     uploader.wait()
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
     blob = rank_index_to_bytes(index)
@@ -282,7 +329,7 @@ def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
         error = _mark_failed(storage, job, error)
         result = WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
-    result.extra["chunks"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
     return result
 
 

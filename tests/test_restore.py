@@ -9,7 +9,7 @@ import torch
 
 from cnr.commit import check_coverage
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, TensorEntry
+from cnr.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
 from cnr.restore import restore_chain, restore_pieces
 from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
@@ -87,9 +87,11 @@ class _CountingStorage(LocalStorage):
     def __init__(self, root: str) -> None:
         super().__init__(root)
         self.gets: List[str] = []
+        self.ranges: List[object] = []
 
     def get(self, key, byte_range=None):
         self.gets.append(key)
+        self.ranges.append(byte_range)
         return super().get(key, byte_range)
 
 
@@ -202,3 +204,36 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     restore_pieces(store, _manifest("0000000001-q", CheckpointKind.FULL, {NAME: entry}), _split(target, [0, ROWS], [0, 3, 6]))
     # chunk boundaries do not change the rows' quantization: the same rows quantized whole match
     assert torch.allclose(target, dequantize_rows(quantize_rows(full, bits)), atol=1e-6)
+
+
+def test_small_chunks_share_objects_and_restore_reads_each_once(tmp_path):
+    """One rank's job of many small pieces: chunks under chunk_bytes / 8 go back to back into
+    shared objects; a restore GETs each object once, whole, and a restore that needs only some
+    of an object's chunks reads just their span with a ranged GET."""
+    store = _CountingStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    pieces = _split(full, *LAYOUTS["grid"])
+    hosts = [HostPiece(p.name, p.global_shape, p.region, False, p.tensor, None) for p in pieces]
+    uploader = Uploader(store, 2)
+    try:
+        index, _ = write_rank_data(store, uploader, WriteJob("0000000001-p", 1, CheckpointKind.FULL, None, 0, 1, hosts),
+                                   chunk_bytes=4096)
+    finally:
+        uploader.close()
+    refs = index.tensors[NAME].chunks
+    objects = sorted({r.key for r in refs})
+    assert len(objects) < len(refs) and store.list("checkpoints") == sorted(objects + ["checkpoints/0000000001-p/rank-00000.json"])
+    for key in objects:
+        spans = sorted((r.offset, r.offset + r.nbytes) for r in refs if r.key == key)
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # back to back
+        assert spans[-1][1] == store.size(key)
+    manifest = _manifest("0000000001-p", CheckpointKind.FULL, {NAME: TensorEntry((ROWS, COLS), "float32", False, refs)})
+    assert parse_manifest(manifest_to_bytes(manifest)).tensors[NAME].chunks == refs
+    target = torch.zeros(ROWS, COLS)
+    restore_pieces(store, manifest, _split(target, *LAYOUTS["whole"]), threads=2)
+    assert torch.equal(target, full)
+    assert sorted(store.gets) == objects and store.ranges == [None] * len(objects)
+    store.gets, store.ranges = [], []
+    part = torch.zeros(5, COLS)  # rows 0..4 only: the first grid row's chunks, part of their objects
+    restore_pieces(store, manifest, [StatePiece(NAME, (ROWS, COLS), ShardRegion((0, 0), (5, COLS)), part, False)])
+    assert torch.equal(part, full[:5]) and any(r is not None for r in store.ranges)

@@ -5,7 +5,7 @@ On each backend, in one process at world size 1 (medians over ``--repeats``):
 - fp32 full checkpoints through the background writer: the time from the end of the snapshot
   to the commit, against plain puts of the same objects (same sizes, same storage client
   settings, same ``checkpoint.upload_threads``) -> ``commit_over_raw_put``. The writer's per-chunk
-  timeline shows how much of the encoding ran while earlier chunks were being uploaded;
+  timeline shows how much of the encoding ran while earlier objects were being uploaded;
 - a quantized chain (a ``--bits`` full baseline, ``checkpoint.interval`` training steps, then an
   increment of the rows touched since): its restore into the live model, against a plain
   download of every object of an fp32 full checkpoint -> ``restore_over_full_download``.
@@ -75,7 +75,7 @@ class _Model:
         if result is None or result.status != "committed":
             raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
         return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end,
-                "background_s": result.seconds, "bytes": result.bytes_written, "chunks": result.extra["chunks"]}
+                "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}
 
 
 def _with_checkpoint(config: Config, **changes: Any) -> Config:
@@ -83,8 +83,8 @@ def _with_checkpoint(config: Config, **changes: Any) -> Config:
 
 
 def _raw_put_seconds(uri: str, sizes: List[int], threads: int) -> float:
-    """Seconds to put objects of ``sizes`` (the chunks, then the index and the manifest, one by
-    one, as the writer stores them) through the writer's Uploader on a fresh storage client."""
+    """Seconds to put objects of ``sizes`` (the data objects, then the index and the manifest one
+    by one, as the writer stores them) through the writer's Uploader on a fresh storage client."""
     storage = open_storage(uri)
     source = memoryview(os.urandom(max(sizes)))
     uploader = Uploader(storage, threads)
@@ -114,10 +114,10 @@ def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
         model.checkpoint(ckpt)  # not measured: the writer process starts and the host buffers are made
         for _ in range(repeats):
             c = model.checkpoint(ckpt)
-            sizes = [chunk[1] for chunk in c["chunks"]]
+            sizes = [obj[1] for obj in c["objects"]]
             sizes += [storage.size(rank_index_key(c["id"], 0)), storage.size(manifest_key(c["id"]))]
             raw_s = _raw_put_seconds(f"{uri}/raw-put", sizes, config.checkpoint.upload_threads)
-            rows.append({**pipeline_stats(c["chunks"]), "commit_s": c["commit_s"], "raw_put_s": raw_s,
+            rows.append({**pipeline_stats(c["objects"]), "commit_s": c["commit_s"], "raw_put_s": raw_s,
                          "bytes": sum(sizes), "commit_over_raw_put": ratio(c["commit_s"], raw_s)})
     finally:
         ckpt.finish()
