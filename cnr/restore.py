@@ -25,7 +25,7 @@ from cnr.types import ByteRange, ChunkRef
 
 logger = logging.getLogger(__name__)
 
-_BLOCK_BYTES = 1 << 20  # a block of dequantized rows stays in cache on its way into the model
+_BLOCK_BYTES = 4 << 20  # a block of dequantized rows stays in cache on its way into the model (1, 4, 16 MiB measured: 4 best)
 
 
 
@@ -106,19 +106,20 @@ def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: 
     p0, p1, q0, q1 = span
     ids = chunk.row_ids
     inside = (ids >= p0) & (ids < p1)
+    every = bool(inside.all())  # the usual case: no masked copies of ids and values needed
     step = _block_rows(chunk)
     for b0 in range(0, ids.numel(), step):
         b1 = min(ids.numel(), b0 + step)
-        keep = inside[b0:b1]
+        keep = slice(None) if every else inside[b0:b1]
         local = ids[b0:b1][keep] - p0
         data = chunk.values(b0, b1)[keep]
         if q1 == q0 == 0:
-            target[local] = data
+            target.index_copy_(0, local, data)
         else:
             c0, c1 = chunk.ref.col_offset, chunk.ref.col_offset + chunk.ref.cols
             clo, chi = max(q0, c0), min(q1, c1)
             target[local, clo - q0:chi - q0] = data[:, clo - c0:chi - c0]
-    return ids[inside]
+    return ids if every else ids[inside]
 
 
 @contextlib.contextmanager
