@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
 from cli_helpers import TINY, run_cnr
+from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
+from cnr.storage.local import LocalStorage
 
 
 def test_pipeline_stats_from_a_timeline():
@@ -26,16 +29,32 @@ def test_pipeline_stats_from_a_timeline():
     assert pipeline_stats([])["objects"] == 0
 
 
+def test_link_queues_transfers_at_its_rate(tmp_path):
+    link = Link(rate=1000.0)  # bytes/s
+    long_ago = time.monotonic() - 100.0  # transfers that would have arrived already: no sleeping
+    link.carry(500, long_ago)
+    link.carry(1000, long_ago)  # queued behind the first on the shared link
+    assert link._free_at == pytest.approx(long_ago + 1.5)
+    store = LinkedStorage(LocalStorage(str(tmp_path)), link)
+    store.put("a/b", b"xyz")
+    assert store.get("a/b") == b"xyz" and store.list("a") == ["a/b"] and store.size("a/b") == 3
+    with pytest.raises(ValueError, match="link rate 0"):
+        Link(0)
+
+
 def test_bench_upload_tiny_on_s3_and_local(tmp_path):
-    rc, out, err = run_cnr(["bench", "upload", "--config", TINY, "--repeats", "1"], str(tmp_path), timeout=600)
+    rc, out, err = run_cnr(["bench", "upload", "--config", TINY, "--repeats", "1", "--link-mb-s", "100"], str(tmp_path),
+                           timeout=600)
     assert rc == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["bench"] == "upload" and result["headline_backend"] == "s3"
-    for key in ("commit_over_raw_put", "restore_over_full_download", "overlap_fraction"):
+    for key in ("commit_over_raw_put", "restore_over_full_download", "overlap_fraction", "link_restore_over_full_download"):
         assert result[key] == result["s3"][key]
+    assert result["link_mb_s"] == 100
     for backend in ("s3", "local"):
         r = result[backend]
-        for key in ("commit_over_raw_put", "restore_over_full_download", "restore_fp32_over_full_download"):
+        for key in ("commit_over_raw_put", "restore_over_full_download", "restore_fp32_over_full_download",
+                    "link_restore_over_full_download", "link_restore_fp32_over_full_download"):
             assert math.isfinite(r[key]) and r[key] > 0, (backend, key, r[key])
         assert r["bytes"] == r["full_download_bytes"] > 0  # the raw puts and the download moved the same bytes
         assert 1 <= r["objects"] and 0 <= r["objects_stored_while_encoding"] <= r["objects"]
@@ -52,6 +71,7 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
     (["--repeats", "0"], "--repeats 0"),
     (["--bits", "5"], "--bits 5"),
     (["--touched", "1.5"], "--touched 1.5"),
+    (["--link-mb-s", "-1"], "--link-mb-s -1.0"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
     rc, _out, err = run_cnr(["bench", "upload", "--config", TINY, *args], str(tmp_path))

@@ -4,14 +4,17 @@ against a local S3 endpoint (moto on 127.0.0.1, in its own process) and a local 
 On each backend, in one process at world size 1 (medians over ``--repeats``):
 - fp32 full checkpoints through the background writer: the time from the end of the snapshot
   to the commit, against plain puts of the same objects (same sizes, same storage client
-  settings, same ``checkpoint.upload_threads``) -> ``commit_over_raw_put``. The writer's per-chunk
-  timeline shows how much of the encoding ran while earlier objects were being uploaded;
-- a quantized chain (a ``--bits`` full baseline, ``checkpoint.interval`` training steps, then an
-  increment of the rows touched since): its restore into the live model, against a plain
-  download of every object of an fp32 full checkpoint -> ``restore_over_full_download``.
+  settings, same ``checkpoint.upload_threads``) -> ``commit_over_raw_put``. The writer's
+  per-object timeline shows how much of the encoding ran while earlier objects were uploading;
+- a quantized chain (a ``--bits`` full baseline, training until ``--touched`` of all rows moved,
+  then the increment of those rows): its restore into the live model, end to end, against a
+  plain download of every object of an fp32 full checkpoint (same client, ``restore_threads``
+  threads) -> ``restore_over_full_download``; the fp32 checkpoint's own restore beside it.
+  ``--link-mb-s`` repeats the restore figures with reads over an emulated link of that rate
+  (cnr.bench.link): loopback moto serves faster than most links a rank restores over.
 
 The default is configs/bench.yaml (772 MB of fp32 embeddings); ``--rows-scale`` shrinks every
-table (moto keeps objects in one Python process, and its PUT rate bounds the run time).
+table for a quicker run. moto keeps the objects (in temporary files) in its own process.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Dict, List
 import torch
 
 from cnr.bench.common import argv_list, base_parser, load, ratio
+from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
 from cnr.checkpoint import Checkpointer
 from cnr.config import Config
@@ -39,6 +43,7 @@ from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.restore import restore_chain
 from cnr.state import collect_state
 from cnr.storage import open_storage
+from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
 from cnr.train import _train_step
 from cnr.upload import Uploader
@@ -156,9 +161,15 @@ def _chain(model: _Model, uri: str, bits: int, touched: float) -> Dict[str, Any]
             "touched_fraction": round(chain[1].rows / total_rows, 4), "chain_kinds": [m.kind.value for m in chain]}
 
 
-def _download_seconds(uri: str, threads: int) -> Dict[str, Any]:
-    """Seconds to get every object of the newest checkpoint under ``uri`` on ``threads`` threads."""
+def _open(uri: str, link_rate: float) -> Storage:
+    """``uri``'s storage; with ``link_rate`` > 0 (bytes/s) its reads go through an emulated link."""
     storage = open_storage(uri)
+    return LinkedStorage(storage, Link(link_rate)) if link_rate > 0 else storage
+
+
+def _download_seconds(uri: str, threads: int, link_rate: float) -> Dict[str, Any]:
+    """Seconds to get every object of the newest checkpoint under ``uri`` on ``threads`` threads."""
+    storage = _open(uri, link_rate)
     try:
         keys = storage.list(checkpoint_prefix(newest_committed(storage).id))
         start = time.perf_counter()
@@ -169,9 +180,9 @@ def _download_seconds(uri: str, threads: int) -> Dict[str, Any]:
         storage.close()
 
 
-def _restore_seconds(model: _Model, uri: str) -> float:
+def _restore_seconds(model: _Model, uri: str, link_rate: float) -> float:
     """Seconds of a restore of the newest chain under ``uri`` into the live model, end to end."""
-    storage = open_storage(uri)
+    storage = _open(uri, link_rate)
     try:
         start = time.perf_counter()
         chain = resolve_chain(storage, newest_committed(storage))
@@ -181,17 +192,28 @@ def _restore_seconds(model: _Model, uri: str) -> float:
         storage.close()
 
 
-def _restores(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
-    threads = model.config.checkpoint.restore_threads
+def _restore_row(model: _Model, uri: str, link_rate: float, prefix: str = "") -> Dict[str, Any]:
+    """One measurement of the full fp32 download, the quantized chain's and the fp32 restore."""
+    download = _download_seconds(f"{uri}/fp32", model.config.checkpoint.restore_threads, link_rate)
+    quantized = _restore_seconds(model, f"{uri}/quantized", link_rate)
+    fp32 = _restore_seconds(model, f"{uri}/fp32", link_rate)
+    row = {"full_download_s": download["seconds"], "restore_quantized_s": quantized, "restore_fp32_s": fp32,
+           "restore_over_full_download": ratio(quantized, download["seconds"]),
+           "restore_fp32_over_full_download": ratio(fp32, download["seconds"])}
+    out = {prefix + k: v for k, v in row.items()}
+    if not prefix:
+        out["full_download_bytes"] = download["bytes"]
+    return out
+
+
+def _restores(model: _Model, uri: str, repeats: int, link_rate: float) -> Dict[str, Any]:
+    """Restore figures at the endpoint's own speed and, with ``link_rate`` > 0, over the link."""
     rows = []
     for _ in range(repeats):
-        download = _download_seconds(f"{uri}/fp32", threads)
-        quantized = _restore_seconds(model, f"{uri}/quantized")
-        fp32 = _restore_seconds(model, f"{uri}/fp32")
-        rows.append({"full_download_s": download["seconds"], "full_download_bytes": download["bytes"],
-                     "restore_quantized_s": quantized, "restore_fp32_s": fp32,
-                     "restore_over_full_download": ratio(quantized, download["seconds"]),
-                     "restore_fp32_over_full_download": ratio(fp32, download["seconds"])})
+        row = _restore_row(model, uri, 0.0)
+        if link_rate > 0:
+            row.update(_restore_row(model, uri, link_rate, prefix="link_"))
+        rows.append(row)
     return _medians(rows)
 
 
@@ -209,7 +231,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     for name, uri in arg["uris"].items():
         writes = _writes(model, uri, arg["repeats"])
         chain = _chain(model, f"{uri}/quantized", arg["bits"], arg["touched"])
-        out[name] = {**writes, **chain, **_restores(model, uri, arg["repeats"])}
+        out[name] = {**writes, **chain, **_restores(model, uri, arg["repeats"], arg["link_rate"])}
     return out
 
 
@@ -227,6 +249,8 @@ def _check_args(args) -> List[str]:
         raise ConfigError(f"--rows-scale {args.rows_scale} is not allowed; give a factor in (0, 1]")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats} is not allowed; it must be >= 1")
+    if args.link_mb_s < 0:
+        raise ConfigError(f"--link-mb-s {args.link_mb_s} is not allowed; give MB/s > 0, or 0 for no link")
     if not 0 < args.touched <= 1:
         raise ConfigError(f"--touched {args.touched} is not allowed; give a fraction in (0, 1]")
     if args.bits not in (2, 3, 4, 8):
@@ -240,6 +264,8 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--backends", default="s3,local", help="comma-separated: s3 (moto on 127.0.0.1), local")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each kind (medians reported)")
     parser.add_argument("--bits", type=int, default=4, help="bit-width of the quantized chain (2, 3, 4, 8)")
+    parser.add_argument("--link-mb-s", type=float, default=0.0,
+                        help="also measure the restores with reads over an emulated link of this many MB/s (0: off)")
     parser.add_argument("--touched", type=float, default=0.25,
                         help="the increment holds the rows touched until this fraction of all rows moved")
     args = parser.parse_args(argv_list(argv))
@@ -257,7 +283,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
         if "local" in backends:
             uris["local"] = os.path.join(workdir, "local")
         result = launch(_bench, 1, {"config": config, "uris": uris, "repeats": args.repeats, "bits": args.bits,
-                                      "touched": args.touched})
+                                      "touched": args.touched, "link_rate": args.link_mb_s * 1e6})
     finally:
         if server is not None:
             server.stop()
@@ -265,6 +291,8 @@ def run(argv: List[str]) -> Dict[str, Any]:
             shutil.rmtree(workdir, ignore_errors=True)
     head = result[backends[0]]
     return {"bench": "upload", "config": os.path.basename(args.config), "rows_scale": args.rows_scale,
+            "link_mb_s": args.link_mb_s or None,
             "fp32_bytes": head["bytes"], "commit_over_raw_put": head["commit_over_raw_put"],
             "restore_over_full_download": head["restore_over_full_download"],
-            "overlap_fraction": head["overlap_fraction"], "headline_backend": backends[0], **result}
+            "overlap_fraction": head["overlap_fraction"], "headline_backend": backends[0],
+            "link_restore_over_full_download": head.get("link_restore_over_full_download"), **result}
