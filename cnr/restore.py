@@ -169,15 +169,18 @@ def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
     return memoryview(storage.get(key) if whole else storage.get(key, ByteRange(lo, hi - lo)))
 
 
+_Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
+
+
 def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int,
-                  pieces: List[StatePiece]):
+                  pieces: List[StatePiece]) -> Tuple[int, _Writes]:
     """Fetch the needed chunks of one object, verify and decode each, write it into every piece
     it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)]).
     Pieces of one checkpoint never share an element between two chunks, so workers write
     disjoint memory."""
     data = _fetch_object(storage, key, chunks, size)
     lo = min(ref.offset for ref, _t in chunks)
-    out = []
+    out: _Writes = []
     for ref, targets in chunks:
         blob = data[ref.offset - lo:ref.offset - lo + ref.nbytes]
         chunk = decode_chunk(blob, ref, dequantize=False)  # dequantized block by block as it is written
@@ -212,7 +215,7 @@ def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece
 
 
 def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
-                   results) -> Tuple[int, Dict[str, torch.Tensor]]:
+                   results: List[Tuple[int, _Writes]]) -> Tuple[int, Dict[str, torch.Tensor]]:
     """Sum what the chunks wrote, check every piece's coverage, collect rows applied per table."""
     copied = [0] * len(pieces)
     applied: Dict[str, List[torch.Tensor]] = {}

@@ -63,74 +63,82 @@ class S3Proxy:
         self.close()
 
 
-def _handler_for(proxy: S3Proxy) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
+class _Handler(BaseHTTPRequestHandler):
+    """Forwards to moto, or refuses once ``proxy`` is failing. Subclassed per proxy."""
 
-        def log_message(self, *_args) -> None:  # no access log on stderr
-            pass
+    protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
+    proxy: S3Proxy
 
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                parts = []
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass  # trailers
-                        return b"".join(parts)
-                    parts.append(self.rfile.read(size))
-                    self.rfile.readline()
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def log_message(self, *_args) -> None:  # no access log on stderr
+        pass
 
-        def _refuse(self) -> None:
-            status, code, message = _ERRORS[proxy.mode]
-            with proxy.lock:
-                proxy.refused.append((self.command, self.path))
-            body = b"" if self.command == "HEAD" else (
-                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-                f"<RequestId>cnr-proxy</RequestId></Error>").encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return b"".join(parts)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _refuse(self) -> None:
+        status, code, message = _ERRORS[self.proxy.mode]
+        with self.proxy.lock:
+            self.proxy.refused.append((self.command, self.path))
+        body = b"" if self.command == "HEAD" else (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+            f"<RequestId>cnr-proxy</RequestId></Error>").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _forward(self, body: bytes) -> None:
+        conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body, headers=headers)
+            reply = conn.getresponse()
+            data = reply.read()
+            self.send_response(reply.status)
+            for k, v in reply.getheaders():
+                if k.lower() not in _HOP_HEADERS:
+                    self.send_header(k, v)
+            length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+            self.send_header("Content-Length", length or str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        finally:
+            conn.close()
+        self._count(reply.status)
 
-        def _forward(self, body: bytes) -> None:
-            conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                reply = conn.getresponse()
-                data = reply.read()
-                self.send_response(reply.status)
-                for k, v in reply.getheaders():
-                    if k.lower() not in _HOP_HEADERS:
-                        self.send_header(k, v)
-                length = reply.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-            finally:
-                conn.close()
-            with proxy.lock:
-                proxy.forwarded[self.command] += 1
-                if proxy.committed and self.command in _WRITES:
-                    proxy.grace_writes -= 1
-                if self.command == "PUT" and 200 <= reply.status < 300 and self.path.split("?")[0].endswith("/manifest.json"):
-                    proxy.committed = True  # the first commit went through
-                # from now on the bucket is unusable
-                proxy.failing = proxy.committed and proxy.grace_writes <= 0
+    def _count(self, status: int) -> None:
+        proxy = self.proxy
+        with proxy.lock:
+            proxy.forwarded[self.command] += 1
+            if proxy.committed and self.command in _WRITES:
+                proxy.grace_writes -= 1
+            if self.command == "PUT" and 200 <= status < 300 and self.path.split("?")[0].endswith("/manifest.json"):
+                proxy.committed = True  # the first commit went through
+            # from now on the bucket is unusable
+            proxy.failing = proxy.committed and proxy.grace_writes <= 0
 
-        def _handle(self) -> None:
-            body = self._body()
-            if proxy.refuses(self.command):
-                self._refuse()
-            else:
-                self._forward(body)
+    def _handle(self) -> None:
+        body = self._body()
+        if self.proxy.refuses(self.command):
+            self._refuse()
+        else:
+            self._forward(body)
 
-        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-    return Handler
+
+def _handler_for(proxy: S3Proxy) -> type:
+    return type("Handler", (_Handler,), {"proxy": proxy})

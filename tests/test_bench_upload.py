@@ -60,6 +60,7 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
         assert 1 <= r["objects"] and 0 <= r["objects_stored_while_encoding"] <= r["objects"]
         assert 0.0 <= r["overlap_fraction"] <= 1.0
         assert r["chain_kinds"] == ["full", "incremental"] and r["bits"] == 4
+        assert 1 <= r["chain_objects"] <= r["chain_chunks"]
         assert 0 < r["touched_fraction"] <= 1 and r["increment_steps"] >= 1
         assert r["baseline_bytes"] < r["bytes"]  # 4-bit rows take less than fp32 ones
         assert r["repeats"] == 1

@@ -19,6 +19,7 @@ table for a quicker run. moto keeps the objects (in temporary files) in its own 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -41,7 +42,7 @@ from cnr.launch import launch
 from cnr.manifest import checkpoint_prefix, manifest_key, newest_committed, rank_index_key, resolve_chain
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.restore import restore_chain
-from cnr.state import collect_state
+from cnr.state import StatePiece, collect_state
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
@@ -67,7 +68,7 @@ class _Model:
             _train_step(self.sharded, self.reader.next_batch())
         self.step += steps
 
-    def state(self):
+    def state(self) -> List[StatePiece]:
         return collect_state(self.sharded.model, self.sharded.dense_optimizer)
 
     def checkpoint(self, ckpt: Checkpointer) -> Dict[str, Any]:
@@ -157,8 +158,10 @@ def _chain(model: _Model, uri: str, bits: int, touched: float) -> Dict[str, Any]
     finally:
         storage.close()
     total_rows = sum(t.rows for t in model.config.model.tables)
+    objects = {c.key for m in chain for t in m.tensors.values() for c in t.chunks}
     return {"bits": bits, "baseline_bytes": base["bytes"], "increment_bytes": inc["bytes"], "increment_steps": steps,
-            "touched_fraction": round(chain[1].rows / total_rows, 4), "chain_kinds": [m.kind.value for m in chain]}
+            "touched_fraction": round(chain[1].rows / total_rows, 4), "chain_kinds": [m.kind.value for m in chain],
+            "chain_objects": len(objects), "chain_chunks": sum(len(t.chunks) for m in chain for t in m.tensors.values())}
 
 
 def _open(uri: str, link_rate: float) -> Storage:
@@ -240,7 +243,7 @@ def _scaled(config: Config, factor: float) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, tables=tables))
 
 
-def _check_args(args) -> List[str]:
+def _check_args(args: argparse.Namespace) -> List[str]:
     backends = [b for b in args.backends.split(",") if b]
     bad = [b for b in backends if b not in BACKENDS]
     if not backends or bad:

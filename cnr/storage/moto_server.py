@@ -43,7 +43,7 @@ ENV_NAMES = (
 _STOP_TIMEOUT_S = 30.0
 
 
-def _server_class():
+def _server_class() -> type:
     try:
         from moto.server import ThreadedMotoServer
     except ImportError as e:
