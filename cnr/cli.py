@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from cnr.errors import CnrError
 
-BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader")  # cnr/bench/<name>.py, each with run(argv) -> dict
+BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload")  # cnr/bench/<name>.py, each with run(argv) -> dict
 
 
 def _train(args: argparse.Namespace) -> int:

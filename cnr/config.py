@@ -131,7 +131,8 @@ class CheckpointConfig:
     ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process. ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
+    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore.
+    ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
@@ -148,6 +149,7 @@ class CheckpointConfig:
     policy: str = "intermittent"
     on_overlap: str = "wait"
     upload_threads: int = 2
+    restore_threads: int = 2
     commit_timeout_s: float = 600.0
     bits: int = 32
     quant_method: str = ""
@@ -330,6 +332,7 @@ def validate(config: Config) -> None:
     _one_of("checkpoint.policy", c.policy, CHECKPOINT_POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
+    _positive("checkpoint.restore_threads", c.restore_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))

@@ -135,12 +135,12 @@ class Restored:
         return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history)
 
 
-def _restore(storage, manifest: Manifest, sharded: ShardedModel, rank: int, world_size: int) -> Restored:
+def _restore(storage, manifest: Manifest, sharded: ShardedModel, rank: int, world_size: int, threads: int) -> Restored:
     chain = resolve_chain(storage, manifest)
     prepare_dense_optimizer(manifest, sharded.dense_optimizer)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     check_no_extra_tensors(manifest, global_names(pieces))
-    nbytes, rows = restore_chain(storage, chain, pieces)
+    nbytes, rows = restore_chain(storage, chain, pieces, threads)
     restore_rng(storage, manifest, rank, world_size)
     logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank 0)",
                 manifest.id, manifest.step, len(chain), nbytes)
@@ -199,7 +199,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, storage, manifest: Op
     counters = {"step": 0, "samples": 0, "restores": 0}
     restored: Optional[Restored] = None
     if manifest is not None:
-        restored = _restore(storage, manifest, sharded, rank, world_size)
+        restored = _restore(storage, manifest, sharded, rank, world_size, config.checkpoint.restore_threads)
         counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
                     "restores": manifest.counters.get("restores", 0) + 1}
     trace = _open_trace(config, rank, counters["step"])
@@ -315,4 +315,5 @@ def _reduce_stats(checkpointer: Optional[Checkpointer], train_seconds: float) ->
         "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
         "last_checkpoint": s.ids[-1] if s and s.ids else None,
+        "checkpoint_errors": dict(s.errors) if s else {},
     }
