@@ -25,7 +25,9 @@ from cnr.types import ByteRange, ChunkRef
 
 logger = logging.getLogger(__name__)
 
-_BLOCK_BYTES = 4 << 20  # a block of dequantized rows stays in cache on its way into the model (1, 4, 16 MiB measured: 4 best)
+# A block of dequantized rows stays in cache on its way into the model (1, 4 and 16 MiB were
+# measured on bench.yaml's 4-bit chain: 4 MiB was fastest).
+_BLOCK_BYTES = 4 << 20
 
 
 
@@ -201,9 +203,9 @@ def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece
     top of its baseline) table tensors take only the rows the increment lists; every other tensor
     must still be covered whole. Each object is fetched once (whole, or the span of the chunks
     needed from it), however many pieces its chunks overlap. ``threads`` > 1 fetches, decodes and
-    writes that many objects at once; torch's intra-op
-    threads are then set to 1 for the duration, since workers on top of them oversubscribe the
-    cores (a 4-bit chunk decoded 14x slower with 2 intra-op threads on a loaded 2-core machine).
+    writes that many objects at once; torch's intra-op threads are then set to 1 for the
+    duration, since workers on top of them oversubscribe the cores (a 4-bit chunk decoded 14x
+    slower with 2 intra-op threads on a loaded 2-core machine).
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
@@ -237,7 +239,7 @@ def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePie
                   threads: int = 1) -> Tuple[int, Dict[str, torch.Tensor]]:
     """Restore a full baseline, then each increment on top; return bytes read and increment rows.
 
-    ``threads``: chunks fetched and decoded at once (see restore_pieces).
+    ``threads``: objects fetched and decoded at once (see restore_pieces).
     """
     total = 0
     rows: Dict[str, torch.Tensor] = {}
