@@ -46,6 +46,7 @@ class SaveStats:
     kinds: List[str] = field(default_factory=list)
     background_seconds: List[float] = field(default_factory=list)
     snapshot_bytes: List[int] = field(default_factory=list)
+    errors: Dict[str, str] = field(default_factory=dict)  # id -> why it did not commit
 
 
 def rng_piece(rank: int) -> StatePiece:
@@ -93,6 +94,7 @@ class Checkpointer:
         self.writer = Writer(storage_uri, config)
         self._captured: List[Captured] = []
         self._in_flight_kind: Optional[CheckpointKind] = None
+        self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
 
     # ---- the boundary --------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class Checkpointer:
             self.tracker.release(self._captured, committed)
         self._captured = []
         if result is not None:
+            self.last_result = result
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
             self.stats.background_seconds.append(result.seconds)
@@ -196,6 +199,7 @@ class Checkpointer:
         else:
             self.stats.failed += 1
             error = result.error if result is not None and result.error else "another rank's writer failed"
+            self.stats.errors[ckpt_id] = error
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
                          "checkpoint stays valid: %s", ckpt_id, _STATUSES[int(outcome[0])], error)
         self._in_flight_kind = None

@@ -12,7 +12,8 @@ from typing import List, Optional
 
 from cnr.errors import CnrError
 
-BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "publish")  # cnr/bench/<name>.py, each with run(argv) -> dict
+BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
+              "publish")  # cnr/bench/<name>.py, each with run(argv) -> dict
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ MALFORMED_POLICIES = ("reject", "skip")
 CHECKPOINT_POLICIES = ("full", "one_shot", "consecutive", "intermittent")  # cnr.policy.POLICIES
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
+MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
+MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
 PUBLISH_BITS = (4, 8, 32)
 
 
@@ -57,7 +59,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids."""
+    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids.
+
+    The reader tier (``readers.tier``): ``reader_processes`` per trainer rank (0: read in the
+    trainer's own process), each buffering at most ``queue_depth`` batches; the trainer waits
+    at most ``reader_timeout_s`` seconds for any reader message before it fails naming the
+    reader. ``trace_dir``: if set, each rank
+    records the sample ids it trains per step there (``cnr.trace``); "" = off.
+    """
 
     source: str = "synthetic"
     num_dense: int = 13
@@ -67,6 +76,10 @@ class DataConfig:
     eval_tsv_paths: List[str] = field(default_factory=list)
     on_malformed: str = "reject"
     eval_batches: int = 8
+    reader_processes: int = 1
+    queue_depth: int = 4
+    reader_timeout_s: float = 60.0
+    trace_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,8 @@ class CheckpointConfig:
     ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process. ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
+    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore.
+    ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
@@ -136,6 +150,7 @@ class CheckpointConfig:
     policy: str = "intermittent"
     on_overlap: str = "wait"
     upload_threads: int = 2
+    restore_threads: int = 2
     commit_timeout_s: float = 600.0
     bits: int = 32
     quant_method: str = ""
@@ -323,6 +338,13 @@ def validate(config: Config) -> None:
     _one_of("data.on_malformed", d.on_malformed, MALFORMED_POLICIES)
     if d.source == "tsv":
         _require(bool(d.tsv_paths), "config key 'data.tsv_paths' is empty; data.source = 'tsv' needs at least one file")
+    _require(0 <= d.reader_processes <= MAX_READER_PROCESSES,
+             f"config key 'data.reader_processes' = {d.reader_processes} is not allowed; it must be in "
+             f"[0, {MAX_READER_PROCESSES}] (0 reads in the trainer's process)")
+    _require(1 <= d.queue_depth <= MAX_QUEUE_DEPTH,
+             f"config key 'data.queue_depth' = {d.queue_depth} is not allowed; it must be in [1, {MAX_QUEUE_DEPTH}]")
+    _require(math.isfinite(d.reader_timeout_s) and d.reader_timeout_s > 0,
+             f"config key 'data.reader_timeout_s' = {d.reader_timeout_s} is not allowed; it must be a finite number > 0")
     _positive("train.steps", t.steps)
     _positive("train.batch_size", t.batch_size)
     _require(t.seed >= 0, f"config key 'train.seed' = {t.seed} is not allowed; it must be >= 0")
@@ -335,6 +357,7 @@ def validate(config: Config) -> None:
     _one_of("checkpoint.policy", c.policy, CHECKPOINT_POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
+    _positive("checkpoint.restore_threads", c.restore_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))

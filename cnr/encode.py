@@ -17,11 +17,12 @@ checked against the manifest's ChunkRef before the payload is used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -60,11 +61,25 @@ _QUANT_METHODS = ("naive", "symmetric", "adaptive")
 @dataclass(frozen=True)
 class DecodedChunk:
     """A verified chunk: ``data`` is ``[rows, *row_shape]`` (dequantized for quantized chunks);
-    ``row_ids`` is None for a contiguous range."""
+    ``row_ids`` is None for a contiguous range. A quantized chunk decoded with
+    ``dequantize=False`` holds ``quantized`` instead and ``data`` is None until asked for."""
 
     ref: ChunkRef
     row_ids: Optional[torch.Tensor]
-    data: torch.Tensor
+    data: Optional[torch.Tensor]
+    quantized: Optional[QuantizedRows] = None
+
+    def values(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo..hi-1`` as values: a view of raw data, or just those rows dequantized.
+
+        Dequantizing a block at a time keeps the temporaries small and in cache; the result is
+        bit-identical to dequantizing the whole chunk (the same ops per row).
+        """
+        if self.data is not None:
+            return self.data[lo:hi]
+        q = self.quantized
+        return dequantize_rows(dataclasses.replace(q, rows=hi - lo, codes=q.codes[lo:hi], scale=q.scale[lo:hi],
+                                                   bias=q.bias[lo:hi]))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -175,8 +190,11 @@ def encode_quantized_chunk(
     return _assemble(key, layout, parts)
 
 
-def decode_chunk(blob: bytes, ref: ChunkRef) -> DecodedChunk:
-    """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong."""
+def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+    """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong.
+
+    ``dequantize=False`` leaves a quantized chunk's rows quantized (see DecodedChunk.values).
+    """
     where = f"chunk {ref.key!r}"
     if len(blob) != ref.nbytes:
         raise CorruptChunkError(f"{where} has {len(blob)} bytes, the manifest says {ref.nbytes} (truncated or altered)")
@@ -196,7 +214,7 @@ def decode_chunk(blob: bytes, ref: ChunkRef) -> DecodedChunk:
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
     if zlib.crc32(payload) != header["payload_crc32"]:
         raise CorruptChunkError(f"{where} payload fails its CRC-32 check (altered or corrupted)")
-    return _payload_tensors(payload, header, ref, where)
+    return _payload_tensors(payload, header, ref, where, dequantize)
 
 
 def _typed(value, kind) -> bool:
@@ -279,7 +297,7 @@ def _take(payload: memoryview, offset: int, count: int, dtype: torch.dtype, wher
     return torch.frombuffer(bytearray(payload[offset:offset + size]), dtype=dtype), offset + size
 
 
-def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str) -> DecodedChunk:
+def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str, dequantize: bool) -> DecodedChunk:
     rows = header["rows"]
     row_ids = None
     offset = 0
@@ -292,11 +310,13 @@ def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: st
             numel *= s
         data, offset = _take(payload, offset, numel, DTYPES[header["dtype"]], where)
         data = data.reshape((rows,) + row_shape)
+        quantized = None
     else:
-        data, offset = _dequantized(payload, offset, header, where)
+        quantized, offset = _quantized(payload, offset, header, where)
+        data = dequantize_rows(quantized) if dequantize else None
     if offset != len(payload):
         raise CorruptChunkError(f"{where} payload has {len(payload) - offset} bytes beyond its declared contents")
-    return DecodedChunk(ref=ref, row_ids=row_ids, data=data)
+    return DecodedChunk(ref=ref, row_ids=row_ids, data=data, quantized=None if dequantize else quantized)
 
 
 def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Tensor, int]:
@@ -311,7 +331,7 @@ def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Te
     return torch.from_numpy(listed.astype(np.int64) + ids["first"]), offset
 
 
-def _dequantized(payload: memoryview, offset: int, header: dict, where: str) -> Tuple[torch.Tensor, int]:
+def _quantized(payload: memoryview, offset: int, header: dict, where: str) -> Tuple[QuantizedRows, int]:
     rows, cols, bits, quant = header["rows"], header["cols"], header["bits"], header["quant"]
     width = packed_bytes_per_row(cols, bits)
     codes, offset = _take(payload, offset, rows * width, torch.uint8, where)
@@ -319,4 +339,4 @@ def _dequantized(payload: memoryview, offset: int, header: dict, where: str) -> 
     bias, offset = _take(payload, offset, rows, DTYPES[quant["bias_dtype"]], where)
     q = QuantizedRows(bits=bits, method=quant["method"], rows=rows, dim=cols,
                       codes=codes.reshape(rows, width), scale=scale, bias=bias)
-    return dequantize_rows(q), offset
+    return q, offset

@@ -1,7 +1,11 @@
-"""Fault injection for tests: act at a named point of a checkpoint's write.
+"""Fault injection for tests: act at a named point of a checkpoint's write, a training step,
+or a reader process's read.
 
 ``CNR_FAULT_INJECT=[action:]<point>@<step>[@<rank>]`` makes the process that reaches ``point``
-while writing the checkpoint of ``step`` (on ``rank``, default any) do ``action``:
+at ``step`` (on trainer rank ``rank``, default any) do ``action``. Points: the checkpoint write
+of ``step`` (``before_data`` ... ``after_commit``, in the background writer); ``after_step``: the
+trainer, right after training step ``step`` (and recording it in the sample trace); ``read_batch``:
+the reader process that reads the batch for training step ``step``. Actions:
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
                       background writer the trainer is killed too (it is the same machine).
   ``raise``           raise InjectedFault (a storage or encoding error).
@@ -18,7 +22,7 @@ import time
 from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
-POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit")
+POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "after_step", "read_batch")
 
 # Set in the background writer: its points run there, and a machine failure takes the trainer too.
 KILL_PARENT = False

@@ -2,7 +2,7 @@
 
 Layout under the storage root (see README "Storage layout"):
 
-    checkpoints/<id>/rank-<r>/chunk-<n>.bin   encoded chunks written by rank r
+    checkpoints/<id>/rank-<r>/chunk-<n>.bin   rank r's encoded chunks: one large chunk, or small ones back to back
     checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
     checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
     checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
@@ -145,6 +145,8 @@ def _is_table_weight(name: str) -> bool:
 def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
     d = asdict(c)
     d["encoding"] = c.encoding.value
+    if not c.offset:
+        del d["offset"]  # a chunk alone in its object reads exactly as before packing existed
     return d
 
 
@@ -210,7 +212,7 @@ _CHUNK_FIELDS = {"key": str, "tensor": str, "rows": int, "row_start": int, "row_
 
 
 def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
-    r = _Reader(obj, where, _CHUNK_FIELDS)
+    r = _Reader(obj, where, _CHUNK_FIELDS, optional={"offset": int})
     key = r["key"]
     try:
         validate_key(key)
@@ -224,11 +226,11 @@ def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
         encoding = Encoding(r["encoding"])
     except ValueError as e:
         raise CheckpointError(f"{where} encoding {r['encoding']!r} is not one of {[e.value for e in Encoding]}") from e
-    if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"]) < 0:
+    if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"], r.get("offset", 0)) < 0:
         raise CheckpointError(f"{where} has a negative size or offset")
     return ChunkRef(key=key, tensor=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
                     col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
-                    encoding=encoding, bits=r["bits"], method=r["method"])
+                    encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0))
 
 
 def _parse_tensors(obj: Any, where: str, ckpt_id: str) -> Dict[str, TensorEntry]:

@@ -32,10 +32,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from cnr.commit import check_coverage
-from cnr.encode import DecodedChunk, decode_chunk
+from cnr.encode import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
 from cnr.inference import InferenceModel
 from cnr.manifest import ROOT, Manifest, read_manifest, resolve_chain
+from cnr.restore import fetch_chunk
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import table_of
@@ -216,9 +217,8 @@ class Subscriber:
         chunks = []
         for entry in manifest.tensors.values():
             for ref in entry.chunks:
-                blob = self.storage.get(ref.key)
-                self.stats.bytes_read += len(blob)
-                chunks.append(decode_chunk(blob, ref))
+                chunks.append(fetch_chunk(self.storage, ref))
+                self.stats.bytes_read += ref.nbytes
         return chunks
 
     def _apply_chain(self, chain: List[Manifest], reload: bool) -> None:

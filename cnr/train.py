@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,13 @@ from cnr.evaluate import evaluate
 from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed, resolve_chain
 from cnr.policy import rate_from_failure_log, read_failure_log
-from cnr.publish import check_publish_storage, make_publisher, tracker_views
+from cnr.publish import Publisher, check_publish_storage, make_publisher, tracker_views
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, check_incremental_safe
-from cnr.data import make_reader, to_device
+from cnr.data import BatchSource, open_source, to_device
+from cnr.faults import maybe_crash
 from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore_chain, restore_rng
 from cnr.state import collect_state, global_names, state_digest
+from cnr.trace import SampleTrace, reset_trace
 from cnr.tracker import RowTracker
 from cnr.storage import open_storage
 
@@ -136,15 +138,12 @@ class Restored:
         return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history)
 
 
-def _restore(storage, sharded: ShardedModel, rank: int, world_size: int) -> Restored:
-    manifest = newest_committed(storage)
-    if manifest is None:
-        raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
+def _restore(storage, manifest: Manifest, sharded: ShardedModel, rank: int, world_size: int, threads: int) -> Restored:
     chain = resolve_chain(storage, manifest)
     prepare_dense_optimizer(manifest, sharded.dense_optimizer)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     check_no_extra_tensors(manifest, global_names(pieces))
-    nbytes, rows = restore_chain(storage, chain, pieces)
+    nbytes, rows = restore_chain(storage, chain, pieces, threads)
     restore_rng(storage, manifest, rank, world_size)
     logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank 0)",
                 manifest.id, manifest.step, len(chain), nbytes)
@@ -171,21 +170,42 @@ def _progress(rank: int, total: int, initial: int):
 def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns the summary dict (other ranks return None)."""
     _setup_logging(rank)
+    storage = open_storage(job.storage_uri) if job.resume else None  # writers open their own
+    try:
+        manifest = _newest(storage) if storage is not None else None
+        # The readers start first: their start-up overlaps building the model and restoring.
+        source = open_source(job.config, rank, world_size, manifest.reader if manifest else None,
+                             manifest.counters["step"] if manifest else 0)
+        try:
+            return _train_rank(rank, world_size, job, storage, manifest, source)
+        finally:
+            source.close()
+    finally:
+        if storage is not None:
+            storage.close()
+
+
+def _newest(storage) -> Manifest:
+    manifest = newest_committed(storage)
+    if manifest is None:
+        raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
+    return manifest
+
+
+def _train_rank(rank: int, world_size: int, job: TrainJob, storage, manifest: Optional[Manifest],
+                source: BatchSource) -> Optional[Dict[str, Any]]:
     config = job.config
     device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
-    storage = open_storage(job.storage_uri) if job.resume else None  # writers open their own
     sharded = build_sharded_model(config, device)
     if rank == 0:
         logger.info("sharding plan:\n%s", sharded.plan_text)
     counters = {"step": 0, "samples": 0, "restores": 0}
-    cursor = None
     restored: Optional[Restored] = None
-    if job.resume:
-        restored = _restore(storage, sharded, rank, world_size)
-        m = restored.manifest
-        counters = {"step": m.counters["step"], "samples": m.counters["samples"], "restores": m.counters.get("restores", 0) + 1}
-        cursor = m.reader
-    reader = make_reader(config, rank, world_size, cursor, split="train")
+    if manifest is not None:
+        restored = _restore(storage, manifest, sharded, rank, world_size, config.checkpoint.restore_threads)
+        counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
+                    "restores": manifest.counters.get("restores", 0) + 1}
+    trace = _open_trace(config, rank, counters["step"])
     checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored) if config.checkpoint.enabled else None
     publisher = make_publisher(job.storage_uri, config, rank, world_size, sharded.model,
                                checkpointer.tracker if checkpointer is not None else None)
@@ -194,13 +214,16 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         recorded = restored.manifest.bit_width if restored is not None else None
         planner = BitWidthPlanner(config, job.failure_rate, world_size, counters["restores"], recorded, rank)
     try:
-        train_seconds = _loop(config, sharded, reader, checkpointer, planner, counters, rank, world_size, device,
-                              publisher)
+        train_seconds = _loop(config, sharded, source, (checkpointer, planner), trace, counters, rank, world_size,
+                              device, publisher)
     except BaseException:
         for background in (checkpointer, publisher):
             if background is not None:
                 background.writer.close()  # no collectives on the error path: other ranks may be gone
         raise
+    finally:
+        if trace is not None:
+            trace.close()
     if checkpointer is not None:
         checkpointer.finish()
     if publisher is not None:
@@ -211,16 +234,24 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     stats = _reduce_stats(checkpointer, train_seconds)
     if publisher is not None:
         stats.update(publisher.summary())
-    if storage is not None:
-        storage.close()
     if rank != 0:
         return None
     return {
         "steps": counters["step"], "samples": counters["samples"], "eval_logloss": metrics["logloss"],
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": counters["restores"],
-        "world_size": world_size, **stats,
+        "world_size": world_size, "skipped_lines": source.skipped_lines, **stats,
         "checkpoint_bits": checkpointer.bits.bits if checkpointer is not None else None,
     }
+
+
+def _open_trace(config: Config, rank: int, step: int) -> Optional[SampleTrace]:
+    """This rank's sample trace (data.trace_dir), holding only steps <= ``step`` so far."""
+    if not config.data.trace_dir:
+        return None
+    if rank == 0:
+        reset_trace(config.data.trace_dir, step)
+    dist.barrier()  # no rank appends before rank 0 has dropped the records of lost steps
+    return SampleTrace(config.data.trace_dir, rank)
 
 
 def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_size: int,
@@ -235,29 +266,50 @@ def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_si
     return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, chain)
 
 
-def _loop(config: Config, sharded: ShardedModel, reader, checkpointer, planner, counters, rank, world_size,
-          device, publisher=None) -> float:
+def _next_stop(step: int, steps: int, interval: Optional[int]) -> int:
+    """The step the current grant runs to: the next checkpoint boundary, or the end of training."""
+    if interval is None:
+        return steps
+    return min(steps, (step // interval + 1) * interval)
+
+
+def _loop(config: Config, sharded: ShardedModel, source: BatchSource,
+          checkpointing: Tuple[Optional[Checkpointer], Optional[BitWidthPlanner]], trace: Optional[SampleTrace],
+          counters: Dict[str, int], rank: int, world_size: int, device: torch.device,
+          publisher: Optional[Publisher] = None) -> float:
+    """Train to ``train.steps``; ``checkpointing``: the checkpointer and its bit-width planner (or Nones)."""
+    checkpointer, planner = checkpointing
     bar = _progress(rank, config.train.steps, counters["step"])
     start = time.perf_counter()
-    interval = config.checkpoint.interval
+    interval = config.checkpoint.interval if checkpointer is not None else None
+    stop = counters["step"]
     while counters["step"] < config.train.steps:
-        loss = _train_step(sharded, to_device(reader.next_batch(), device))
+        if counters["step"] == stop:  # readers produce exactly the batches up to the next stop
+            stop = _next_stop(counters["step"], config.train.steps, interval)
+            source.grant(stop - counters["step"])
+        batch = source.next_batch()
+        loss = _train_step(sharded, to_device(batch, device))
         counters["step"] += 1
         counters["samples"] += config.train.batch_size * world_size
         step = counters["step"]
         if planner is not None:
             planner.step_done()
+        if trace is not None:
+            trace.record(step, batch.sample_ids)
+        maybe_crash("after_step", step, rank)
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step < config.train.steps:
             m = evaluate(config, sharded.model, rank, world_size, device)
             logger.info("step %d: eval logloss %.5f auc %.5f", step, m["logloss"], m["auc"])
-        if checkpointer is not None and step % interval == 0:
-            checkpointer.bits = planner.for_checkpoint()
-            pieces = collect_state(sharded.model, sharded.dense_optimizer)
-            checkpointer.save(step, pieces, reader.cursor(), dict(counters))
-        if publisher is not None and publisher.due(step):
-            # at a shared boundary the checkpoint's pieces serve the publish too
-            shared = checkpointer is not None and step % interval == 0
-            publisher.publish(step, pieces if shared else collect_state(sharded.model, sharded.dense_optimizer))
+        pieces = None
+        if step == stop:
+            cursor = source.collect()  # nothing is in flight: the cursor names what was trained
+            if checkpointer is not None and planner is not None and step % interval == 0:
+                checkpointer.bits = planner.for_checkpoint()
+                pieces = collect_state(sharded.model, sharded.dense_optimizer)
+                checkpointer.save(step, pieces, cursor, dict(counters))
+        if publisher is not None and publisher.due(step):  # a checkpoint's pieces serve its publish too
+            publisher.publish(step, pieces if pieces is not None else collect_state(sharded.model,
+                                                                                    sharded.dense_optimizer))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
@@ -278,4 +330,5 @@ def _reduce_stats(checkpointer: Optional[Checkpointer], train_seconds: float) ->
         "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
         "last_checkpoint": s.ids[-1] if s and s.ids else None,
+        "checkpoint_errors": dict(s.errors) if s else {},
     }

@@ -85,8 +85,10 @@ class ChunkRef:
     Rows are either the contiguous range ``[row_start, row_start + rows)`` (``row_ids`` is False)
     or an explicit list of global row ids stored in the chunk payload (``row_ids`` is True).
     ``col_offset``/``cols`` give its columns for 2-D tensors (``cols`` is 0 for 1-D ones).
-    ``crc32`` covers the chunk's payload, ``nbytes`` is the stored object's exact size in bytes.
+    ``crc32`` covers the chunk's payload, ``nbytes`` is the chunk's exact size in bytes.
     ``bits``/``method``: the values' bit-width and, for quantized chunks, the quantizer ("" if raw).
+    ``offset``: where the chunk starts in the object ``key``; small chunks share one object
+    (bytes ``[offset, offset + nbytes)`` of it), a large one is an object of its own (offset 0).
     """
 
     key: str
@@ -101,6 +103,7 @@ class ChunkRef:
     encoding: Encoding = Encoding.RAW
     bits: int = 32
     method: str = ""
+    offset: int = 0
 
 
 @dataclass(frozen=True)

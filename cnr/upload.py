@@ -13,6 +13,7 @@ it never opens torchrec: it needs only storage, encoding and manifests.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -71,6 +72,20 @@ class WriteJob:
 
 
 @dataclass
+class ObjectTimes:
+    """One stored object (a chunk, or small chunks packed together): its key and size (bytes),
+    and wall-clock seconds (``time.time()``) at which the encoding of its chunks started and
+    ended and its put started and ended (0: never started)."""
+
+    key: str
+    nbytes: int
+    encode_start: float
+    encode_end: float
+    put_start: float = 0.0
+    put_end: float = 0.0
+
+
+@dataclass
 class WriteResult:
     """What the writer reports for a job. ``status``: committed, written, failed or cancelled."""
 
@@ -83,6 +98,10 @@ class WriteResult:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload._Packer).
+PACK_FRACTION = 8
+
+
 def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     """Row ranges of at most ``chunk_bytes`` each; an empty increment has none."""
     rows = piece.data.shape[0]
@@ -93,25 +112,64 @@ def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
 
 
-class _Uploader:
-    """Puts blobs on a thread pool, at most ``depth`` in flight, so encoding overlaps uploads."""
+class Uploader:
+    """Puts blobs on a thread pool, at most ``threads + 1`` in flight, so encoding overlaps uploads.
+
+    A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
+    that refuses writes costs a few requests, not one per remaining chunk. ``timeline`` records,
+    per stored object, wall-clock seconds (``time.time()``, comparable across processes) of its
+    encoding and its put, for the upload benchmark.
+    """
 
     def __init__(self, storage: Storage, threads: int) -> None:
         self.storage = storage
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
         self.slots = threading.Semaphore(threads + 1)
         self.futures: List[Future] = []
+        self.timeline: List[ObjectTimes] = []
+        self._error: Optional[BaseException] = None
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes, encode_start: float = 0.0, encode_end: float = 0.0) -> None:
+        self._raise_error()
         self.slots.acquire()
-        future = self.pool.submit(self.storage.put, key, blob)
-        future.add_done_callback(lambda _f: self.slots.release())
+        if self._error is not None:  # a put failed while this one waited for a slot
+            self.slots.release()
+            self._raise_error()
+        times = ObjectTimes(key, len(blob), encode_start, encode_end)
+        self.timeline.append(times)
+        future = self.pool.submit(self._timed_put, times, blob)
+        future.add_done_callback(self._done)
         self.futures.append(future)
 
+    def _timed_put(self, times: ObjectTimes, blob: bytes) -> None:
+        times.put_start = time.time()
+        self.storage.put(times.key, blob)
+        times.put_end = time.time()
+
+    def _done(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None and self._error is None:
+            self._error = future.exception()
+        self.slots.release()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            self.wait()  # let the puts in flight end before the job reports its failure
+
     def wait(self) -> None:
+        """Block until every submitted put ended; re-raise the first error, then forget it."""
         futures, self.futures = self.futures, []
+        error, self._error = self._error, None
         for f in futures:
-            f.result()  # re-raises the first upload error
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - the first error is re-raised below
+                error = error or e
+        if error is not None:
+            raise error
+
+    def take_timeline(self) -> List[ObjectTimes]:
+        timeline, self.timeline = self.timeline, []
+        return timeline
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -136,12 +194,54 @@ def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, r
     return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
 
 
-def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_bytes: int,
+class _Packer:
+    """Names each encoded chunk's object: a chunk of at least ``limit // PACK_FRACTION`` bytes is
+    an object of its own; smaller ones go back to back into shared objects of up to ``limit``
+    bytes, so small tensors and tables cost one request per object, not one per chunk."""
+
+    def __init__(self, uploader: Uploader, ckpt_id: str, rank: int, limit: int) -> None:
+        self.uploader = uploader
+        self.ckpt_id, self.rank, self.limit = ckpt_id, rank, limit
+        self.objects = 0
+        self.parts: List[bytes] = []
+        self.size = 0
+        self.key = ""
+        self.times = (0.0, 0.0)
+
+    def _next_key(self) -> str:
+        self.objects += 1
+        return chunk_key(self.ckpt_id, self.rank, self.objects - 1)
+
+    def add(self, blob: bytes, ref: ChunkRef, encode_start: float, encode_end: float) -> ChunkRef:
+        """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""
+        if len(blob) * PACK_FRACTION >= self.limit:
+            key = self._next_key()
+            self.uploader.put(key, blob, encode_start, encode_end)
+            return dataclasses.replace(ref, key=key, offset=0)
+        if self.parts and self.size + len(blob) > self.limit:
+            self.flush()
+        if not self.parts:
+            self.key, self.times = self._next_key(), (encode_start, encode_start)
+        placed = dataclasses.replace(ref, key=self.key, offset=self.size)
+        self.parts.append(blob)
+        self.size += len(blob)
+        self.times = (self.times[0], encode_end)
+        return placed
+
+    def flush(self) -> None:
+        """Put the shared object being filled, if any."""
+        if self.parts:
+            blob = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            self.uploader.put(self.key, blob, *self.times)
+            self.parts, self.size = [], 0
+
+
+def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
                     cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
     tensors: Dict[str, TensorEntry] = {}
     written = 0
-    n = 0
+    packer = _Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
     maybe_crash("before_data", job.step, job.rank, cancel)
     for i, piece in enumerate(job.pieces):
         refs: List[ChunkRef] = []
@@ -150,17 +250,18 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
         for lo, hi in _blocks(piece, chunk_bytes):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
-            blob, ref = _encode_block(job, piece, chunk_key(job.ckpt_id, job.rank, n), lo, hi, row0, col0)
-            uploader.put(ref.key, blob)
-            refs.append(ref)
+            encode_start = time.time()
+            blob, ref = _encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
+            refs.append(packer.add(blob, ref, encode_start, time.time()))
             written += ref.nbytes
-            n += 1
         have = tensors.get(piece.name)
         tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
                                           (have.chunks if have else ()) + tuple(refs))
         if i == 0:
+            packer.flush()
             uploader.wait()
             maybe_crash("mid_data", job.step, job.rank, cancel)
+    packer.flush()
     uploader.wait()
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
     blob = rank_index_to_bytes(index)
@@ -169,12 +270,24 @@ def write_rank_data(storage: Storage, uploader: _Uploader, job: WriteJob, chunk_
     return index, written + len(blob)
 
 
-def _mark_failed(storage: Storage, job: WriteJob, error: str) -> None:
+def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
+    """Write the failure marker; return ``error``, extended when even the marker cannot be written."""
     key = failed_key(job.ckpt_id, None if job.rank == 0 else job.rank)
     try:
         storage.put(key, json.dumps({"error": error, "rank": job.rank, "step": job.step}).encode())
-    except Exception:  # the storage may be what failed; the trainer still gets the error
-        logger.warning("could not write failure marker %s", key)
+        return error
+    except Exception as e:  # the storage may be what failed; the trainer still gets the error
+        reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
+        logger.error("could not write the failure marker %s/%s either: %s", storage.uri, key, reason)
+        return f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})"
+
+
+def _drain(uploader: Uploader) -> None:
+    """After a failed job: let its puts in flight end, so none leaks into the next job."""
+    try:
+        uploader.wait()
+    except Exception:  # noqa: BLE001 - the job already failed with its first error
+        pass
 
 
 def _retain(storage: Storage, keep_last: int) -> Dict[str, Any]:
@@ -193,27 +306,39 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # A trainer killed while this process was still importing is gone before prctl took effect:
+    # no signal will come, and the writer would wait for jobs forever.
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
-def _run_job(storage: Storage, uploader: _Uploader, config: Config, job: WriteJob, cancel,
+def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel,
              retain: Optional[Retain] = None) -> WriteResult:
     start = time.perf_counter()
     try:
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
         if job.rank != 0:
-            return WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
-        manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
-        retention = retain(storage) if retain is not None else _retain(storage, config.checkpoint.keep_last)
-        extra = {"chain_bytes": list(manifest.chain_bytes), "retention": retention}
-        return WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32, time.perf_counter() - start,
-                           extra=extra)
+            result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
+            result.extra["stored_at"] = time.time()
+        else:
+            manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
+            committed_at = time.time()  # wall clock, for the time from snapshot to commit
+            retention = retain(storage) if retain is not None else _retain(storage, config.checkpoint.keep_last)
+            extra = {"chain_bytes": list(manifest.chain_bytes), "retention": retention, "stored_at": committed_at}
+            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32,
+                                 time.perf_counter() - start, extra=extra)
     except Cancelled as e:
-        _mark_failed(storage, job, str(e))
-        return WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=str(e))
+        _drain(uploader)
+        error = _mark_failed(storage, job, str(e))
+        result = WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=error)
     except Exception as e:
+        _drain(uploader)
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
-        _mark_failed(storage, job, error)
-        return WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+        error = _mark_failed(storage, job, error)
+        result = WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+    result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    return result
 
 
 def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain: Optional[Retain] = None) -> None:
@@ -221,9 +346,10 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain:
     _die_with_parent()
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     torch.set_num_threads(1)
     storage = open_storage(storage_uri)
-    uploader = _Uploader(storage, config.checkpoint.upload_threads)
+    uploader = Uploader(storage, config.checkpoint.upload_threads)
     try:
         while True:
             job = jobs.get()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -155,13 +155,29 @@ def global_batch_index(start: int, rank: int, world_size: int, k: int) -> int:
     return start + rank + k * world_size
 
 
-def make_batch(names: Sequence[str], ids: np.ndarray, ids_per_sample: int, dense: np.ndarray,
-               labels: np.ndarray, global_batch: int) -> Batch:
-    """Assemble a Batch from numpy arrays.
+class RawBatch(NamedTuple):
+    """One rank's batch as numpy arrays: what reader processes send to the trainer.
 
     ``ids``: int64 ``[num_features, B * ids_per_sample]``, feature-major, sample-minor (the KJT
-    values layout with constant lengths). ``dense``: float32 ``[B, D]``. ``labels``: ``[B]`` 0/1.
+    values layout with constant lengths). ``dense``: float32 ``[B, D]``. ``labels``: float32
+    ``[B]``, 0/1. ``global_batch``: ``g``; the samples are ``g*B .. g*B+B-1``.
     """
+
+    ids: np.ndarray
+    ids_per_sample: int
+    dense: np.ndarray
+    labels: np.ndarray
+    global_batch: int
+
+
+def to_batch(names: Sequence[str], raw: RawBatch) -> Batch:
+    """The Batch (torch tensors, KJT keyed by ``names``) holding ``raw``."""
+    return make_batch(names, raw.ids, raw.ids_per_sample, raw.dense, raw.labels, raw.global_batch)
+
+
+def make_batch(names: Sequence[str], ids: np.ndarray, ids_per_sample: int, dense: np.ndarray,
+               labels: np.ndarray, global_batch: int) -> Batch:
+    """Assemble a Batch from numpy arrays laid out as in :class:`RawBatch`."""
     b = int(labels.shape[0])
     lengths = torch.full((len(names) * b,), ids_per_sample, dtype=torch.int32)
     sparse = KeyedJaggedTensor(

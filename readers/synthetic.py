@@ -20,8 +20,9 @@ from readers.batch import (
     check_int,
     check_positive_float,
     cursor_start,
+    RawBatch,
     global_batch_index,
-    make_batch,
+    to_batch,
     validate_common,
 )
 
@@ -158,10 +159,18 @@ class SyntheticReader:
 
     def next_batch(self) -> Batch:
         """This rank's next batch: global batch ``start + rank + k*world_size``. Never ends."""
+        return to_batch(self._names, self.next_raw())
+
+    def next_raw(self) -> RawBatch:
+        """:meth:`next_batch` as numpy arrays (no torch tensors, no KJT)."""
         g = global_batch_index(self._start, self._rank, self._world_size, self._read)
-        batch = self.global_batch(g)
+        raw = self.global_raw(g)
         self._read += 1
-        return batch
+        return raw
+
+    def skip_batch(self) -> None:
+        """Move the cursor past this rank's next batch without generating it."""
+        self._read += 1
 
     def __iter__(self) -> "SyntheticReader":
         return self
@@ -171,6 +180,10 @@ class SyntheticReader:
 
     def global_batch(self, g: int) -> Batch:
         """Global batch ``g`` of this split; pure (does not move the cursor)."""
+        return to_batch(self._names, self.global_raw(g))
+
+    def global_raw(self, g: int) -> RawBatch:
+        """:meth:`global_batch` as numpy arrays; pure."""
         g = check_int("global batch", g, 0)
         b, f, l = self._batch_size, len(self._features), self._ids_per_feature
         rng = np.random.Generator(np.random.PCG64(
@@ -183,7 +196,7 @@ class SyntheticReader:
         dense = dense.astype(np.float32)
         logits = self._teacher_np(ids.reshape(f, b, l), dense)
         labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
-        return make_batch(self._names, ids, l, dense, labels, g)
+        return RawBatch(ids, l, dense, labels, g)
 
     def teacher_logits(self, batch: Batch) -> torch.Tensor:
         """Hidden teacher's logit per sample, float64 ``[B]``; labels ~ Bernoulli(sigmoid(.)).

@@ -18,8 +18,9 @@ from readers.batch import (
     MalformedDataError,
     check_int,
     cursor_start,
+    RawBatch,
     global_batch_index,
-    make_batch,
+    to_batch,
     validate_common,
 )
 from readers.lines import LineSource, Position, line_number
@@ -185,13 +186,13 @@ class TsvReader:
         Raises DataExhaustedError (state unchanged) when that batch is not complete in the
         files, MalformedDataError on a malformed line of it in "reject" mode.
         """
+        return to_batch([n for n, _ in self._features], self.next_raw())
+
+    def next_raw(self) -> RawBatch:
+        """:meth:`next_batch` as numpy arrays (no torch tensors, no KJT)."""
         g = global_batch_index(self._start, self._rank, self._world_size, self._read)
         b = self._batch_size
-        if self._src is None:
-            self._src = LineSource(self._paths, self._sizes)
-        src = self._src
-        if src.position != self._group:  # after an error the source may have moved on
-            src.seek(*self._group)
+        src = self._source()
         skipped_before = self._skipped
         passed, _, _ = self._take(self._rank * b, keep=False)
         lines: List[bytes] = []
@@ -200,11 +201,7 @@ class TsvReader:
             _, lines, where = self._take(b, keep=True)
         if len(lines) < b:
             self._skipped = skipped_before
-            group_sample = (g - self._rank) * b
-            raise DataExhaustedError(
-                f"TSV data is exhausted at global batch {g} with {b} samples per batch: the "
-                f"{len(self._paths)} file(s) hold {group_sample + passed + len(lines)} samples"
-                f" (global batch {g} needs samples up to {(g + 1) * b - 1})")
+            self._exhausted(g, passed + len(lines))
         parsed = self._parse(lines)
         if parsed is None:
             self._skipped = skipped_before
@@ -214,7 +211,44 @@ class TsvReader:
         self._group = src.position
         self._read += 1
         ids, dense, labels = parsed
-        return make_batch([n for n, _ in self._features], ids, 1, dense, labels, g)
+        return RawBatch(ids, 1, dense, labels, g)
+
+    def skip_batch(self) -> None:
+        """Move the cursor past this rank's next batch without parsing it.
+
+        Another reader process of the same trainer rank reads that batch (``readers.tier``).
+        Raises DataExhaustedError (state unchanged) when the batch is not complete in the files,
+        exactly when :meth:`next_batch` would. In "skip" mode the lines are still validated, so
+        the numbering of valid lines stays the same in every reader.
+        """
+        g = global_batch_index(self._start, self._rank, self._world_size, self._read)
+        b = self._batch_size
+        src = self._source()
+        skipped_before = self._skipped
+        passed, _, _ = self._take((self._rank + 1) * b, keep=False)
+        if passed < (self._rank + 1) * b:
+            self._skipped = skipped_before
+            self._exhausted(g, passed)
+        self._take((self._world_size - 1 - self._rank) * b, keep=False)
+        self._group = src.position
+        self._read += 1
+
+    def _source(self) -> LineSource:
+        """The line source, positioned at the start of the current group of global batches."""
+        if self._src is None:
+            self._src = LineSource(self._paths, self._sizes)
+        if self._src.position != self._group:  # after an error the source may have moved on
+            self._src.seek(*self._group)
+        return self._src
+
+    def _exhausted(self, g: int, passed: int) -> NoReturn:
+        """Raise DataExhaustedError for global batch ``g``; ``passed``: samples of its group seen."""
+        b = self._batch_size
+        group_sample = (g - self._rank) * b
+        raise DataExhaustedError(
+            f"TSV data is exhausted at global batch {g} with {b} samples per batch: the "
+            f"{len(self._paths)} file(s) hold {group_sample + passed} samples"
+            f" (global batch {g} needs samples up to {(g + 1) * b - 1})")
 
     def _take(self, n: int, keep: bool) -> Tuple[int, List[bytes], List[Position]]:
         """Pass the next ``n`` samples; return (samples passed, their lines, their positions).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -47,3 +48,13 @@ def inspect(cwd: str, storage: str) -> List[Dict]:
 
 def committed_steps(cwd: str, storage: str) -> List[int]:
     return [c["step"] for c in inspect(cwd, storage) if c["committed"]]
+
+
+def write_tsv(path, lines: int, seed: int) -> None:
+    """``lines`` random valid Criteo lines for tiny.yaml (13 dense, 5 categorical columns)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(lines):
+            dense = [str(rng.randint(-2, 500)) if rng.random() > 0.1 else "" for _ in range(13)]
+            cats = [format(rng.getrandbits(32), "08x") if rng.random() > 0.05 else "" for _ in range(5)]
+            f.write("\t".join([str(int(rng.random() < 0.3))] + dense + cats) + "\n")

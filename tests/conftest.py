@@ -61,18 +61,51 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def baseline_ws1(tmp_path_factory):
-    """tiny.yaml trained uninterrupted at world size 1: (summary, cwd, storage name)."""
+    """tiny.yaml trained uninterrupted at world size 1: (summary, cwd, storage name).
+
+    Its sample trace is in ``<cwd>/trace``.
+    """
     from cli_helpers import train
 
     cwd = str(tmp_path_factory.mktemp("baseline_ws1"))
-    return train(cwd, "ck"), cwd, "ck"
+    return train(cwd, "ck", "--set", "data.trace_dir=trace"), cwd, "ck"
 
 
 @pytest.fixture(scope="session")
 def runs_ws2(tmp_path_factory):
-    """World size 2, one sharding type per table: uninterrupted (60 steps) and stopped at step 40."""
+    """World size 2, one sharding type per table: uninterrupted (60 steps; its sample trace in
+    ``<cwd>/trace-full2``) and stopped at step 40."""
     from cli_helpers import MIXED_SHARDING, train
 
     cwd = str(tmp_path_factory.mktemp("runs_ws2"))
-    return {"full": train(cwd, "full2", *MIXED_SHARDING, nproc=2),
+    return {"full": train(cwd, "full2", *MIXED_SHARDING, "--set", "data.trace_dir=trace-full2", nproc=2),
             "at40": train(cwd, "split2", *MIXED_SHARDING, "--set", "train.steps=40", nproc=2), "cwd": cwd}
+
+
+@pytest.fixture(scope="session")
+def tsv_data(tmp_path_factory):
+    """Criteo TSV files for tiny.yaml: {"dir", "opts"}; 2000 + 6000 training lines (world size 2
+    needs 7680 for 60 steps; world size 1 crosses the file boundary), 600 eval lines."""
+    from cli_helpers import write_tsv
+
+    d = tmp_path_factory.mktemp("tsv_data")
+    write_tsv(d / "day0.tsv", 2000, 1)
+    write_tsv(d / "day1.tsv", 6000, 2)
+    write_tsv(d / "eval.tsv", 600, 3)
+    opts = ["--set", "data.source=tsv", "--set", f"data.tsv_paths=[{d / 'day0.tsv'}, {d / 'day1.tsv'}]",
+            "--set", f"data.eval_tsv_paths=[{d / 'eval.tsv'}]"]
+    return {"dir": str(d), "opts": opts}
+
+
+@pytest.fixture(scope="session")
+def tsv_full(tmp_path_factory, tsv_data):
+    """tiny.yaml on the TSV files, uninterrupted, reading in the trainer's process (no reader
+    processes): {nproc: (summary, cwd)} for world size 1 and 2, sample traces in ``<cwd>/trace``."""
+    from cli_helpers import train
+
+    out = {}
+    for nproc in (1, 2):
+        cwd = str(tmp_path_factory.mktemp(f"tsv_full_ws{nproc}"))
+        out[nproc] = (train(cwd, "ck", *tsv_data["opts"], "--set", "data.reader_processes=0",
+                            "--set", "data.trace_dir=trace", nproc=nproc), cwd)
+    return out

@@ -159,6 +159,11 @@ def test_quantized_roundtrip_equals_dequantize(bits, method, rows, dim):
     assert ref.encoding == Encoding.QUANTIZED and ref.bits == bits and ref.method == method and ref.cols == dim
     assert torch.equal(out.data, dequantize_rows(q)) and torch.equal(out.row_ids, ids)
     assert len(blob) < 100 + rows * 8 + q.nbytes + 400  # header + ids + exactly the quantized bytes
+    # left quantized, any block of rows dequantizes to exactly the same values as the whole chunk
+    lazy = decode_chunk(blob, ref, dequantize=False)
+    assert lazy.data is None and torch.equal(lazy.row_ids, ids)
+    for lo, hi in [(0, rows), (0, rows // 2), (rows // 2, rows), (rows // 3, rows - rows // 3)]:
+        assert torch.equal(lazy.values(lo, hi), out.data[lo:hi])
 
 
 def test_quantized_chunk_is_smaller_and_damage_is_detected():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -31,6 +32,16 @@ def test_roundtrip():
     m = _manifest()
     assert parse_manifest(manifest_to_bytes(m)) == m
     assert m.bytes == 100 and m.rows == 4 and m.bits == 32
+    # a chunk alone in its object is written without "offset", exactly as before packing
+    assert '"offset"' not in manifest_to_bytes(m).decode()
+
+
+def test_packed_chunk_offset_roundtrip():
+    name = "model/x.embedding_bags.t0.weight"
+    m = _manifest()
+    packed = dataclasses.replace(m.tensors[name].chunks[0], offset=4096)
+    m = dataclasses.replace(m, tensors={name: dataclasses.replace(m.tensors[name], chunks=(packed,))})
+    assert parse_manifest(manifest_to_bytes(m)).tensors[name].chunks[0].offset == 4096
 
 
 def _mutate(fn):
@@ -52,6 +63,8 @@ def _mutate(fn):
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(key="checkpoints/../../x"), "rejected"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(key="checkpoints/other/c.bin"), "outside its checkpoint"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(rows=-1), "negative"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(offset=-8), "negative"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(offset="8"), "'offset'"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(surprise=True), "unknown fields"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(shape=[4, -2]), "non-negative"),
     ],

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import List
+
 import pytest
 import torch
 
 from cnr.commit import check_coverage
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, TensorEntry
+from cnr.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
 from cnr.restore import restore_chain, restore_pieces
 from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion
-from cnr.upload import WriteJob, _Uploader, write_rank_data
+from cnr.upload import WriteJob, Uploader, write_rank_data
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
 
@@ -25,7 +27,7 @@ def write_piece_chunks(store, ckpt_id, rank, piece, chunk_bytes, first_n=0, row_
         data = data[row_ids - piece.region.offsets[0]]
     host = HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids)
     job = WriteJob(ckpt_id, 1, CheckpointKind.FULL, None, rank + first_n, 1, [host])
-    uploader = _Uploader(store, 2)
+    uploader = Uploader(store, 2)
     try:
         index, _ = write_rank_data(store, uploader, job, chunk_bytes)
     finally:
@@ -71,13 +73,39 @@ LAYOUTS = {
 @pytest.mark.parametrize("src", sorted(LAYOUTS))
 @pytest.mark.parametrize("dst", sorted(LAYOUTS))
 @pytest.mark.parametrize("chunk_bytes", [24, 4096])
-def test_any_split_restores_into_any_split(tmp_path, src, dst, chunk_bytes):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_split_restores_into_any_split(tmp_path, src, dst, chunk_bytes, threads):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     manifest = _write(store, _split(full, *LAYOUTS[src]), chunk_bytes)
     target = torch.zeros(ROWS, COLS)
-    restore_pieces(store, manifest, _split(target, *LAYOUTS[dst]))
+    restore_pieces(store, manifest, _split(target, *LAYOUTS[dst]), threads=threads)
     assert torch.equal(target, full)
+
+
+class _CountingStorage(LocalStorage):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.gets: List[str] = []
+        self.ranges: List[object] = []
+
+    def get(self, key, byte_range=None):
+        self.gets.append(key)
+        self.ranges.append(byte_range)
+        return super().get(key, byte_range)
+
+
+def test_each_chunk_is_fetched_once_and_intra_op_threads_are_put_back(tmp_path):
+    store = _CountingStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    manifest = _write(store, _split(full, *LAYOUTS["whole"]), 4096)  # one chunk per 4096 bytes, many pieces each
+    target = torch.zeros(ROWS, COLS)
+    before = torch.get_num_threads()
+    restore_pieces(store, manifest, _split(target, *LAYOUTS["grid"]), threads=2)
+    assert torch.equal(target, full) and torch.get_num_threads() == before
+    assert sorted(store.gets) == sorted(c.key for c in manifest.tensors[NAME].chunks)
+    with pytest.raises(ValueError, match="threads=0"):
+        restore_pieces(store, manifest, _split(target, *LAYOUTS["grid"]), threads=0)
 
 
 def test_one_dimensional_and_scalar_state(tmp_path):
@@ -135,7 +163,8 @@ def test_altered_chunk_detected_on_restore(tmp_path):
 
 @pytest.mark.parametrize("src", sorted(LAYOUTS))
 @pytest.mark.parametrize("dst", sorted(LAYOUTS))
-def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst, threads):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     base = _write(store, _split(full, *LAYOUTS[src]), 96)
@@ -150,7 +179,7 @@ def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst):
     inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {NAME: TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))},
                     base=base.id)
     target = torch.zeros(ROWS, COLS)
-    _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]))
+    _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]), threads=threads)
     assert torch.equal(target, later)
     assert applied["t"].tolist() == touched.tolist()
 
@@ -163,7 +192,7 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     full = torch.randn(ROWS, COLS)
     piece = _split(full, [0, ROWS], [0, COLS])[0]
     host = HostPiece(piece.name, piece.global_shape, piece.region, False, piece.tensor, None)
-    uploader = _Uploader(store, 2)
+    uploader = Uploader(store, 2)
     try:
         job = WriteJob("0000000001-q", 1, CheckpointKind.FULL, None, 0, 1, [host], bits=bits)
         index, _written = write_rank_data(store, uploader, job, chunk_bytes=96)
@@ -175,3 +204,36 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     restore_pieces(store, _manifest("0000000001-q", CheckpointKind.FULL, {NAME: entry}), _split(target, [0, ROWS], [0, 3, 6]))
     # chunk boundaries do not change the rows' quantization: the same rows quantized whole match
     assert torch.allclose(target, dequantize_rows(quantize_rows(full, bits)), atol=1e-6)
+
+
+def test_small_chunks_share_objects_and_restore_reads_each_once(tmp_path):
+    """One rank's job of many small pieces: chunks under chunk_bytes / 8 go back to back into
+    shared objects; a restore GETs each object once, whole, and a restore that needs only some
+    of an object's chunks reads just their span with a ranged GET."""
+    store = _CountingStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    pieces = _split(full, *LAYOUTS["grid"])
+    hosts = [HostPiece(p.name, p.global_shape, p.region, False, p.tensor, None) for p in pieces]
+    uploader = Uploader(store, 2)
+    try:
+        index, _ = write_rank_data(store, uploader, WriteJob("0000000001-p", 1, CheckpointKind.FULL, None, 0, 1, hosts),
+                                   chunk_bytes=4096)
+    finally:
+        uploader.close()
+    refs = index.tensors[NAME].chunks
+    objects = sorted({r.key for r in refs})
+    assert len(objects) < len(refs) and store.list("checkpoints") == sorted(objects + ["checkpoints/0000000001-p/rank-00000.json"])
+    for key in objects:
+        spans = sorted((r.offset, r.offset + r.nbytes) for r in refs if r.key == key)
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # back to back
+        assert spans[-1][1] == store.size(key)
+    manifest = _manifest("0000000001-p", CheckpointKind.FULL, {NAME: TensorEntry((ROWS, COLS), "float32", False, refs)})
+    assert parse_manifest(manifest_to_bytes(manifest)).tensors[NAME].chunks == refs
+    target = torch.zeros(ROWS, COLS)
+    restore_pieces(store, manifest, _split(target, *LAYOUTS["whole"]), threads=2)
+    assert torch.equal(target, full)
+    assert sorted(store.gets) == objects and store.ranges == [None] * len(objects)
+    store.gets, store.ranges = [], []
+    part = torch.zeros(5, COLS)  # rows 0..4 only: the first grid row's chunks, part of their objects
+    restore_pieces(store, manifest, [StatePiece(NAME, (ROWS, COLS), ShardRegion((0, 0), (5, COLS)), part, False)])
+    assert torch.equal(part, full[:5]) and any(r is not None for r in store.ranges)

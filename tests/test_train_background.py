@@ -44,6 +44,7 @@ def test_overlap_abandons_the_older_checkpoint(tmp_path, baseline_ws1):
 
 
 def test_overlap_waits_and_counts_the_wait_as_stall(tmp_path):
-    s = train(str(tmp_path), "ck", "--set", "train.steps=40", env={"CNR_FAULT_INJECT": "sleep=4:mid_data@20"})
+    # the sleep outlasts 20 steps plus the writer's start even on a loaded machine
+    s = train(str(tmp_path), "ck", "--set", "train.steps=40", env={"CNR_FAULT_INJECT": "sleep=10:mid_data@20"})
     assert s["checkpoints"] == 2 and s["failed_checkpoints"] == 0
     assert s["stall_seconds"] >= 2.0

@@ -38,7 +38,6 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.bench.common import argv_list, base_parser
-from cnr.bench.s3local import LocalS3
 from cnr.config import Config, load_config
 from cnr.data import make_reader
 from cnr.errors import ConfigError
@@ -199,14 +198,16 @@ def run(argv: List[str]) -> Dict[str, Any]:
     if args.steps < config.publish.interval:
         raise ConfigError(f"bench publish: --steps {args.steps} is below publish.interval {config.publish.interval}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-publish-")
-    s3: Optional[LocalS3] = None
+    s3 = None
     results: Dict[str, Any] = {}
     try:
         baseline = launch(_train, 1, {"config": base_config, "storage": "", "steps": args.steps})
         for store in stores:
             if store == "s3":
-                s3 = LocalS3().start()
-                uri = f"s3://{s3.bucket}/bench/publish"
+                from cnr.storage.moto_server import MotoS3
+
+                s3 = MotoS3(in_process=False)  # its own process: no GIL shared with the measurement
+                uri = f"s3://{s3.new_bucket()}/bench/publish"
             else:
                 uri = os.path.join(workdir, "publish")
             run_out = _run_store(config, uri, args.steps, args.poll_s, workdir)

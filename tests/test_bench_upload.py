@@ -1,0 +1,79 @@
+"""bench upload: the pipeline figures from a timeline, and a real (tiny) run on moto and a directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from cli_helpers import TINY, run_cnr
+from cnr.bench.link import Link, LinkedStorage
+from cnr.bench.upload_stats import pipeline_stats
+from cnr.storage.local import LocalStorage
+
+
+def test_pipeline_stats_from_a_timeline():
+    # (key, bytes, encode start, encode end, put start, put end): object 0 uploads during all of
+    # object 1's encoding and half of object 2's; object 2's put never started
+    timeline = [("a", 10, 0.0, 1.0, 1.0, 3.5), ("b", 20, 1.0, 2.0, 2.0, 4.0), ("c", 5, 3.0, 5.0, 0.0, 0.0)]
+    s = pipeline_stats(timeline)
+    assert s["objects"] == 3 and s["encode_s"] == pytest.approx(4.0)
+    assert s["upload_busy_s"] == pytest.approx(3.0)  # the union of [1, 3.5] and [2, 4]
+    assert s["overlap_fraction"] == pytest.approx(2.0 / 4.0)  # encodes overlapped by a put: [1, 2] and [3, 4]
+    assert s["objects_stored_while_encoding"] == 2  # both stored before the last encoding ended at 5
+    assert s["pipeline_s"] == pytest.approx(5.0)
+    serial = pipeline_stats([("a", 1, 0.0, 1.0, 1.0, 2.0), ("b", 1, 2.0, 3.0, 3.0, 4.0)])
+    assert serial["overlap_fraction"] == 0.0 and serial["objects_stored_while_encoding"] == 1
+    assert pipeline_stats([])["objects"] == 0
+
+
+def test_link_queues_transfers_at_its_rate(tmp_path):
+    link = Link(rate=1000.0)  # bytes/s
+    long_ago = time.monotonic() - 100.0  # transfers that would have arrived already: no sleeping
+    link.carry(500, long_ago)
+    link.carry(1000, long_ago)  # queued behind the first on the shared link
+    assert link._free_at == pytest.approx(long_ago + 1.5)
+    store = LinkedStorage(LocalStorage(str(tmp_path)), link)
+    store.put("a/b", b"xyz")
+    assert store.get("a/b") == b"xyz" and store.list("a") == ["a/b"] and store.size("a/b") == 3
+    with pytest.raises(ValueError, match="link rate 0"):
+        Link(0)
+
+
+def test_bench_upload_tiny_on_s3_and_local(tmp_path):
+    rc, out, err = run_cnr(["bench", "upload", "--config", TINY, "--repeats", "1", "--link-mb-s", "100"], str(tmp_path),
+                           timeout=600)
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bench"] == "upload" and result["headline_backend"] == "s3"
+    for key in ("commit_over_raw_put", "restore_over_full_download", "overlap_fraction", "link_restore_over_full_download"):
+        assert result[key] == result["s3"][key]
+    assert result["link_mb_s"] == 100
+    for backend in ("s3", "local"):
+        r = result[backend]
+        for key in ("commit_over_raw_put", "restore_over_full_download", "restore_fp32_over_full_download",
+                    "link_restore_over_full_download", "link_restore_fp32_over_full_download"):
+            assert math.isfinite(r[key]) and r[key] > 0, (backend, key, r[key])
+        assert r["bytes"] == r["full_download_bytes"] > 0  # the raw puts and the download moved the same bytes
+        assert 1 <= r["objects"] and 0 <= r["objects_stored_while_encoding"] <= r["objects"]
+        assert 0.0 <= r["overlap_fraction"] <= 1.0
+        assert r["chain_kinds"] == ["full", "incremental"] and r["bits"] == 4
+        assert 1 <= r["chain_objects"] <= r["chain_chunks"]
+        assert 0 < r["touched_fraction"] <= 1 and r["increment_steps"] >= 1
+        assert r["baseline_bytes"] < r["bytes"]  # 4-bit rows take less than fp32 ones
+        assert r["repeats"] == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--backends", "gcs"], "--backends 'gcs'"),
+    (["--rows-scale", "0"], "--rows-scale 0.0"),
+    (["--repeats", "0"], "--repeats 0"),
+    (["--bits", "5"], "--bits 5"),
+    (["--touched", "1.5"], "--touched 1.5"),
+    (["--link-mb-s", "-1"], "--link-mb-s -1.0"),
+])
+def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
+    rc, _out, err = run_cnr(["bench", "upload", "--config", TINY, *args], str(tmp_path))
+    assert rc == 2 and message in err, err[-2000:]
