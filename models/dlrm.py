@@ -22,14 +22,14 @@ def embedding_configs(config: Config) -> list:
     ]
 
 
-def build_dlrm(config: Config, table_device: torch.device = torch.device("meta")) -> torch.nn.Module:
-    """The unsharded model: tables on ``table_device`` (meta: DMP materialises them), dense on CPU.
+def build_dlrm(config: Config) -> torch.nn.Module:
+    """The unsharded model: tables on the meta device (DMP materialises them), dense on CPU.
 
     ``model.arch``: "dlrm" (dot interaction) or "dcn" (DLRM with a low-rank DCN interaction).
     Dense initialisation is seeded by ``train.seed`` so every rank builds identical dense layers.
     """
     torch.manual_seed(config.train.seed)
-    ebc = EmbeddingBagCollection(tables=embedding_configs(config), device=table_device)
+    ebc = EmbeddingBagCollection(tables=embedding_configs(config), device=torch.device("meta"))
     m = config.model
     if m.arch == "dcn":
         return DLRM_DCN(
