@@ -41,8 +41,8 @@ import torch.distributed as dist
 from cnr.checkpoint import pieces_to_write
 from cnr.config import Config
 from cnr.errors import ConfigError
-from cnr.manifest import list_checkpoints, make_id, newest_committed
-from cnr.retention import RetentionPlan, execute_plan, plan_retention
+from cnr.manifest import make_id, newest_committed
+from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
 from cnr.snapshot import HostBuffers
 from cnr.state import MODEL, StatePiece
 from cnr.storage import open_storage
@@ -103,13 +103,8 @@ def plan_publish_retention(infos: Sequence[CheckpointInfo], keep_bases: int) -> 
 def retain_publishes(storage: Storage, keep_bases: int) -> Dict[str, Any]:
     """Retention after a publish commit (rank 0's writer); an error is logged, never raised."""
     if keep_bases == 0:
-        return {"deleted": [], "purged": [], "bytes_freed": 0}
-    try:
-        r = execute_plan(storage, plan_publish_retention(list_checkpoints(storage), keep_bases))
-        return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
-    except Exception as e:  # the commit stands; the next commit's retention tries again
-        logger.warning("publish retention failed (the publish is committed): %s", e)
-        return {"error": str(e)}
+        return dict(NOTHING_DELETED)
+    return retain_after_commit(storage, functools.partial(plan_publish_retention, keep_bases=keep_bases), "publish")
 
 
 # ---- the publisher -----------------------------------------------------------------------------

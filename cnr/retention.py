@@ -1,7 +1,7 @@
 """Retention: after a commit, delete what no kept checkpoint's chain needs.
 
 The plan is a pure function of the listing (``plan_retention``), so it is tested on its own,
-property-based; ``apply_retention`` carries it out on storage. Rules:
+property-based; ``retain_after_commit`` carries a plan out on storage. Rules:
 
 - keep the newest ``keep_last`` committed checkpoints and every checkpoint their chains reach
   through ``base`` links (a one-shot increment's full baseline, a consecutive increment's
@@ -17,10 +17,11 @@ uncommitted, never as a committed checkpoint with missing chunks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from cnr.manifest import checkpoint_prefix, failed_key, list_checkpoints, manifest_key
 from cnr.storage.base import Storage
@@ -94,13 +95,6 @@ class RetentionResult:
     bytes_freed: int
 
 
-def apply_retention(storage: Storage, keep_last: int) -> RetentionResult:
-    """Plan and carry out retention on ``storage``; ``keep_last`` 0 keeps everything."""
-    if keep_last == 0:
-        return RetentionResult((), (), 0)
-    return execute_plan(storage, plan_retention(list_checkpoints(storage), keep_last))
-
-
 def execute_plan(storage: Storage, plan: RetentionPlan) -> RetentionResult:
     """Carry out ``plan``: delete its checkpoints whole, purge the data of its uncommitted ones."""
     freed = sum(_remove(storage, i, keep_marker=False) for i in plan.delete)
@@ -109,3 +103,26 @@ def execute_plan(storage: Storage, plan: RetentionPlan) -> RetentionResult:
         logger.info("retention: deleted %d checkpoints, purged %d uncommitted, freed %d bytes",
                     len(plan.delete), len(plan.purge), freed)
     return RetentionResult(plan.delete, plan.purge, freed)
+
+
+NOTHING_DELETED: Dict[str, Any] = {"deleted": [], "purged": [], "bytes_freed": 0}
+
+
+def retain_after_commit(storage: Storage, plan: Callable[[List[CheckpointInfo]], RetentionPlan],
+                        what: str) -> Dict[str, Any]:
+    """List, plan and carry out retention right after a commit (rank 0's writer); return a
+    JSON-able report. An error is logged and reported, never raised: the commit stands and the
+    next commit's retention tries again. ``what`` names the store in the log ("checkpoint")."""
+    try:
+        r = execute_plan(storage, plan(list_checkpoints(storage)))
+        return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        logger.warning("%s retention after a commit failed (the commit stands): %s", what, e)
+        return {"error": str(e)}
+
+
+def retain_checkpoints(storage: Storage, keep_last: int) -> Dict[str, Any]:
+    """Checkpoint retention after a commit: the newest ``keep_last`` chains (0 keeps everything)."""
+    if keep_last == 0:
+        return dict(NOTHING_DELETED)
+    return retain_after_commit(storage, functools.partial(plan_retention, keep_last=keep_last), "checkpoint")

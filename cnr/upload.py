@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
-from cnr.retention import apply_retention
+from cnr.retention import retain_checkpoints
 from cnr.config import Config
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import Cancelled, CnrError
@@ -290,16 +290,6 @@ def _drain(uploader: Uploader) -> None:
         pass
 
 
-def _retain(storage: Storage, keep_last: int) -> Dict[str, Any]:
-    """Retention after a commit; its failure is logged, never fails the committed checkpoint."""
-    try:
-        r = apply_retention(storage, keep_last)
-        return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
-    except Exception as e:  # the commit stands; the next commit's retention tries again
-        logger.warning("retention after a commit failed (the checkpoint is committed): %s", e)
-        return {"error": str(e)}
-
-
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -324,7 +314,10 @@ def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob
         else:
             manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
             committed_at = time.time()  # wall clock, for the time from snapshot to commit
-            retention = retain(storage) if retain is not None else _retain(storage, config.checkpoint.keep_last)
+            if retain is None:
+                retention = retain_checkpoints(storage, config.checkpoint.keep_last)
+            else:
+                retention = retain(storage)
             extra = {"chain_bytes": list(manifest.chain_bytes), "retention": retention, "stored_at": committed_at}
             result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32,
                                  time.perf_counter() - start, extra=extra)
