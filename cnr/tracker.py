@@ -121,8 +121,11 @@ def _rows_of(bits: np.ndarray, table: TrackedTable) -> torch.Tensor:
     """Global row ids (int64, ascending) whose bit is set for ``table``."""
     start = table.bit_start // 8
     chunk = bits[start:start + (table.rows + 7) // 8]
-    flags = np.unpackbits(chunk, bitorder="little")[: table.rows]
-    return torch.from_numpy(np.flatnonzero(flags).astype(np.int64)) + table.row_offset
+    flags = torch.from_numpy(np.unpackbits(chunk, bitorder="little")[: table.rows])
+    # torch's nonzero runs on the intra-op threads: 4.4 ms for 3 M rows at 25% density on 2
+    # cores, against 9.1 ms for numpy's single-threaded flatnonzero (this runs in the stall)
+    rows = torch.nonzero(flags).view(-1)
+    return rows.add_(table.row_offset) if table.row_offset else rows
 
 
 class RowTracker:

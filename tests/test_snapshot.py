@@ -39,7 +39,7 @@ def test_full_capture_copies_everything_into_shared_reused_buffers():
 
 def test_incremental_capture_gathers_rows_with_global_ids():
     weight, momentum = torch.randn(50, 4), torch.rand(50)
-    rows = {"t0": torch.tensor([100, 103, 149, 7, 200], dtype=torch.int64)}  # 7 and 200 are not held here
+    rows = {"t0": torch.tensor([7, 100, 103, 149, 200], dtype=torch.int64)}  # 7 and 200 are not held here
     host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=100), rows)
     by_name = {h.name: h for h in host}
     assert by_name[W].row_ids.tolist() == [100, 103, 149]
