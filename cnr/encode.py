@@ -324,11 +324,11 @@ def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Te
     if ids["format"] == "int64":
         return _take(payload, 0, rows, torch.int64, where)
     packed, offset = _take(payload, 0, (ids["span"] + 7) // 8, torch.uint8, where)
-    bits = np.unpackbits(packed.numpy(), count=ids["span"], bitorder="little")
-    listed = np.flatnonzero(bits)
-    if len(listed) != rows:
-        raise CorruptChunkError(f"{where} id bitmap lists {len(listed)} rows, the header says {rows}")
-    return torch.from_numpy(listed.astype(np.int64) + ids["first"]), offset
+    bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=ids["span"], bitorder="little"))
+    listed = torch.nonzero(bits).view(-1)  # torch's nonzero uses the intra-op threads; numpy's does not
+    if listed.numel() != rows:
+        raise CorruptChunkError(f"{where} id bitmap lists {listed.numel()} rows, the header says {rows}")
+    return listed.add_(ids["first"]), offset
 
 
 def _quantized(payload: memoryview, offset: int, header: dict, where: str) -> Tuple[QuantizedRows, int]:
