@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from cnr.config import Config
 from cnr.manifest import make_id
+from cnr.merge import Merger
 from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers
 from cnr.state import RNG_PREFIX, StatePiece
@@ -92,6 +93,10 @@ class Checkpointer:
         self.buffers = HostBuffers()
         self.stats = SaveStats()
         self.writer = Writer(storage_uri, config)
+        c = config.checkpoint
+        # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
+        self.merger = Merger(storage_uri, c.chunk_bytes, c.keep_last) if c.merge_every and rank == 0 else None
+        self._since_merge = max(0, len(self.chain.chain_bytes) - 1)  # increments since the newest full
         self._captured: List[Captured] = []
         self._in_flight_kind: Optional[CheckpointKind] = None
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
@@ -136,6 +141,8 @@ class Checkpointer:
             self._settle(abandon=False)
         finally:
             self.writer.close()
+            if self.merger is not None:
+                self.merger.wait()
         self.stats.drain_seconds += time.perf_counter() - start
 
     # ---- internals -----------------------------------------------------------------------
@@ -165,6 +172,15 @@ class Checkpointer:
         self._captured = [since_last, since_base]
         stored = since_last if self.config.checkpoint.policy == "consecutive" else since_base
         return {t: self.tracker.rows(stored.bits, t) for t in self.tracker.tables}
+
+    def _maybe_merge(self, ckpt_id: str, kind: Optional[CheckpointKind]) -> None:
+        """Rank 0: count increments since the newest baseline; at ``merge_every`` merge their chain
+        in the background (if a merge still runs, the next commit tries again)."""
+        if self.merger is None:
+            return
+        self._since_merge = 0 if kind == CheckpointKind.FULL else self._since_merge + 1
+        if self._since_merge >= self.config.checkpoint.merge_every and self.merger.start(ckpt_id):
+            self._since_merge = 0
 
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
@@ -196,6 +212,7 @@ class Checkpointer:
             if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
                 self.chain.chain_bytes = list(result.extra["chain_bytes"])
             logger.info("checkpoint %s committed", ckpt_id)
+            self._maybe_merge(ckpt_id, self._in_flight_kind)
         else:
             self.stats.failed += 1
             error = result.error if result is not None and result.error else "another rank's writer failed"

@@ -43,9 +43,10 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
     else:
-        print(f"{'id':<22} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
+        width = max([22] + [len(r["id"]) for r in rows])  # merged baselines have longer ids
+        print(f"{'id':<{width}} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
         for r in rows:
-            print(f"{r['id']:<22} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
+            print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
                   f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
     return 0
 

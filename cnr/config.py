@@ -141,7 +141,9 @@ class CheckpointConfig:
     (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
-    their chains need, delete the rest (0: keep everything).
+    their chains need, delete the rest (0: keep everything). ``merge_every``: with the
+    consecutive policy, merge the chain into a new full baseline in the background once this
+    many increments followed the newest one (cnr.merge; 0: never).
     """
 
     enabled: bool = True
@@ -158,6 +160,7 @@ class CheckpointConfig:
     bit_policy: str = "fixed"
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
+    merge_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -364,6 +367,10 @@ def validate(config: Config) -> None:
     _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
+    _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")
+    _require(c.merge_every == 0 or c.policy == "consecutive",
+             f"config key 'checkpoint.merge_every' = {c.merge_every} needs checkpoint.policy 'consecutive', not "
+             f"{c.policy!r}: only consecutive increments form chains to merge")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
     _validate_publish(config.publish)

@@ -50,6 +50,15 @@ def failed_key(ckpt_id: str, rank: Optional[int] = None) -> str:
     return f"{ROOT}/{ckpt_id}/{name}"
 
 
+# A merged baseline (cnr.merge) is named after the increment it stands for: it sorts right after it.
+MERGED_SUFFIX = ".merged"
+
+
+def merged_id(ckpt_id: str) -> str:
+    """Id of the full checkpoint that a merge of ``ckpt_id``'s chain writes."""
+    return ckpt_id + MERGED_SUFFIX
+
+
 def make_id(step: int, nonce: str) -> str:
     return f"{step:010d}-{nonce}"
 
@@ -367,11 +376,19 @@ def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
     """The manifests to apply in order to restore ``manifest``: its full baseline first.
 
     Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
-    consecutive increment the checkpoint before it. Every link must be committed and older.
+    consecutive increment the checkpoint before it. Every link must be committed and older. A link
+    whose chain was merged (a committed ``merged_id(link)``, cnr.merge) is replaced by the merged
+    full checkpoint, which holds the same state, and the walk ends there.
     """
     chain = [manifest]
     while chain[0].kind != CheckpointKind.FULL:
         head = chain[0]
+        if storage.exists(manifest_key(merged_id(head.id))):
+            merged = read_manifest(storage, merged_id(head.id))
+            if merged.kind != CheckpointKind.FULL or merged.step != head.step:
+                raise CheckpointError(f"{merged.id} is not a full checkpoint of step {head.step}")
+            chain[0] = merged
+            break
         if not head.base:
             raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
         if not storage.exists(manifest_key(head.base)):

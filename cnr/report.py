@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
-from cnr.manifest import Manifest, manifest_key, rank_index_key, scan_checkpoints
+from cnr.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id, rank_index_key, scan_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo
@@ -107,9 +107,14 @@ class ReportData:
 
 
 def _chain_bytes(entry: Entry, by_id: Dict[str, Entry]) -> Optional[int]:
-    """Written bytes of ``entry`` and its bases; None if a base is absent or the links loop."""
+    """Written bytes of what restoring ``entry`` reads: it and its bases, or from a link with a
+    merged baseline on, that baseline (as cnr.manifest.resolve_chain); None if a base is absent
+    or the links loop."""
     total, seen, cur = 0, set(), entry
     while True:
+        merged = by_id.get(merged_id(cur.id))
+        if merged is not None:
+            return total + merged.written
         total += cur.written
         seen.add(cur.id)
         if cur.base is None:
@@ -144,8 +149,10 @@ def compute(entries: List[Entry]) -> List[Point]:
 
 
 def _meta_bytes(storage: Storage, m: Manifest) -> int:
-    """Stored size of the manifest and every rank's index (sizes only, nothing is read)."""
-    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r) for r in range(m.world_size)]
+    """Stored size of the manifest and every rank's index (sizes only, nothing is read). A merged
+    baseline (cnr.merge) is written by one process, with no rank indexes."""
+    ranks = 0 if m.id.endswith(MERGED_SUFFIX) else m.world_size
+    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r) for r in range(ranks)]
     total = 0
     for key in keys:
         try:

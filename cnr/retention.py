@@ -9,6 +9,10 @@ property-based; ``retain_after_commit`` carries a plan out on storage. Rules:
 - delete any other committed checkpoint older than the newest committed one;
 - a checkpoint that never committed (failed, or cut off by a crash) and is older than the newest
   committed one loses its data but keeps a ``failed.json`` marker, so ``inspect`` still shows it;
+  an uncommitted merged baseline (cnr.merge) only once a newer full one committed, since a merge
+  runs beside later checkpoints;
+- a committed merged baseline stands for the increment it is named after and that increment's
+  whole chain, so a kept increment keeps its merged baseline instead of its old chain;
 - nothing newer than the newest committed checkpoint is touched (it may be in flight).
 
 Deletion removes ``manifest.json`` first: a checkpoint half-deleted by a crash reads as
@@ -23,9 +27,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.manifest import checkpoint_prefix, failed_key, list_checkpoints, manifest_key
+from cnr.manifest import MERGED_SUFFIX, checkpoint_prefix, failed_key, list_checkpoints, manifest_key, merged_id
 from cnr.storage.base import Storage
-from cnr.types import CheckpointInfo, CheckpointStatus
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +46,36 @@ class RetentionPlan:
 
 def chain_ids(ckpt_id: str, bases: Dict[str, Optional[str]]) -> List[str]:
     """``ckpt_id`` and every committed checkpoint its chain reaches, newest first (a missing
-    link ends the walk: retention never invents a chain)."""
+    link ends the walk: retention never invents a chain). As in cnr.manifest.resolve_chain, a
+    link with a committed merged baseline ends the walk at that baseline. A merged baseline keeps
+    the increment it is named after: the running job, unaware of the merge, names that increment
+    as the base of its next one (whose chain then ends at the merged baseline)."""
     out = [ckpt_id]
     seen = {ckpt_id}
-    base = bases.get(ckpt_id)
-    while base is not None and base in bases and base not in seen:
+    link = ckpt_id
+    if ckpt_id.endswith(MERGED_SUFFIX) and ckpt_id[:-len(MERGED_SUFFIX)] in bases:
+        return out + [ckpt_id[:-len(MERGED_SUFFIX)]]
+    while True:
+        merged = merged_id(link)
+        if merged in bases:
+            out.append(merged)
+            return out
+        base = bases.get(link)
+        if base is None or base not in bases or base in seen:
+            return out
         out.append(base)
         seen.add(base)
-        base = bases[base]
-    return out
+        link = base
+
+
+def _purgeable(info: CheckpointInfo, committed: Sequence[CheckpointInfo]) -> bool:
+    """Whether an uncommitted checkpoint older than the newest committed one is dead. A merge
+    (cnr.merge) runs beside the checkpoints of its job and may still be writing, until a newer
+    full checkpoint commits: merges run one at a time, so a newer committed full or merged
+    baseline means this one was cut off."""
+    if not info.id.endswith(MERGED_SUFFIX):
+        return True
+    return any(c.kind == CheckpointKind.FULL and (c.step, c.id) > (info.step, info.id) for c in committed)
 
 
 def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> RetentionPlan:
@@ -67,7 +92,7 @@ def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> Retention
     newest = committed[-1]
     older = [i for i in infos if (i.step, i.id) < (newest.step, newest.id)]
     delete = tuple(sorted(i.id for i in older if i.status == CheckpointStatus.COMMITTED and i.id not in needed))
-    purge = tuple(sorted(i.id for i in older if i.status != CheckpointStatus.COMMITTED))
+    purge = tuple(sorted(i.id for i in older if i.status != CheckpointStatus.COMMITTED and _purgeable(i, committed)))
     return RetentionPlan(tuple(sorted(needed)), delete, purge)
 
 

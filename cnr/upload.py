@@ -290,7 +290,8 @@ def _drain(uploader: Uploader) -> None:
         pass
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Call first in a background process (writer, merge): it is killed when its trainer dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -336,7 +337,7 @@ def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob
 
 def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain: Optional[Retain] = None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel."""
-    _die_with_parent()
+    die_with_parent()
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")

@@ -63,6 +63,8 @@ def test_overrides_apply():
         ("checkpoint.policy=sometimes", "allowed: full, one_shot, consecutive, intermittent"),
         ("checkpoint.bit_policy=guess", "'checkpoint.bit_policy' = 'guess' is not allowed; allowed: fixed, failures"),
         ("checkpoint.keep_last=-1", "'checkpoint.keep_last' = -1"),
+        ("checkpoint.merge_every=-1", "'checkpoint.merge_every' = -1 is not allowed; it must be >= 0"),
+        ("checkpoint.merge_every=2", "needs checkpoint.policy 'consecutive', not 'intermittent'"),
         ("checkpoint.bit_policy=failures", "needs exactly one of 'checkpoint.failures.rate_per_node_hour'"),
         ("checkpoint.failures={rate_per_node_hour: -0.5}", "'checkpoint.failures.rate_per_node_hour' = -0.5"),
         ("checkpoint.failures={tolerated_restores: {5: 1}}", "maps bit-widths 2, 3, 4 to restore counts"),

@@ -8,6 +8,7 @@ from typing import Dict, List
 import pytest
 
 from cli_helpers import inspect, train
+from cnr.manifest import merged_id
 from cnr.retention import chain_ids, plan_retention
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
@@ -15,16 +16,19 @@ from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 C, F, U = CheckpointStatus.COMMITTED, CheckpointStatus.FAILED, CheckpointStatus.UNCOMMITTED
 
 
-def _info(step: int, status: CheckpointStatus, kind=CheckpointKind.FULL, base=None) -> CheckpointInfo:
-    return CheckpointInfo(f"{step:010d}-abcd", step, kind, status, 32, 0, 1, base)
+def _info(step: int, status: CheckpointStatus, kind=CheckpointKind.FULL, base=None, ckpt_id=None) -> CheckpointInfo:
+    return CheckpointInfo(ckpt_id or f"{step:010d}-abcd", step, kind, status, 32, 0, 1, base)
 
 
 def _check_invariants(infos: Dict[str, CheckpointInfo], keep_last: int, newest: CheckpointInfo) -> None:
-    committed = sorted((i for i in infos.values() if i.status == C), key=lambda i: i.step)
+    committed = sorted((i for i in infos.values() if i.status == C), key=lambda i: (i.step, i.id))
     assert committed[-1].id == newest.id, "the newest committed checkpoint was deleted"
     for info in committed[-keep_last:]:
         walk = info
         while walk.kind != CheckpointKind.FULL:  # every link of a kept chain is there and committed
+            merged = infos.get(merged_id(walk.id))
+            if merged is not None and merged.status == C:  # what resolve_chain restores instead
+                break
             assert walk.base in infos and infos[walk.base].status == C, f"{info.id} lost {walk.base}"
             assert infos[walk.base].step < walk.step
             walk = infos[walk.base]
@@ -35,14 +39,58 @@ def test_retention_never_deletes_what_a_kept_chain_needs():
         _random_history(seed)
 
 
+def _retain(infos: Dict[str, CheckpointInfo], keep_last: int, newest: CheckpointInfo, merging) -> None:
+    """Plan retention after ``newest`` committed, check the plan, apply it to ``infos``."""
+    before = dict(infos)
+    plan = plan_retention(list(infos.values()), keep_last)
+    assert newest.id in plan.keep
+    assert merging not in plan.purge, "a merge still writing lost its data"
+    for ckpt_id in plan.delete:
+        assert before[ckpt_id].status == C and (before[ckpt_id].step, ckpt_id) < (newest.step, newest.id)
+        del infos[ckpt_id]
+    for ckpt_id in plan.purge:  # data gone, the failure marker stays
+        assert before[ckpt_id].status != C and (before[ckpt_id].step, ckpt_id) < (newest.step, newest.id)
+        infos[ckpt_id] = _info(before[ckpt_id].step, F, ckpt_id=ckpt_id)
+    # what was deleted is in no kept chain
+    committed = sorted((i for i in before.values() if i.status == C), key=lambda i: (i.step, i.id))
+    bases = {i.id: i.base for i in committed}
+    needed = {x for k in committed[-keep_last:] for x in chain_ids(k.id, bases)}
+    assert not needed & set(plan.delete) and needed == set(plan.keep)
+
+
+def _resumed_chain(infos: Dict[str, CheckpointInfo]):
+    """(last committed, its chain's full checkpoint) as a resumed job finds them, or (None, None)."""
+    committed = sorted((i for i in infos.values() if i.status == C), key=lambda i: (i.step, i.id))
+    if not committed:
+        return None, None
+    walk = committed[-1]
+    while walk.kind != CheckpointKind.FULL:
+        merged = infos.get(merged_id(walk.id))
+        walk = merged if merged is not None and merged.status == C else infos[walk.base]
+    return committed[-1].id, walk.id
+
+
 def _random_history(seed: int) -> None:
-    """Random policies, failures, crashes and commits; retention after every commit."""
+    """Random policies, failures, crashes, commits and background merges (cnr.merge) of
+    consecutive chains that commit or crash some steps later; retention after every commit."""
     rng = random.Random(seed)
     keep_last = rng.choice([1, 1, 2, 3])
     infos: Dict[str, CheckpointInfo] = {}
-    last_full = last_committed = None
+    last_full = last_committed = merging = policy = None
+    newest = None
     for step in range(10, 10 * rng.randint(5, 40), 10):
-        policy = rng.choice(["full", "one_shot", "consecutive", "intermittent"])  # a job may change policy on resume
+        if merging is not None and rng.random() < 0.5:  # the merge ends before this checkpoint
+            done = rng.random() < 0.8
+            infos[merging] = _info(infos[merging].step, C if done else U, ckpt_id=merging)
+            merging, merged = None, infos[merging]
+            if done:
+                newest = max(newest, merged, key=lambda i: (i.step, i.id))
+                _retain(infos, keep_last, newest, merging)
+                _check_invariants(infos, keep_last, newest)
+        if policy is None or rng.random() < 0.15:  # a restart, maybe with another policy
+            policy = rng.choice(["full", "one_shot", "consecutive", "intermittent"])
+            merging = None  # a running merge dies with its job, its data uncommitted
+            last_committed, last_full = _resumed_chain(infos)
         outcome = rng.choices(["commit", "fail", "crash"], weights=[6, 1, 1])[0]
         full = last_full is None or policy == "full" or (policy == "intermittent" and rng.random() < 0.3)
         base = None if full else (last_committed if policy == "consecutive" else last_full)
@@ -51,21 +99,12 @@ def _random_history(seed: int) -> None:
         infos[info.id] = info
         if outcome != "commit":
             continue
-        last_committed, last_full = info.id, info.id if full else last_full
-        before = dict(infos)
-        plan = plan_retention(list(infos.values()), keep_last)
-        assert info.id in plan.keep
-        for ckpt_id in plan.delete:
-            assert before[ckpt_id].status == C and before[ckpt_id].step < step
-            del infos[ckpt_id]
-        for ckpt_id in plan.purge:  # data gone, the failure marker stays
-            assert before[ckpt_id].status != C and before[ckpt_id].step < step
-            infos[ckpt_id] = _info(before[ckpt_id].step, F)
+        last_committed, last_full, newest = info.id, info.id if full else last_full, info
+        _retain(infos, keep_last, info, merging)
         _check_invariants(infos, keep_last, info)
-        # what was deleted is in no kept chain
-        bases = {i.id: i.base for i in before.values() if i.status == C}
-        needed = {x for k in plan.keep for x in chain_ids(k, bases)}
-        assert not needed & set(plan.delete)
+        if merging is None and policy == "consecutive" and not full and rng.random() < 0.4:
+            merging = merged_id(info.id)
+            infos[merging] = _info(step, U, ckpt_id=merging)
 
 
 def test_plan_examples():

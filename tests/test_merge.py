@@ -1,0 +1,112 @@
+"""Background merges of consecutive chains (cnr.merge): same state as the chain, committed last,
+refused when it would re-quantize, and retention then drops the old chain."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from cli_helpers import MIXED_SHARDING, inspect, train
+from cnr.errors import CheckpointError
+from cnr.manifest import Manifest, manifest_key, merged_id, newest_committed, read_manifest, resolve_chain
+from cnr.merge import merge_chain
+from cnr.restore import restore_chain
+from cnr.state import StatePiece
+from cnr.storage.local import LocalStorage
+from cnr.tracker import table_of
+from cnr.types import ShardRegion
+
+CONSECUTIVE = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10",
+               "--set", "checkpoint.keep_last=0"]
+
+
+def _whole_pieces(manifest: Manifest) -> List[StatePiece]:
+    """One zeroed tensor per checkpointed tensor, each holding all of it."""
+    from cnr.encode import DTYPES
+
+    pieces = []
+    for name, entry in sorted(manifest.tensors.items()):
+        shape = tuple(entry.shape)
+        tensor = torch.zeros(shape, dtype=DTYPES[entry.dtype])
+        pieces.append(StatePiece(name, shape, ShardRegion((0,) * len(shape), shape), tensor, True))
+    return pieces
+
+
+def _restored(storage: LocalStorage, chain: List[Manifest]) -> Dict[str, torch.Tensor]:
+    pieces = _whole_pieces(chain[-1] if chain[-1].kind.value == "incremental" else chain[0])
+    restore_chain(storage, chain, pieces)
+    return {p.name: p.tensor for p in pieces}
+
+
+@pytest.fixture(scope="module")
+def quantized_chain(tmp_path_factory):
+    """A 4-bit consecutive chain at world size 2, one sharding type per table: full + 3 increments."""
+    cwd = str(tmp_path_factory.mktemp("merge"))
+    train(cwd, "ck", *CONSECUTIVE, *MIXED_SHARDING, "--set", "checkpoint.bits=4", "--set", "train.steps=40", nproc=2)
+    return cwd
+
+
+def test_merged_baseline_restores_exactly_what_the_chain_restores(quantized_chain, monkeypatch):
+    storage = LocalStorage(f"{quantized_chain}/ck")
+    target = newest_committed(storage)
+    chain = resolve_chain(storage, target)
+    assert [m.kind.value for m in chain] == ["full"] + ["incremental"] * 3
+    expected = _restored(storage, chain)
+    baseline = _restored(storage, chain[:1])
+    changed = [n for n in expected if not torch.equal(expected[n], baseline[n])]
+    assert any(table_of(n) is not None for n in changed), "the increments changed no table row"
+    # a failing put half-way: nothing is committed and the chain still resolves as before
+    real_put, puts = LocalStorage.put, []
+
+    def failing_put(self, key, data):
+        puts.append(key)
+        if len(puts) == 5:
+            raise OSError("injected: disk full")
+        return real_put(self, key, data)
+
+    monkeypatch.setattr(LocalStorage, "put", failing_put)
+    with pytest.raises(OSError, match="disk full"):
+        merge_chain(storage, target.id, chunk_bytes=4096)
+    monkeypatch.setattr(LocalStorage, "put", real_put)
+    assert not storage.exists(manifest_key(merged_id(target.id)))
+    assert [m.id for m in resolve_chain(storage, target)] == [m.id for m in chain]
+
+    merged = merge_chain(storage, target.id, chunk_bytes=4096)  # small chunks: many per tensor
+    assert merged.id == merged_id(target.id) and merged.kind.value == "full" and merged.base is None
+    assert (merged.step, merged.reader, merged.counters) == (target.step, target.reader, target.counters)
+    assert merged.bits == 4 and len(merged.chain_bytes) == 1
+    # resolving the increment now stops at the merged baseline, which restores the same state
+    assert [m.id for m in resolve_chain(storage, target)] == [merged.id]
+    got = _restored(storage, [read_manifest(storage, merged.id)])
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # and it is about the size of a 4-bit full checkpoint, far below the fp32 state
+    assert merged.bytes < 0.6 * merged.full_fp32_bytes
+
+
+def test_a_chain_with_two_bit_widths_is_not_merged(quantized_chain):
+    train(quantized_chain, "ck", *CONSECUTIVE, *MIXED_SHARDING, "--set", "checkpoint.bits=8", "--resume",
+          "--set", "train.steps=50", nproc=2)
+    storage = LocalStorage(f"{quantized_chain}/ck")
+    target = newest_committed(storage)
+    with pytest.raises(CheckpointError, match="re-quantizing"):
+        merge_chain(storage, target.id, chunk_bytes=1 << 20)
+    assert not storage.exists(manifest_key(merged_id(target.id)))
+
+
+def test_training_merges_in_the_background_and_resumes_bit_exact(tmp_path, baseline_ws1):
+    opts = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=5",
+            "--set", "checkpoint.merge_every=3", "--set", "checkpoint.keep_last=1"]
+    first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
+    assert first["checkpoints"] == 11
+    listed = inspect(str(tmp_path), "ck")
+    committed = [c["id"] for c in listed if c["committed"]]
+    merged = [i for i in committed if i.endswith(".merged")]
+    # the first merge starts when the third increment (step 20) commits; later ones may wait for it
+    assert merged and merged[0].startswith("0000000020-")
+    assert all(not c["id"].startswith("0000000005-") for c in listed)  # the old chain was deleted
+    resumed = train(str(tmp_path), "ck", *opts, "--resume")
+    assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]
