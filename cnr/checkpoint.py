@@ -78,12 +78,14 @@ class Checkpointer:
     """Takes checkpoints of one rank's state; collective on ``save`` and ``finish``.
 
     ``bits``: the bit-width decision in force (cnr.policy); the trainer may replace it between
-    checkpoints, and every rank must hold the same one.
+    checkpoints, and every rank must hold the same one. ``writer``: this rank's background
+    writer if already started (the trainer starts it first, so that its process imports while
+    the model is built); the Checkpointer owns it from then on.
     """
 
     def __init__(self, storage_uri: str, config: Config, rank: int, world_size: int,
                  tracker: Optional[RowTracker] = None, chain: Optional[ChainState] = None,
-                 bits: Optional[BitDecision] = None) -> None:
+                 bits: Optional[BitDecision] = None, writer: Optional[Writer] = None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -92,7 +94,7 @@ class Checkpointer:
         self.bits = bits or fixed_bits(config.checkpoint.bits)
         self.buffers = HostBuffers()
         self.stats = SaveStats()
-        self.writer = Writer(storage_uri, config)
+        self.writer = writer or Writer(storage_uri, config)
         c = config.checkpoint
         # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
         self.merger = Merger(storage_uri, c.chunk_bytes, c.keep_last) if c.merge_every and rank == 0 else None

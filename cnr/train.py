@@ -32,6 +32,7 @@ from cnr.restore import check_no_extra_tensors, prepare_dense_optimizer, restore
 from cnr.state import collect_state, global_names, state_digest
 from cnr.trace import SampleTrace, reset_trace
 from cnr.tracker import RowTracker
+from cnr.upload import Writer
 from cnr.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -196,17 +197,24 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, storage, manifest: Op
                 source: BatchSource) -> Optional[Dict[str, Any]]:
     config = job.config
     device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
-    sharded = build_sharded_model(config, device)
-    if rank == 0:
-        logger.info("sharding plan:\n%s", sharded.plan_text)
-    counters = {"step": 0, "samples": 0, "restores": 0}
-    restored: Optional[Restored] = None
-    if manifest is not None:
-        restored = _restore(storage, manifest, sharded, rank, world_size, config.checkpoint.restore_threads)
-        counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
-                    "restores": manifest.counters.get("restores", 0) + 1}
-    trace = _open_trace(config, rank, counters["step"])
-    checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored) if config.checkpoint.enabled else None
+    # The writer process starts first: its imports (seconds of CPU) overlap the model build.
+    writer = Writer(job.storage_uri, config) if config.checkpoint.enabled else None
+    try:
+        sharded = build_sharded_model(config, device)
+        if rank == 0:
+            logger.info("sharding plan:\n%s", sharded.plan_text)
+        counters = {"step": 0, "samples": 0, "restores": 0}
+        restored: Optional[Restored] = None
+        if manifest is not None:
+            restored = _restore(storage, manifest, sharded, rank, world_size, config.checkpoint.restore_threads)
+            counters = {"step": manifest.counters["step"], "samples": manifest.counters["samples"],
+                        "restores": manifest.counters.get("restores", 0) + 1}
+        trace = _open_trace(config, rank, counters["step"])
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    checkpointer = _make_checkpointer(job, sharded, rank, world_size, restored, writer) if writer is not None else None
     publisher = make_publisher(job.storage_uri, config, rank, world_size, sharded.model,
                                checkpointer.tracker if checkpointer is not None else None)
     planner = None
@@ -255,7 +263,7 @@ def _open_trace(config: Config, rank: int, step: int) -> Optional[SampleTrace]:
 
 
 def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_size: int,
-                       restored: Optional[Restored]) -> Checkpointer:
+                       restored: Optional[Restored], writer: Writer) -> Checkpointer:
     tracker = None
     if job.config.checkpoint.policy != "full":
         tracker = RowTracker(sharded.model, views=tracker_views(job.config))
@@ -263,7 +271,7 @@ def _make_checkpointer(job: TrainJob, sharded: ShardedModel, rank: int, world_si
         if restored is not None:
             tracker.seed("baseline", restored.increment_rows)
     chain = restored.chain_state() if restored is not None else None
-    return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, chain)
+    return Checkpointer(job.storage_uri, job.config, rank, world_size, tracker, chain, writer=writer)
 
 
 def _next_stop(step: int, steps: int, interval: Optional[int]) -> int:

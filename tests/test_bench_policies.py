@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cli_helpers import TINY, run_cnr
+from cnr.bench import policies as policies_bench
 from cnr.bench.policies import summarize
+from cnr.errors import ConfigError
 
 TOLERATED = {2: 3, 3: 20, 4: 20}
 
@@ -49,5 +53,6 @@ def test_bench_policies_runs_real_training(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_any_run(tmp_path):
-    rc, _out, err = run_cnr(["bench", "policies", "--config", TINY, "--policies", "sometimes"], str(tmp_path))
-    assert rc == 2 and "sometimes" in err
+    with pytest.raises(ConfigError, match="sometimes"):  # in-process: it raises before any launch
+        policies_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--policies", "sometimes"])
+    assert not (tmp_path / "w").exists()

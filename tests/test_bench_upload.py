@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
 
 from cli_helpers import TINY, run_cnr
+from cnr.bench import upload as upload_bench
 from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
+from cnr.errors import ConfigError
 from cnr.storage.local import LocalStorage
 
 
@@ -75,5 +78,6 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
     (["--link-mb-s", "-1"], "--link-mb-s -1.0"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
-    rc, _out, err = run_cnr(["bench", "upload", "--config", TINY, *args], str(tmp_path))
-    assert rc == 2 and message in err, err[-2000:]
+    with pytest.raises(ConfigError, match=re.escape(message)):  # in-process: it raises before any launch
+        upload_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), *args])
+    assert not (tmp_path / "w").exists()

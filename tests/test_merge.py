@@ -1,5 +1,5 @@
 """Background merges of consecutive chains (cnr.merge): same state as the chain, committed last,
-refused when it would re-quantize, and retention then drops the old chain."""
+refused when it would re-quantize (rows stored two ways), and retention then drops the old chain."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from cli_helpers import MIXED_SHARDING, inspect, train
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, manifest_key, merged_id, newest_committed, read_manifest, resolve_chain
-from cnr.merge import merge_chain
+from cnr.merge import _encoding_of, merge_chain
 from cnr.restore import restore_chain
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.tracker import table_of
-from cnr.types import ShardRegion
+from cnr.types import ChunkRef, Encoding, ShardRegion
 
 CONSECUTIVE = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10",
                "--set", "checkpoint.keep_last=0"]
@@ -87,14 +87,23 @@ def test_merged_baseline_restores_exactly_what_the_chain_restores(quantized_chai
     assert merged.bytes < 0.6 * merged.full_fp32_bytes
 
 
-def test_a_chain_with_two_bit_widths_is_not_merged(quantized_chain):
-    train(quantized_chain, "ck", *CONSECUTIVE, *MIXED_SHARDING, "--set", "checkpoint.bits=8", "--resume",
-          "--set", "train.steps=50", nproc=2)
-    storage = LocalStorage(f"{quantized_chain}/ck")
-    target = newest_committed(storage)
-    with pytest.raises(CheckpointError, match="re-quantizing"):
-        merge_chain(storage, target.id, chunk_bytes=1 << 20)
-    assert not storage.exists(manifest_key(merged_id(target.id)))
+def _ref(bits: int, method: str = "adaptive", encoding: Encoding = Encoding.QUANTIZED) -> ChunkRef:
+    return ChunkRef("k", "t", 4, 0, False, 0, 8, 100, 0, encoding, bits, method)
+
+
+@pytest.mark.parametrize("refs,ok", [
+    ([_ref(4), _ref(4), _ref(4)], True),
+    ([_ref(32, "", Encoding.RAW)] * 2, True),
+    ([_ref(4), _ref(8, "naive")], False),  # the fallback to 8 bits mid-chain
+    ([_ref(4), _ref(4, "naive")], False),
+    ([_ref(32, "", Encoding.RAW), _ref(8, "naive")], False),
+])
+def test_a_chain_stored_two_ways_is_not_merged(refs, ok):
+    if ok:
+        assert _encoding_of(refs, "t")[1] == refs[0].bits
+    else:
+        with pytest.raises(CheckpointError, match="re-quantizing"):
+            _encoding_of(refs, "t")
 
 
 def test_training_merges_in_the_background_and_resumes_bit_exact(tmp_path, baseline_ws1):
