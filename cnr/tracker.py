@@ -53,6 +53,8 @@ class Captured:
 
 
 _BIT_TORCH = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_BIT_NP = _BIT_TORCH.numpy()
+_SELECT_BLOCK = 4096  # ids per selection block in set_bits (its temporaries stay <= 32 KiB)
 
 
 class _Scratch:
@@ -67,7 +69,7 @@ class _Scratch:
             self.size = max(n, 2 * self.size)
             self.ids = np.empty(self.size, dtype=np.int64)
             self.byte = np.empty(self.size, dtype=np.int64)
-            self.low = np.empty(self.size, dtype=np.uint8)
+            self.low = np.empty(self.size, dtype=np.int64)
             self.val = np.empty(self.size, dtype=np.uint8)
             self.old = np.empty(self.size, dtype=np.uint8)
             self.fresh = np.empty(self.size, dtype=bool)
@@ -78,27 +80,35 @@ def set_bits(bits: np.ndarray, ids: np.ndarray, scratch: Optional[_Scratch] = No
     """OR the bits of ``ids`` into ``bits`` (uint8, little-endian bit order within a byte).
 
     Ids whose bit is already set are dropped first (most of a skewed stream's lookups hit rows
-    already touched). A fancy-index OR keeps one writer per repeated byte, so fresh ids sharing
-    a byte with another bit are re-checked and repeated (at most 8 passes, rarely more than 2).
-    Single-threaded numpy: no OpenMP region on the training hot path.
+    already touched); ``np.bitwise_or.at`` then sets the rest, repeated bytes included.
+    Single-threaded numpy: no OpenMP region on the training hot path. Temporaries live in
+    ``scratch``, but for compress's small index lists: during training, allocations of a few
+    hundred KB here measured stalls of 3 to 5 ms (glibc's heap, shared with torch's tensors,
+    growing back with page faults), against about 0.4 ms for this whole call on 53 k ids.
     """
     n = ids.size
+    if not n:
+        return
     w = (scratch or _Scratch()).ensure(n)
     byte, low, val, old, fresh = w.byte[:n], w.low[:n], w.val[:n], w.old[:n], w.fresh[:n]
     np.right_shift(ids, 3, out=byte)
-    np.bitwise_and(ids, 7, out=low, casting="unsafe")
-    np.left_shift(np.uint8(1), low, out=val)
-    bits.take(byte, out=old)
+    if int(byte.max()) >= bits.size or int(ids.min()) < 0:
+        raise IndexError(f"row bit positions {int(ids.min())}..{int(ids.max())} fall outside the "
+                         f"tracker's {8 * bits.size} bits")
+    np.bitwise_and(ids, 7, out=low)
+    # mode="clip": positions were checked above, and take's default mode buffers its output
+    _BIT_NP.take(low, out=val, mode="clip")
+    bits.take(byte, out=old, mode="clip")
     np.bitwise_and(old, val, out=old)
     np.equal(old, 0, out=fresh)
-    where = np.flatnonzero(fresh)  # cheaper than boolean-mask indexing, taken twice
-    if not where.size:
-        return
-    b, v = byte.take(where), val.take(where)
-    while b.size:
-        bits[b] |= v
-        missing = (bits[b] & v) == 0
-        b, v = b[missing], v[missing]
+    # The fresh ids' bytes and bits, gathered into scratch that is free by now (low, old), a
+    # block at a time: compress allocates its index list, kept small enough to be reused
+    for lo in range(0, n, _SELECT_BLOCK):
+        hi = min(n, lo + _SELECT_BLOCK)
+        k = int(np.count_nonzero(fresh[lo:hi]))
+        if k:
+            np.bitwise_or.at(bits, np.compress(fresh[lo:hi], byte[lo:hi], out=low[lo:lo + k]),
+                             np.compress(fresh[lo:hi], val[lo:hi], out=old[lo:lo + k]))
 
 
 def set_bits_torch(bits: torch.Tensor, ids: torch.Tensor) -> None:
@@ -270,6 +280,11 @@ class RowTracker:
     def total_nbytes(self) -> int:
         """Host bytes of ``current`` plus every view."""
         return self.current.size * (1 + len(self.views))
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Fixed host bytes of set_bits' scratch, sized by the largest step's ids (not per row)."""
+        return self._scratch.size * (8 + 8 + 8 + 1 + 1 + 1)
 
     @property
     def local_rows(self) -> int:

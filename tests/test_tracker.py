@@ -142,6 +142,26 @@ def test_set_bits_random_against_a_python_set():
     assert np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist() == sorted(seen)
 
 
+def test_set_bits_refuses_positions_outside_the_bitmap():
+    import numpy as np
+
+    bits = np.zeros(4, dtype=np.uint8)
+    for bad in ([3, 32], [-1, 2]):
+        with pytest.raises(IndexError, match="outside the tracker's 32 bits"):
+            set_bits(bits, np.array(bad, dtype=np.int64))
+    assert not bits.any()  # checked before anything is set
+
+
+def test_set_bits_in_many_selection_blocks_against_a_python_set():
+    import numpy as np
+
+    rng = np.random.default_rng(9)
+    bits = np.zeros(2000, dtype=np.uint8)
+    ids = (16000 * rng.random(20000) ** 2).astype(np.int64)  # 5 blocks, many repeated bytes
+    set_bits(bits, ids)
+    assert np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist() == sorted(set(ids.tolist()))
+
+
 def test_incremental_refused_when_optimizer_changes_untouched_rows():
     config = load_config(TINY, ["model.tables=" + TABLES, "train.dense_optimizer=adam"])
     with pytest.raises(ConfigError, match="data_parallel.*adam"):

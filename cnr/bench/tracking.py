@@ -104,6 +104,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         "hook_pct_of_step_continuous": round(100 * continuous / med["none"], 3),
         "tracker_bytes_per_row": round(tracker.nbytes / tracker.local_rows, 5),
         "tracker_total_bytes_per_row": round(tracker.total_nbytes / tracker.local_rows, 5),
+        "tracker_buffer_bytes": tracker.buffer_nbytes,
         "tracker_bytes": tracker.nbytes,
         "tracker_fraction_of_model": round(tracker.nbytes / (tracker.local_rows * config.model.embedding_dim * 4), 7),
         "rows_tracked": tracker.count(tracker.views["checkpoint"]), "rows": tracker.local_rows,
