@@ -12,7 +12,8 @@ cnr.manifest.merged_id): it sorts right after that increment, chain resolution t
 of that increment and everything before it, and retention can then drop the old chain. Its
 manifest is written last, so a merge cut off leaves nothing a restore would read.
 
-Limits: one tensor's stored form is held in memory at a time (its quantized size, not fp32); a
+Limits: one tensor is merged at a time, holding its chunks as fetched and the merged rows (about
+twice its stored size, quantized, not fp32); a
 chain whose rows of one tensor were stored at different bit-widths (after the fallback to 8
 bits) is not merged, since that would mean re-quantizing: the merge fails with that reason and
 the chain stays as it is.
