@@ -23,13 +23,12 @@ from cnr.manifest import make_id
 from cnr.merge import Merger
 from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers
-from cnr.state import RNG_PREFIX, StatePiece
+from cnr.state import StatePiece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import CheckpointKind, ShardRegion
-from cnr.upload import WriteJob, WriteResult, Writer
+from cnr.types import RNG_PREFIX, CheckpointKind, ShardRegion
+from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -61,9 +60,6 @@ def pieces_to_write(pieces: List[StatePiece], rank: int) -> List[StatePiece]:
     return [p for p in pieces if not p.replicated or rank == 0]
 
 
-_STATUSES = ("committed", "written", "failed", "cancelled")
-
-
 @dataclass
 class ChainState:
     """Where the job's checkpoint chain stands: the newest committed full checkpoint and
@@ -72,6 +68,7 @@ class ChainState:
     last_full: Optional[str] = None
     last_committed: Optional[str] = None
     chain_bytes: List[int] = field(default_factory=list)
+    increments: int = 0  # committed increments since the newest full or merged baseline (what cnr.merge counts)
 
 
 class Checkpointer:
@@ -97,8 +94,7 @@ class Checkpointer:
         self.writer = writer or Writer(storage_uri, config)
         c = config.checkpoint
         # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
-        self.merger = Merger(storage_uri, c.chunk_bytes, c.keep_last) if c.merge_every and rank == 0 else None
-        self._since_merge = max(0, len(self.chain.chain_bytes) - 1)  # increments since the newest full
+        self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
         self._captured: List[Captured] = []
         self._in_flight_kind: Optional[CheckpointKind] = None
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
@@ -137,7 +133,8 @@ class Checkpointer:
         self._settle(abandon=False)
 
     def finish(self) -> None:
-        """Wait for the last checkpoint to commit (not counted as stall) and stop the writer."""
+        """Wait for the last checkpoint to commit and for a running merge to end (neither counted as
+        stall; both in ``drain_seconds``), and stop the writer."""
         start = time.perf_counter()
         try:
             self._settle(abandon=False)
@@ -175,14 +172,13 @@ class Checkpointer:
         stored = since_last if self.config.checkpoint.policy == "consecutive" else since_base
         return {t: self.tracker.rows(stored.bits, t) for t in self.tracker.tables}
 
-    def _maybe_merge(self, ckpt_id: str, kind: Optional[CheckpointKind]) -> None:
-        """Rank 0: count increments since the newest baseline; at ``merge_every`` merge their chain
-        in the background (if a merge still runs, the next commit tries again)."""
-        if self.merger is None:
-            return
-        self._since_merge = 0 if kind == CheckpointKind.FULL else self._since_merge + 1
-        if self._since_merge >= self.config.checkpoint.merge_every and self.merger.start(ckpt_id):
-            self._since_merge = 0
+    def _maybe_merge(self, ckpt_id: str) -> None:
+        """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
+        the background; the merged baseline is the chain's new start. If a merge still runs, the
+        next commit tries again."""
+        if self.merger is not None and self.chain.increments >= self.config.checkpoint.merge_every \
+                and self.merger.start(ckpt_id):
+            self.chain.increments = 0
 
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
@@ -191,12 +187,12 @@ class Checkpointer:
             result = self.writer.wait(timeout=0.0) if abandon else None
             if result is None:
                 result = self.writer.cancel() if abandon else self.writer.wait()
-        local = _STATUSES.index(result.status) if result is not None else -1
+        local = STATUSES.index(result.status) if result is not None else -1
         outcome = torch.tensor([local], dtype=torch.int64)
         dist.broadcast(outcome, src=0)  # rank 0's writer commits, so its status is the outcome
         if int(outcome[0]) < 0:
             return
-        committed = _STATUSES[int(outcome[0])] == "committed"
+        committed = STATUSES[int(outcome[0])] == "committed"
         if self.tracker is not None:
             self.tracker.release(self._captured, committed)
         self._captured = []
@@ -211,14 +207,17 @@ class Checkpointer:
             self.chain.last_committed = ckpt_id
             if self._in_flight_kind == CheckpointKind.FULL:
                 self.chain.last_full = ckpt_id
+                self.chain.increments = 0
+            else:
+                self.chain.increments += 1
             if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
                 self.chain.chain_bytes = list(result.extra["chain_bytes"])
             logger.info("checkpoint %s committed", ckpt_id)
-            self._maybe_merge(ckpt_id, self._in_flight_kind)
+            self._maybe_merge(ckpt_id)
         else:
             self.stats.failed += 1
             error = result.error if result is not None and result.error else "another rank's writer failed"
             self.stats.errors[ckpt_id] = error
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
-                         "checkpoint stays valid: %s", ckpt_id, _STATUSES[int(outcome[0])], error)
+                         "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])], error)
         self._in_flight_kind = None

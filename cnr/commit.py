@@ -7,6 +7,7 @@ by other processes, possibly on other machines), gives up on a failure marker, a
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -17,19 +18,11 @@ from cnr.manifest import (
     Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
     parse_rank_index, rank_index_key,
 )
-from cnr.state import RNG_PREFIX
 from cnr.storage.base import Storage
 from cnr.tracker import table_of
-from cnr.types import CheckpointKind
+from cnr.types import RNG_PREFIX, CheckpointKind
 
 _POLL_SECONDS = 0.05
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> None:
@@ -37,8 +30,8 @@ def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> Non
     for name, entry in tensors.items():
         if kind == CheckpointKind.INCREMENTAL and table_of(name) is not None:
             continue
-        numel = _numel(entry.shape)
-        trailing = _numel(entry.shape[2:])
+        numel = math.prod(entry.shape)
+        trailing = math.prod(entry.shape[2:])
         covered = sum(c.rows * (c.cols if c.cols else 1) * trailing for c in entry.chunks)
         if covered != numel:
             raise CheckpointError(f"checkpoint chunks cover {covered} of {numel} elements of {name!r}")
@@ -85,9 +78,8 @@ def build_manifest(job, config: Config, tensors: Dict[str, TensorEntry]) -> Mani
     )
 
 
-def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[Manifest, int, int]:
-    """Commit ``job``'s checkpoint; return its manifest, the manifest's size in bytes and the
-    full fp32 bytes of the state."""
+def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[Manifest, int]:
+    """Commit ``job``'s checkpoint; return its manifest and the manifest's size in bytes."""
     indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, config.checkpoint.commit_timeout_s, cancel)
     tensors = merge_rank_indexes(indexes)
     state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
@@ -99,4 +91,4 @@ def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tup
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return manifest, len(blob), manifest.full_fp32_bytes
+    return manifest, len(blob)

@@ -10,11 +10,12 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
 from cnr.errors import ConfigError
+from cnr.policy import POLICIES
 from cnr.types import ShardingKind, TableSpec
 
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
@@ -22,7 +23,6 @@ DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
 ARCHES = ("dlrm", "dcn")
 DATA_SOURCES = ("synthetic", "tsv")
 MALFORMED_POLICIES = ("reject", "skip")
-CHECKPOINT_POLICIES = ("full", "one_shot", "consecutive", "intermittent")  # cnr.policy.POLICIES
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
 MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
@@ -357,7 +357,7 @@ def validate(config: Config) -> None:
     _positive("train.dense_lr", t.dense_lr)
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
-    _one_of("checkpoint.policy", c.policy, CHECKPOINT_POLICIES)
+    _one_of("checkpoint.policy", c.policy, POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
     _positive("checkpoint.restore_threads", c.restore_threads)

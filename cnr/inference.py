@@ -84,28 +84,26 @@ class InferenceModel:
             raise CheckpointError(f"published tensor {name!r} is {dtype} {list(shape)}, the inference model has "
                                   f"float32 {list(live.shape)}: the config does not match the trainer's")
 
-    def apply(self, chunks: List[DecodedChunk]) -> Dict[str, torch.Tensor]:
-        """Write verified chunks into the live tensors (no I/O, cannot fail half-way on valid input);
-        refresh the quantized tables; return the row ids written per table (all rows: None)."""
+    def apply(self, chunks: List[DecodedChunk]) -> None:
+        """Write verified chunks into the live tensors (no I/O, cannot fail half-way on valid input)
+        and refresh the quantized tables' rows they wrote."""
         touched: Dict[str, List[torch.Tensor]] = {}
         whole: set = set()
         with self.lock, torch.no_grad():
             for chunk in chunks:
-                target = self.tensors[chunk.ref.tensor]
                 table = table_of(chunk.ref.tensor)
-                ids = _write(target, chunk)
+                ids = _write(self.tensors[chunk.ref.tensor], chunk)
                 if table is not None:
                     if ids is None:
                         whole.add(table)
                     else:
                         touched.setdefault(table, []).append(ids)
-            rows = {t: torch.unique(torch.cat(parts)) for t, parts in touched.items() if t not in whole}
             if self.qebc is not None:
                 for t in whole:
                     self._requantize(t, None)
-                for t, ids in rows.items():
-                    self._requantize(t, ids)
-        return {**rows, **{t: torch.arange(self.table(t).shape[0]) for t in whole}}
+                for t, parts in touched.items():
+                    if t not in whole:
+                        self._requantize(t, torch.unique(torch.cat(parts)))
 
     def _requantize(self, table: str, ids: Optional[torch.Tensor]) -> None:
         """Quantize rows ``ids`` (None: all) of the fp32 table into the int8 EBC, as torchrec's

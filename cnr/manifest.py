@@ -15,10 +15,11 @@ mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from cnr.errors import CheckpointError
+from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.storage.base import Storage, validate_key
 from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, TableSpec
 
@@ -57,6 +58,24 @@ MERGED_SUFFIX = ".merged"
 def merged_id(ckpt_id: str) -> str:
     """Id of the full checkpoint that a merge of ``ckpt_id``'s chain writes."""
     return ckpt_id + MERGED_SUFFIX
+
+
+def chain_links(ckpt_id: str, bases: Mapping[str, Optional[str]]) -> Tuple[List[str], bool]:
+    """The ids a restore of ``ckpt_id`` reads, newest first, walked as ``resolve_chain`` walks
+    storage but over ``bases`` (committed id -> its base id, None for a full checkpoint): base
+    links, and a link with a committed merged baseline ends at that baseline, in its place.
+    Also whether the walk reached a full checkpoint (a missing link or a loop ends it early)."""
+    out: List[str] = []
+    link = ckpt_id
+    while True:
+        if merged_id(link) in bases:  # checked before the link itself is needed
+            return out + [merged_id(link)], True
+        if link not in bases or link in out:
+            return out, False
+        out.append(link)
+        if bases[link] is None:
+            return out, True
+        link = bases[link]
 
 
 def make_id(step: int, nonce: str) -> str:
@@ -118,7 +137,7 @@ class Manifest:
     def full_fp32_bytes(self) -> int:
         """Bytes of all training state as raw fp32 (4 per element of every tensor but RNG state):
         what a full fp32 checkpoint of this state would store, whatever this one's kind and bits."""
-        return sum(4 * _numel(t.shape) for name, t in self.tensors.items() if not name.startswith(RNG_PREFIX))
+        return sum(4 * math.prod(t.shape) for name, t in self.tensors.items() if not name.startswith(RNG_PREFIX))
 
     @property
     def rows(self) -> int:
@@ -136,13 +155,6 @@ class Manifest:
         """Quantizer of the stored embedding rows ("" when they are raw)."""
         methods = sorted({c.method for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks})
         return ",".join(m for m in methods if m)
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _is_table_weight(name: str) -> bool:
@@ -372,33 +384,57 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
     return [info for info, _ in scan_checkpoints(storage)]
 
 
+def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
+    try:
+        return read_manifest(storage, ckpt_id)
+    except KeyNotFoundError:
+        return None
+
+
 def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
     """The manifests to apply in order to restore ``manifest``: its full baseline first.
 
     Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
     consecutive increment the checkpoint before it. Every link must be committed and older. A link
     whose chain was merged (a committed ``merged_id(link)``, cnr.merge) is replaced by the merged
-    full checkpoint, which holds the same state, and the walk ends there.
+    full checkpoint, which holds the same state, and the walk ends there without reading that
+    link (``chain_links`` walks the same way over a listing).
     """
+    if manifest.kind != CheckpointKind.FULL:
+        merged = _read_if_committed(storage, merged_id(manifest.id))
+        if merged is not None:
+            return [_checked_merged(merged, manifest)]
     chain = [manifest]
     while chain[0].kind != CheckpointKind.FULL:
         head = chain[0]
-        if storage.exists(manifest_key(merged_id(head.id))):
-            merged = read_manifest(storage, merged_id(head.id))
-            if merged.kind != CheckpointKind.FULL or merged.step != head.step:
-                raise CheckpointError(f"{merged.id} is not a full checkpoint of step {head.step}")
-            chain[0] = merged
-            break
         if not head.base:
             raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
-        if not storage.exists(manifest_key(head.base)):
+        merged = _read_if_committed(storage, merged_id(head.base))
+        if merged is not None:
+            chain.insert(0, _checked_merged(merged, head))
+            break
+        base = _read_if_committed(storage, head.base)
+        if base is None:
             raise CheckpointError(f"checkpoint {manifest.id} needs {head.base} (the base of {head.id}), "
                                   f"which is not committed in {storage.uri}")
-        base = read_manifest(storage, head.base)
         if base.step >= head.step:
             raise CheckpointError(f"base {base.id} of {head.id} is not older than the increment")
         chain.insert(0, base)
     return chain
+
+
+def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
+    try:
+        return read_manifest(storage, ckpt_id)
+    except KeyNotFoundError:
+        return None
+
+
+def _checked_merged(merged: Manifest, after: Manifest) -> Manifest:
+    """A merged baseline found while resolving ``after``'s chain: full, and no newer than it."""
+    if merged.kind != CheckpointKind.FULL or merged.step > after.step:
+        raise CheckpointError(f"{merged.id} is not a full checkpoint at or before step {after.step}")
+    return merged
 
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:

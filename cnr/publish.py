@@ -49,12 +49,11 @@ from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import Captured, RowTracker, table_of
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
-from cnr.upload import WriteJob, WriteResult, Writer
+from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
 
 VIEW = "publish"
-_STATUSES = ("committed", "written", "failed", "cancelled")
 _RUNNING = -2  # rank 0's writer is still busy with the previous publish
 _NONE = -1  # nothing in flight
 
@@ -142,9 +141,10 @@ class _Plan:
 
 @dataclass
 class _Chain:
-    """Where this run's publish sequence stands (identical on every rank): the newest committed
-    publish, its sequence number and training step, increments since the newest base, and the
-    training step of the newest committed dense parameters."""
+    """Where this run's publish sequence stands: the newest committed publish, its sequence number
+    and training step, increments since the newest base, and the training step of the newest
+    committed dense parameters. Rank 0 plans every publish from it (and alone reads the store's
+    sequence at start); the other ranks follow rank 0's broadcast plan."""
 
     last_id: Optional[str] = None
     seq: int = 0
@@ -271,14 +271,14 @@ class Publisher:
                     ", dense" if plan.dense else "", seconds)
 
     def _outcome(self, blocking: bool) -> int:
-        """Rank 0: the previous publish's status (index in _STATUSES), _NONE or _RUNNING."""
+        """Rank 0: the previous publish's status (index in STATUSES), _NONE or _RUNNING."""
         if self.writer.in_flight is None:
             return _NONE
         result = self.writer.wait(timeout=None if blocking else 0.0)
         if result is None:
             return _RUNNING
         self._result = result
-        return _STATUSES.index(result.status)
+        return STATUSES.index(result.status)
 
     def _drain(self) -> None:
         code = self._outcome(blocking=True) if self.rank == 0 else _NONE
@@ -289,7 +289,7 @@ class Publisher:
         """Every rank: end the previous publish the way rank 0 (whose writer commits) saw it end."""
         if code < 0:
             return
-        committed = _STATUSES[code] == "committed"
+        committed = STATUSES[code] == "committed"
         if self.rank != 0 and self.writer.in_flight is not None:
             # rank 0 committed: this rank's part is stored already, its writer is only reporting
             result = self.writer.wait(timeout=0.0)

@@ -10,7 +10,9 @@ uncommitted ones are listed as excluded. For checkpoint i (all sizes in stored b
 - ``written_i``: its chunks (bytes recorded in the manifest) plus its metadata (manifest and
   rank-index JSON): the same sum as ``bytes_written`` in the train summary.
 - ``fp32_i``: the full fp32 size of the training state it covers (``Manifest.full_fp32_bytes``):
-  what the baseline, a full fp32 checkpoint at every interval, writes at that interval.
+  what the baseline, a full fp32 checkpoint at every interval, writes at that interval. A merged
+  baseline (cnr.merge) is no interval: its bytes count as written, the baseline writes nothing
+  for it, and the per-interval averages leave it out of the count.
 - ``held_i``: storage held once i committed: ``written_j`` summed over present checkpoints with
   ``step_j <= step_i``. Assumption: nothing that was present then has been deleted since. A
   checkpoint deleted by retention is absent from every figure, so after retention ``held``
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
-from cnr.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id, rank_index_key, scan_checkpoints
+from cnr.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key, scan_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo
@@ -57,6 +59,12 @@ class Entry:
     data_bytes: int
     meta_bytes: int
     full_fp32_bytes: int
+
+    @property
+    def interval(self) -> bool:
+        """Whether training took this checkpoint at an interval; a merged baseline (cnr.merge) is
+        written beside the intervals, and the fp32 baseline writes nothing for it."""
+        return not self.id.endswith(MERGED_SUFFIX)
 
     @property
     def written(self) -> int:
@@ -90,14 +98,16 @@ class ReportData:
         pts = self.points
         needed = [p.needed for p in pts if p.needed is not None]
         last = pts[-1]
+        intervals = max(1, sum(1 for p in pts if p.entry.interval))
         return {
             "checkpoints": len(pts),
-            "full": sum(1 for p in pts if p.entry.kind == "full"),
+            "full": sum(1 for p in pts if p.entry.kind == "full" and p.entry.interval),
             "incremental": sum(1 for p in pts if p.entry.kind != "full"),
+            "merged": sum(1 for p in pts if not p.entry.interval),
             "written_bytes": last.cum_written,
             "full_fp32_bytes": last.cum_fp32,
-            "avg_written_per_interval": last.cum_written / len(pts),
-            "avg_fp32_per_interval": last.cum_fp32 / len(pts),
+            "avg_written_per_interval": last.cum_written / intervals,
+            "avg_fp32_per_interval": last.cum_fp32 / intervals,
             "bw_reduction": last.bw_reduction,
             "peak_held_bytes": max(p.held for p in pts),
             "peak_needed_bytes": max(needed) if needed else None,
@@ -106,38 +116,27 @@ class ReportData:
         }
 
 
-def _chain_bytes(entry: Entry, by_id: Dict[str, Entry]) -> Optional[int]:
-    """Written bytes of what restoring ``entry`` reads: it and its bases, or from a link with a
-    merged baseline on, that baseline (as cnr.manifest.resolve_chain); None if a base is absent
-    or the links loop."""
-    total, seen, cur = 0, set(), entry
-    while True:
-        merged = by_id.get(merged_id(cur.id))
-        if merged is not None:
-            return total + merged.written
-        total += cur.written
-        seen.add(cur.id)
-        if cur.base is None:
-            return total
-        base = by_id.get(cur.base)
-        if base is None or base.id in seen or base.step > cur.step:
-            return None
-        cur = base
+def _chain_bytes(entry: Entry, by_id: Dict[str, Entry], bases: Dict[str, Optional[str]]) -> Optional[int]:
+    """Written bytes of what restoring ``entry`` reads (cnr.manifest.chain_links over ``bases``,
+    id -> base of every entry); None if part of its chain is absent."""
+    links, complete = chain_links(entry.id, bases)
+    return sum(by_id[i].written for i in links) if complete else None
 
 
 def compute(entries: List[Entry]) -> List[Point]:
     """The per-checkpoint figures of ``entries`` (committed, present), in step order."""
     entries = sorted(entries, key=lambda e: (e.step, e.id))
     by_id = {e.id: e for e in entries}
+    bases = {e.id: e.base for e in entries}
     points: List[Point] = []
     cum_written = cum_fp32 = held = peak_fp32 = 0
     peak_needed: Optional[int] = None
     for e in entries:
         cum_written += e.written
-        cum_fp32 += e.full_fp32_bytes
+        cum_fp32 += e.full_fp32_bytes if e.interval else 0
         held += e.written  # entries are in step order, so this sums every present one up to e
         peak_fp32 = max(peak_fp32, e.full_fp32_bytes)
-        needed = _chain_bytes(e, by_id)
+        needed = _chain_bytes(e, by_id, bases)
         if needed is not None:
             peak_needed = needed if peak_needed is None else max(peak_needed, needed)
         points.append(Point(
@@ -213,7 +212,8 @@ def render_markdown(data: ReportData) -> str:
         f"Storage: `{data.uri}`. Computed from manifests alone (chunk data is never read).", "",
         "## Totals", "",
         "| figure | value |", "|---|---:|",
-        f"| committed checkpoints present | {t['checkpoints']} ({t['full']} full, {t['incremental']} incremental) |",
+        f"| committed checkpoints present | {t['checkpoints']} ({t['full']} full, {t['incremental']} incremental, "
+        f"{t['merged']} merged baselines) |",
         f"| bytes written | {_n(t['written_bytes'])} |",
         f"| full fp32 every interval would write | {_n(t['full_fp32_bytes'])} |",
         f"| average bytes written per interval | {_n(t['avg_written_per_interval'])} |",
@@ -226,7 +226,7 @@ def render_markdown(data: ReportData) -> str:
         "",
     ]
     if data.excluded:
-        lines += [f"Excluded (not committed, never used for restore): "
+        lines += ["Excluded (not committed, never used for restore): "
                   + ", ".join(f"`{i.id}` ({i.status.value})" for i in data.excluded) + ".", ""]
     lines += ["## Per checkpoint", ""] + _table(data.points) + [""]
     lines += [
@@ -241,7 +241,10 @@ def render_markdown(data: ReportData) -> str:
         "- *held after commit*: every committed checkpoint present now with a step up to this one. "
         "Checkpoints deleted by retention are absent, so this under-counts past storage after retention "
         "has run, and totals cover only the checkpoints still present.",
-        "- *needed to restore*: this checkpoint and the baselines its restore reads.",
+        "- *needed to restore*: this checkpoint and the baselines its restore reads (a merged baseline "
+        "in place of the chain it stands for).",
+        "- *merged baseline*: a merge of consecutive increments into a full checkpoint, written beside "
+        "the intervals: its bytes count as written; the fp32 baseline writes nothing for it.",
         "- *bandwidth reduction*: cumulative full fp32 bytes ÷ cumulative bytes written.",
         "- *capacity reduction*: peak full fp32 size so far (the baseline keeps only its newest "
         "checkpoint) ÷ peak storage needed to restore so far.",

@@ -68,7 +68,9 @@ def plot_sizes(points: List[Point], path: str, excluded_steps: Sequence[int] = (
     """Figure 8: bytes written per checkpoint by step, full vs incremental, fp32 size for reference.
 
     ``excluded_steps``: failed or uncommitted checkpoints, marked on the axis so a gap is explained.
+    Merged baselines are no interval's checkpoint (they would share a step with one): not drawn.
     """
+    points = [p for p in points if p.entry.interval]
     steps = [p.entry.step for p in points]
     fp32 = [p.entry.full_fp32_bytes for p in points]
     top = max(max(fp32), max(p.entry.written for p in points))

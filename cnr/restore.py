@@ -18,10 +18,10 @@ import torch
 from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
-from cnr.state import DENSE_OPTIM, RNG_PREFIX, DenseOptimizer, StatePiece, split_dense_name
+from cnr.state import DENSE_OPTIM, DenseOptimizer, StatePiece, split_dense_name
 from cnr.tracker import table_of
 from cnr.storage.base import Storage
-from cnr.types import ByteRange, ChunkRef
+from cnr.types import RNG_PREFIX, ByteRange, ChunkRef
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,10 @@ def _check_entry(piece: StatePiece, entry: Optional[TensorEntry]) -> TensorEntry
     return entry
 
 
-def fetch_chunk(storage: Storage, ref: ChunkRef) -> DecodedChunk:
-    """One chunk, fetched with a ranged read of its bytes in its object, verified and decoded."""
-    return decode_chunk(storage.get(ref.key, ByteRange(ref.offset, ref.nbytes)), ref)
+def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+    """One chunk, fetched with a ranged read of its bytes in its object, verified and decoded
+    (quantized rows kept as codes unless ``dequantize``)."""
+    return decode_chunk(storage.get(ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize)
 
 
 def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:

@@ -12,7 +12,9 @@ property-based; ``retain_after_commit`` carries a plan out on storage. Rules:
   an uncommitted merged baseline (cnr.merge) only once a newer full one committed, since a merge
   runs beside later checkpoints;
 - a committed merged baseline stands for the increment it is named after and that increment's
-  whole chain, so a kept increment keeps its merged baseline instead of its old chain;
+  whole chain: a chain that reaches the increment needs the merged baseline, not the increment
+  or what precedes it (the running job may still name the increment as a base: restore never
+  reads it);
 - nothing newer than the newest committed checkpoint is touched (it may be in flight).
 
 Deletion removes ``manifest.json`` first: a checkpoint half-deleted by a crash reads as
@@ -27,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.manifest import MERGED_SUFFIX, checkpoint_prefix, failed_key, list_checkpoints, manifest_key, merged_id
+from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, failed_key, list_checkpoints, manifest_key
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
@@ -45,27 +47,10 @@ class RetentionPlan:
 
 
 def chain_ids(ckpt_id: str, bases: Dict[str, Optional[str]]) -> List[str]:
-    """``ckpt_id`` and every committed checkpoint its chain reaches, newest first (a missing
-    link ends the walk: retention never invents a chain). As in cnr.manifest.resolve_chain, a
-    link with a committed merged baseline ends the walk at that baseline. A merged baseline keeps
-    the increment it is named after: the running job, unaware of the merge, names that increment
-    as the base of its next one (whose chain then ends at the merged baseline)."""
-    out = [ckpt_id]
-    seen = {ckpt_id}
-    link = ckpt_id
-    if ckpt_id.endswith(MERGED_SUFFIX) and ckpt_id[:-len(MERGED_SUFFIX)] in bases:
-        return out + [ckpt_id[:-len(MERGED_SUFFIX)]]
-    while True:
-        merged = merged_id(link)
-        if merged in bases:
-            out.append(merged)
-            return out
-        base = bases.get(link)
-        if base is None or base not in bases or base in seen:
-            return out
-        out.append(base)
-        seen.add(base)
-        link = base
+    """``ckpt_id`` and every committed checkpoint a restore of it reads (cnr.manifest.chain_links:
+    a missing link ends the walk, retention never invents a chain)."""
+    links, _complete = chain_links(ckpt_id, bases)
+    return [ckpt_id] + [i for i in links if i != ckpt_id]
 
 
 def _purgeable(info: CheckpointInfo, committed: Sequence[CheckpointInfo]) -> bool:

@@ -19,7 +19,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.types import RNG_PREFIX, ShardRegion  # noqa: F401  RNG_PREFIX is re-exported: restore/commit import it here
+from cnr.types import ShardRegion
 
 MODEL = "model/"
 SPARSE_OPTIM = "sparse_optim/"

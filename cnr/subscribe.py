@@ -120,11 +120,14 @@ class Subscriber:
         """
         self.stats.polls += 1
         done: List[str] = []
+        listing = committed_publishes(self.storage)
+        now = _now_us()
+        self._seen = {pub_id: self._seen.get(pub_id, now) for _seq, pub_id in listing}
         try:
-            self._catch_up(done)
+            self._catch_up(listing, done)
         except CnrError as e:
             logger.info("%s; reloading from the newest base", e)
-            done += self._reload()
+            done += self._reload(listing, cause=e)
         if done and self.state_path is not None:
             self.save_state(self.state_path)
         return done
@@ -169,38 +172,44 @@ class Subscriber:
 
     # ---- ordering ----------------------------------------------------------------------------
 
-    def _catch_up(self, done: List[str]) -> None:
+    def _catch_up(self, listing: List[Tuple[int, str]], done: List[str]) -> None:
         """Apply the listed publishes after ``applied`` one by one (appending to ``done``); raise
         CnrError on a gap or on a publish that cannot be read (retention may have removed it)."""
-        listing = committed_publishes(self.storage)
-        now = _now_us()
-        self._seen = {pub_id: self._seen.get(pub_id, now) for _seq, pub_id in listing}
         if self.applied is None:
-            done += self._reload()
+            done += self._reload(listing)
             return
         for seq, pub_id in listing:
             if seq > self.applied.seq and self.apply(pub_id):
                 done.append(pub_id)
 
-    def _reload(self) -> List[str]:
-        """Stage and apply the newest committed publish's whole chain (base first). Retention may
-        delete that chain's base while it is read, when a newer base has just committed: list again."""
-        error: Optional[CnrError] = None
+    def _reload(self, listing: List[Tuple[int, str]], cause: Optional[CnrError] = None) -> List[str]:
+        """Stage and apply the newest committed publish's whole chain (base first).
+
+        Retention may delete that chain's base while it is read, when a newer base has just
+        committed: then the listing has moved on, and the reload lists again and retries. A failure
+        with the same newest publish listed would only repeat, so it is recorded and left for the
+        next poll; so is ``cause`` (why catching up failed) when the chain starts at the base the
+        model already holds: catching up by increments has just failed to extend it, and reloading
+        would fetch that whole base again only to fail the same way.
+        """
         for _attempt in range(_RELOAD_TRIES):
+            if not listing or (self.applied is not None and listing[-1][0] <= self.applied.seq):
+                return []  # nothing newer than what the model holds
             try:
-                listing = committed_publishes(self.storage)
-                if not listing:
-                    return []
                 chain = resolve_chain(self.storage, read_manifest(self.storage, listing[-1][1]))
-                if self.applied is not None and chain[-1].step <= self.applied.seq:
-                    return []  # nothing newer than what the model holds
+                if self.applied is not None and chain[0].id == self.applied.base:
+                    raise cause or CheckpointError(f"publish {chain[-1].id} extends the base the model holds "
+                                                   f"({chain[0].id}), but not from seq {self.applied.seq}")
                 self._apply_chain(chain, reload=True)
                 self.stats.reloads += 1
                 return [m.id for m in chain]
             except CnrError as e:
-                error = e
-                logger.info("reload failed (%s); listing again", e)
-        self._error(error)
+                newer = committed_publishes(self.storage)
+                if not newer or newer[-1] == listing[-1]:
+                    self._error(e)
+                    return []
+                logger.info("reload failed (%s); a newer publish is listed, trying it", e)
+                listing = newer
         return []
 
     # ---- stage, then apply -------------------------------------------------------------------
@@ -223,9 +232,8 @@ class Subscriber:
 
     def _apply_chain(self, chain: List[Manifest], reload: bool) -> None:
         staged = [self._stage(m) for m in chain]  # everything verified before anything is written
-        rows = {}
         for chunks in staged:
-            rows.update({t: int(ids.numel()) for t, ids in self.model.apply(chunks).items()})
+            self.model.apply(chunks)
         done = _now_us()
         dense_step = self.applied.dense_step if self.applied is not None and not reload else -1
         for m in chain:

@@ -136,7 +136,8 @@ class Restored:
         m = self.manifest
         # manifests written before chain_bytes existed: the restore chain is the best history
         history = list(m.chain_bytes) or [c.bytes for c in self.chain]
-        return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history)
+        return ChainState(last_full=self.chain[0].id, last_committed=m.id, chain_bytes=history,
+                          increments=len(self.chain) - 1)
 
 
 def _restore(storage, manifest: Manifest, sharded: ShardedModel, rank: int, world_size: int, threads: int) -> Restored:

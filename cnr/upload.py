@@ -24,7 +24,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -74,8 +74,10 @@ class WriteJob:
 @dataclass
 class ObjectTimes:
     """One stored object (a chunk, or small chunks packed together): its key and size (bytes),
-    and wall-clock seconds (``time.time()``) at which the encoding of its chunks started and
-    ended and its put started and ended (0: never started)."""
+    and wall-clock seconds (``time.time()``) at which the encoding of its first chunk started,
+    of its last chunk ended, and its put started and ended (0: never started). ``encodes``: each
+    of its chunks' own (start, end) encoding: a packed object's chunks are encoded between other
+    objects' chunks, so the span from first start to last end is not time spent encoding it."""
 
     key: str
     nbytes: int
@@ -83,6 +85,11 @@ class ObjectTimes:
     encode_end: float
     put_start: float = 0.0
     put_end: float = 0.0
+    encodes: Tuple[Tuple[float, float], ...] = ()
+
+
+# What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
+STATUSES = ("committed", "written", "failed", "cancelled")
 
 
 @dataclass
@@ -98,8 +105,14 @@ class WriteResult:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
-# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload._Packer).
+# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload.Packer).
 PACK_FRACTION = 8
+
+
+def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``chunk_bytes`` each (at least one row each); one (0, 0) when empty."""
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
 
 
 def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
@@ -107,9 +120,7 @@ def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     rows = piece.data.shape[0]
     if rows == 0 and piece.row_ids is not None:
         return []
-    row_bytes = max(1, piece.data[0:1].numel() * piece.data.element_size()) if rows else 1
-    step = max(1, chunk_bytes // row_bytes)
-    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
+    return row_blocks(rows, piece.data[0:1].numel() * piece.data.element_size() if rows else 1, chunk_bytes)
 
 
 class Uploader:
@@ -129,13 +140,15 @@ class Uploader:
         self.timeline: List[ObjectTimes] = []
         self._error: Optional[BaseException] = None
 
-    def put(self, key: str, blob: bytes, encode_start: float = 0.0, encode_end: float = 0.0) -> None:
+    def put(self, key: str, blob: bytes, encodes: Sequence[Tuple[float, float]] = ()) -> None:
+        """Queue ``blob`` for ``key``; ``encodes``: its chunks' (start, end) encoding times."""
         self._raise_error()
         self.slots.acquire()
         if self._error is not None:  # a put failed while this one waited for a slot
             self.slots.release()
             self._raise_error()
-        times = ObjectTimes(key, len(blob), encode_start, encode_end)
+        span = (encodes[0][0], encodes[-1][1]) if encodes else (0.0, 0.0)
+        times = ObjectTimes(key, len(blob), *span, encodes=tuple(encodes))
         self.timeline.append(times)
         future = self.pool.submit(self._timed_put, times, blob)
         future.add_done_callback(self._done)
@@ -194,7 +207,7 @@ def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, r
     return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
 
 
-class _Packer:
+class Packer:
     """Names each encoded chunk's object: a chunk of at least ``limit // PACK_FRACTION`` bytes is
     an object of its own; smaller ones go back to back into shared objects of up to ``limit``
     bytes, so small tensors and tables cost one request per object, not one per chunk."""
@@ -206,7 +219,7 @@ class _Packer:
         self.parts: List[bytes] = []
         self.size = 0
         self.key = ""
-        self.times = (0.0, 0.0)
+        self.encodes: List[Tuple[float, float]] = []
 
     def _next_key(self) -> str:
         self.objects += 1
@@ -216,24 +229,23 @@ class _Packer:
         """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""
         if len(blob) * PACK_FRACTION >= self.limit:
             key = self._next_key()
-            self.uploader.put(key, blob, encode_start, encode_end)
+            self.uploader.put(key, blob, [(encode_start, encode_end)])
             return dataclasses.replace(ref, key=key, offset=0)
         if self.parts and self.size + len(blob) > self.limit:
             self.flush()
         if not self.parts:
-            self.key, self.times = self._next_key(), (encode_start, encode_start)
+            self.key = self._next_key()
         placed = dataclasses.replace(ref, key=self.key, offset=self.size)
         self.parts.append(blob)
         self.size += len(blob)
-        self.times = (self.times[0], encode_end)
+        self.encodes.append((encode_start, encode_end))
         return placed
 
     def flush(self) -> None:
         """Put the shared object being filled, if any."""
         if self.parts:
-            blob = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-            self.uploader.put(self.key, blob, *self.times)
-            self.parts, self.size = [], 0
+            self.uploader.put(self.key, b"".join(self.parts), self.encodes)
+            self.parts, self.size, self.encodes = [], 0, []
 
 
 def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
@@ -241,7 +253,7 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
     tensors: Dict[str, TensorEntry] = {}
     written = 0
-    packer = _Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
+    packer = Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
     maybe_crash("before_data", job.step, job.rank, cancel)
     for i, piece in enumerate(job.pieces):
         refs: List[ChunkRef] = []
@@ -304,23 +316,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel,
-             retain: Optional[Retain] = None) -> WriteResult:
+def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
     start = time.perf_counter()
     try:
         _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
-            result.extra["stored_at"] = time.time()
         else:
-            manifest, manifest_bytes, full_fp32 = commit_checkpoint(storage, job, config, cancel)
-            committed_at = time.time()  # wall clock, for the time from snapshot to commit
-            if retain is None:
-                retention = retain_checkpoints(storage, config.checkpoint.keep_last)
-            else:
-                retention = retain(storage)
-            extra = {"chain_bytes": list(manifest.chain_bytes), "retention": retention, "stored_at": committed_at}
-            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, full_fp32,
+            manifest, manifest_bytes = commit_checkpoint(storage, job, config, cancel)
+            # stored_at: wall clock of the commit, for the time from snapshot to commit
+            extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time()}
+            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, manifest.full_fp32_bytes,
                                  time.perf_counter() - start, extra=extra)
     except Cancelled as e:
         _drain(uploader)
@@ -349,7 +355,14 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain:
             job = jobs.get()
             if job is None:
                 return
-            results.put(_run_job(storage, uploader, config, job, cancel, retain))
+            result = _run_job(storage, uploader, config, job, cancel)
+            results.put(result)
+            if result.status == "committed":
+                # after the result: the trainer's next boundary does not wait for the deletes
+                if retain is None:
+                    retain_checkpoints(storage, config.checkpoint.keep_last)
+                else:
+                    retain(storage)
     finally:
         uploader.close()
         storage.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import threading
-from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Tuple
 from urllib.parse import urlsplit
@@ -41,7 +40,6 @@ class S3Proxy:
         self.committed = False
         self.grace_writes = grace_writes
         self.refused: List[Tuple[str, str]] = []  # (method, path) of every request answered with an error
-        self.forwarded: Counter = Counter()
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -122,7 +120,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _count(self, status: int) -> None:
         proxy = self.proxy
         with proxy.lock:
-            proxy.forwarded[self.command] += 1
             if proxy.committed and self.command in _WRITES:
                 proxy.grace_writes -= 1
             if self.command == "PUT" and 200 <= status < 300 and self.path.split("?")[0].endswith("/manifest.json"):

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cnr.storage.moto_server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, MotoS3
-
-__all__ = ["DUMMY_ACCESS_KEY", "DUMMY_SECRET_KEY", "MotoS3", "moto_s3", "stop_moto_s3"]
+from cnr.storage.moto_server import MotoS3
 
 _SERVER: Optional[MotoS3] = None
 

@@ -52,7 +52,9 @@ def test_bench_policies_runs_real_training(tmp_path):
     assert result["bw_reduction_best"] == max(r["bw_reduction"] for r in rows.values())
 
 
-def test_bad_arguments_are_refused_before_any_run(tmp_path):
-    with pytest.raises(ConfigError, match="sometimes"):  # in-process: it raises before any launch
+def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch):
+    started = []  # in-process: the refusal comes before any rank is started
+    monkeypatch.setattr(policies_bench, "launch", lambda *a, **k: started.append("launch"))
+    with pytest.raises(ConfigError, match="sometimes"):
         policies_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--policies", "sometimes"])
-    assert not (tmp_path / "w").exists()
+    assert started == [] and not (tmp_path / "w").exists()

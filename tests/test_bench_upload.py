@@ -17,19 +17,34 @@ from cnr.errors import ConfigError
 from cnr.storage.local import LocalStorage
 
 
+def _row(key, nbytes, put_start, put_end, *encodes):
+    return (key, nbytes, encodes[0][0], encodes[-1][1], put_start, put_end, encodes)
+
+
 def test_pipeline_stats_from_a_timeline():
-    # (key, bytes, encode start, encode end, put start, put end): object 0 uploads during all of
-    # object 1's encoding and half of object 2's; object 2's put never started
-    timeline = [("a", 10, 0.0, 1.0, 1.0, 3.5), ("b", 20, 1.0, 2.0, 2.0, 4.0), ("c", 5, 3.0, 5.0, 0.0, 0.0)]
+    # (key, bytes, put start, put end, chunk encodings): object 0 uploads during all of object 1's
+    # encoding and half of object 2's; object 2's put never started
+    timeline = [_row("a", 10, 1.0, 3.5, (0.0, 1.0)), _row("b", 20, 2.0, 4.0, (1.0, 2.0)),
+                _row("c", 5, 0.0, 0.0, (3.0, 5.0))]
     s = pipeline_stats(timeline)
     assert s["objects"] == 3 and s["encode_s"] == pytest.approx(4.0)
     assert s["upload_busy_s"] == pytest.approx(3.0)  # the union of [1, 3.5] and [2, 4]
     assert s["overlap_fraction"] == pytest.approx(2.0 / 4.0)  # encodes overlapped by a put: [1, 2] and [3, 4]
     assert s["objects_stored_while_encoding"] == 2  # both stored before the last encoding ended at 5
     assert s["pipeline_s"] == pytest.approx(5.0)
-    serial = pipeline_stats([("a", 1, 0.0, 1.0, 1.0, 2.0), ("b", 1, 2.0, 3.0, 3.0, 4.0)])
+    serial = pipeline_stats([_row("a", 1, 1.0, 2.0, (0.0, 1.0)), _row("b", 1, 3.0, 4.0, (2.0, 3.0))])
     assert serial["overlap_fraction"] == 0.0 and serial["objects_stored_while_encoding"] == 1
     assert pipeline_stats([])["objects"] == 0
+
+
+def test_a_packed_object_counts_only_its_own_chunks_encoding():
+    # the packed object "p" holds chunks encoded at [0, 1] and [5, 6]; the big chunk "b" was
+    # encoded at [1, 2] and uploaded at [2, 5], while the writer waited with nothing to encode
+    timeline = [_row("b", 100, 2.0, 5.0, (1.0, 2.0)), _row("p", 10, 6.0, 7.0, (0.0, 1.0), (5.0, 6.0))]
+    s = pipeline_stats(timeline)
+    assert s["encode_s"] == pytest.approx(3.0)  # not the packed object's 6 s span
+    assert s["overlap_fraction"] == 0.0  # no chunk was encoded while "b" uploaded
+    assert s["pipeline_s"] == pytest.approx(7.0)
 
 
 def test_link_queues_transfers_at_its_rate(tmp_path):
@@ -77,7 +92,10 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
     (["--touched", "1.5"], "--touched 1.5"),
     (["--link-mb-s", "-1"], "--link-mb-s -1.0"),
 ])
-def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):  # in-process: it raises before any launch
+def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message, monkeypatch):
+    started = []  # in-process: the refusal comes before any server or rank is started
+    monkeypatch.setattr("cnr.storage.moto_server.MotoS3", lambda *a, **k: started.append("moto"))
+    monkeypatch.setattr(upload_bench, "launch", lambda *a, **k: started.append("launch"))
+    with pytest.raises(ConfigError, match=re.escape(message)):
         upload_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), *args])
-    assert not (tmp_path / "w").exists()
+    assert started == [] and not (tmp_path / "w").exists()

@@ -112,10 +112,12 @@ def test_training_merges_in_the_background_and_resumes_bit_exact(tmp_path, basel
     first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
     assert first["checkpoints"] == 11
     listed = inspect(str(tmp_path), "ck")
-    committed = [c["id"] for c in listed if c["committed"]]
-    merged = [i for i in committed if i.endswith(".merged")]
-    # the first merge starts when the third increment (step 20) commits; later ones may wait for it
-    assert merged and merged[0].startswith("0000000020-")
+    # the first merge starts when the third increment (step 20) commits; how many follow depends
+    # on how fast each one runs, and retention may have dropped the older merged baselines since
+    assert any(c["id"].endswith(".merged") and c["committed"] for c in listed)
+    storage = LocalStorage(f"{tmp_path}/ck")
+    chain = resolve_chain(storage, newest_committed(storage))
+    assert chain[0].id.endswith(".merged") and chain[0].kind.value == "full"
     assert all(not c["id"].startswith("0000000005-") for c in listed)  # the old chain was deleted
     resumed = train(str(tmp_path), "ck", *opts, "--resume")
     assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]

@@ -104,6 +104,26 @@ def test_missing_baseline_after_retention():
     assert rows[0]["needed to restore"] == "—" and rows[0]["capacity reduction"] == "—"
 
 
+def test_a_merged_baseline_is_written_bytes_but_no_interval():
+    """Consecutive increments c10 <- c20 <- c30, then c20's chain merged (``c20.merged``, 500 B)."""
+    merged = Entry(id="c20.merged", step=20, kind="full", bits=4, method="adaptive", base=None,
+                   data_bytes=450, meta_bytes=50, full_fp32_bytes=1000)
+    sequence = [_entry(10, "full", None, 300, 100), _entry(20, "incremental", "c10", 120, 30), merged,
+                _entry(30, "incremental", "c20", 220, 30)]
+    points = compute(sequence)
+    assert [p.entry.id for p in points] == ["c10", "c20", "c20.merged", "c30"]
+    assert [p.cum_written for p in points] == [400, 550, 1050, 1300]  # the merge's bytes were written
+    assert [p.cum_fp32 for p in points] == [1000, 2000, 2000, 3000]  # the fp32 baseline wrote nothing for it
+    # restoring c20 or c30 reads the merged baseline instead of c10 + c20
+    assert [p.needed for p in points] == [400, 500, 500, 750]
+    t = ReportData("file:///x", points, []).totals()
+    assert (t["checkpoints"], t["full"], t["incremental"], t["merged"]) == (4, 1, 2, 1)
+    assert t["avg_written_per_interval"] == 1300 / 3 and t["avg_fp32_per_interval"] == 1000
+    assert round(t["bw_reduction"], 4) == round(3000 / 1300, 4)
+    md = render_markdown(ReportData("file:///x", points, []))
+    assert "(1 full, 2 incremental, 1 merged baselines)" in md
+
+
 # ---- checkpoints written through the manifest API ----------------------------------------------
 
 def _chunk(ckpt_id: str, n: int, tensor: str, rows: int, nbytes: int, bits: int) -> ChunkRef:

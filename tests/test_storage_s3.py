@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import socket
 import time
 import traceback

@@ -28,7 +28,7 @@ from cnr.data import make_reader
 from cnr.evaluate import evaluate
 from cnr.inference import InferenceModel
 from cnr.launch import launch
-from cnr.manifest import manifest_key
+from cnr.manifest import manifest_key, read_manifest
 from cnr.parallel import build_sharded_model
 from cnr.publish import make_publisher
 from cnr.state import MODEL, collect_state, gather_global
@@ -183,7 +183,7 @@ def test_garbage_collected_base_is_replaced_by_newer_base(history, tmp_path):
     for seq in (1, 2, 3):  # what retention with keep_bases 1 removes once base 4 commits
         for key in storage.list(f"checkpoints/{ids[seq]}"):
             storage.delete(key)
-    assert sub.poll() == [ids[4], ids[5], ids[6]]
+    assert sub.poll() == [ids[4], ids[5], ids[6]] and sub.stats.reloads == 0  # base 4 applies as it comes
     assert digest(model.snapshot()) == history["expected"][6]
 
 
@@ -199,9 +199,13 @@ def test_broken_or_corrupt_publish_is_never_half_applied(history, tmp_path):
     blob = bytearray(storage.get(chunk))
     blob[-1] ^= 0xFF
     storage.put(chunk, bytes(blob))
-    assert sub.poll() == []  # 5 fails its CRC; the reload of chain 4-5-6 fails on it too
+    base_bytes = read_manifest(storage, ids[4]).bytes
+    for _poll in range(2):  # 5 fails its CRC, every poll; chain 4-5-6 starts at the base held
+        before = sub.stats.bytes_read
+        assert sub.poll() == []
+        assert sub.stats.bytes_read - before < base_bytes  # so that base is not fetched again
     assert sub.applied.seq == 4 and digest(model.snapshot()) == history["expected"][4]
-    assert sub.stats.errors and "CRC" in sub.stats.errors[-1]
+    assert sub.stats.errors and "CRC" in sub.stats.errors[-1] and sub.stats.reloads == 0
     os.remove(os.path.join(store, manifest_key(ids[5])))  # now the newest chain cannot resolve
     fresh = Subscriber(store, InferenceModel(history["config"]))
     assert fresh.poll() == [] and fresh.applied is None and "needs" in fresh.stats.errors[-1]

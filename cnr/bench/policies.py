@@ -122,8 +122,8 @@ def _cell_row(workdir: str, policy: str, bits: int, stats: Dict[str, int]) -> Di
         "avg_bytes_per_interval": int(totals["avg_written_per_interval"]),
         "avg_data_bytes_per_interval": int(sum(p.entry.data_bytes for p in data.points) / len(data.points)),
         "peak_storage_bytes": int(totals["peak_needed_bytes"]),
-        "bw_reduction": round(totals["avg_fp32_per_interval"] / totals["avg_written_per_interval"], 3),
-        "capacity_reduction": round(totals["peak_fp32_bytes"] / totals["peak_needed_bytes"], 3),
+        "bw_reduction": round(totals["bw_reduction"], 3),
+        "capacity_reduction": round(totals["capacity_reduction"], 3),
         "bytes_written_by_writer": stats["bytes_written"],
     }
 

@@ -193,7 +193,8 @@ def _parse(argv: List[str]):
 
 def run(argv: List[str]) -> Dict[str, Any]:
     args, stores = _parse(argv)
-    base_config = load_config(args.config, DEFAULTS + list(args.set))  # validates before any work
+    # validates before any work; the baseline never publishes, whatever --set says
+    base_config = load_config(args.config, DEFAULTS + list(args.set) + ["publish.enabled=false"])
     config = load_config(args.config, DEFAULTS + list(args.set) + ["publish.enabled=true"])
     if args.steps < config.publish.interval:
         raise ConfigError(f"bench publish: --steps {args.steps} is below publish.interval {config.publish.interval}")

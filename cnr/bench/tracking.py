@@ -19,11 +19,11 @@ import torch
 
 from cnr.bench.common import argv_list, base_parser, load
 from cnr.data import make_reader
-from readers import SyntheticReader, TsvReader
 from cnr.launch import launch
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.tracker import RowTracker
 from cnr.train import _train_step
+from readers import SyntheticReader, TsvReader
 
 
 class _TimedTracker:
@@ -44,8 +44,8 @@ def _set_hook(modules, fn) -> None:
         m.post_lookup_tracker_fn = fn  # direct: registering twice only logs a warning
 
 
-def _continuous_hook_seconds(sharded: ShardedModel, reader: Union[SyntheticReader, TsvReader], tracker: RowTracker, modules: List[torch.nn.Module],
-                             steps: int, interval: int) -> float:
+def _continuous_hook_seconds(sharded: ShardedModel, reader: Union[SyntheticReader, TsvReader], tracker: RowTracker,
+                             modules: List[torch.nn.Module], steps: int, interval: int) -> float:
     """Seconds per step inside cnr's hook when it tracks every step, as in training: the bitmap
     is folded and cleared every ``interval`` steps, as a checkpoint does."""
     timed = _TimedTracker(tracker)

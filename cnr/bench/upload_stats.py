@@ -1,7 +1,8 @@
 """How much of a checkpoint write was pipelined, from the writer's per-object timeline.
 
-A timeline row is ``(key, nbytes, encode_start, encode_end, put_start, put_end)`` in wall-clock
-seconds (cnr.upload.ObjectTimes as a tuple): one stored object, a chunk or small chunks packed.
+A timeline row is ``(key, nbytes, encode_start, encode_end, put_start, put_end, encodes)`` in
+wall-clock seconds (cnr.upload.ObjectTimes as a tuple): one stored object, a chunk or small chunks
+packed; ``encodes`` lists each of its chunks' own (start, end) encoding.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def pipeline_stats(timeline: Sequence[Sequence[Any]]) -> Dict[str, Any]:
     if not timeline:
         return {"objects": 0, "encode_s": 0.0, "upload_busy_s": 0.0, "pipeline_s": 0.0,
                 "overlap_fraction": 0.0, "objects_stored_while_encoding": 0}
-    encodes = [(float(r[2]), float(r[3])) for r in timeline]
+    # per chunk: a packed object's span from its first chunk to its last also covers other
+    # objects' encoding and the writer's waits for an upload slot
+    encodes = [(float(lo), float(hi)) for r in timeline for lo, hi in r[6]]
     puts = _union([(float(r[4]), float(r[5])) for r in timeline if r[5] > 0])
     encode_s = sum(hi - lo for lo, hi in encodes)
     overlapped = sum(_overlap(e, puts) for e in encodes)
