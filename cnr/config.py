@@ -61,7 +61,7 @@ class ModelConfig:
 class DataConfig:
     """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids.
 
-    The reader tier (``readers.tier``): ``reader_processes`` per trainer rank (0: read in the
+    The reader tier (``cnr.readers.tier``): ``reader_processes`` per trainer rank (0: read in the
     trainer's own process), each buffering at most ``queue_depth`` batches; the trainer waits
     at most ``reader_timeout_s`` seconds for any reader message before it fails naming the
     reader. ``trace_dir``: if set, each rank

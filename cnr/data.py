@@ -10,8 +10,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from cnr.config import Config
-from readers import Batch, SyntheticReader, TsvReader
-from readers.tier import InProcessSource, ReaderTier
+from cnr.readers import Batch, SyntheticReader, TsvReader
+from cnr.readers.tier import InProcessSource, ReaderTier
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def make_reader(config: Config, rank: int, world_size: int, cursor: Optional[Dic
 
 def open_source(config: Config, rank: int, world_size: int, cursor: Optional[Dict[str, Any]],
                 first_step: int, processes: Optional[int] = None) -> BatchSource:
-    """The training batches of this rank from ``cursor``, by the grant protocol of ``readers.tier``.
+    """The training batches of this rank from ``cursor``, by the grant protocol of ``cnr.readers.tier``.
 
     ``processes`` (default ``data.reader_processes``): reader processes for this rank; 0 reads
     in this process. ``first_step``: the step training continues from (names steps in errors).

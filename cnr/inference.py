@@ -28,7 +28,7 @@ from cnr.errors import CheckpointError
 from cnr.evaluate import evaluate
 from cnr.state import MODEL
 from cnr.tracker import table_of
-from models.dlrm import build_dlrm
+from cnr.models.dlrm import build_dlrm
 
 _INT8_SCALE_BIAS_BYTES = 4  # fbgemm's fused int8 rows end with an fp16 scale and an fp16 bias
 

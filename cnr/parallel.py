@@ -20,7 +20,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from cnr.config import Config
 from cnr.errors import ConfigError
 from cnr.state import DenseOptimizer
-from models.dlrm import build_dlrm
+from cnr.models.dlrm import build_dlrm
 
 logger = logging.getLogger(__name__)
 

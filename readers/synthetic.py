@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cnr.errors import ConfigError
-from readers.batch import (
+from cnr.readers.batch import (
     Batch,
     check_int,
     check_positive_float,
@@ -75,7 +75,7 @@ def power_law_ranks(u: np.ndarray, rows: np.ndarray, exponent: float) -> np.ndar
 
 
 class SyntheticReader:
-    """Infinite synthetic stream; see the module docstring and ``readers.batch`` for the protocol.
+    """Infinite synthetic stream; see the module docstring and ``cnr.readers.batch`` for the protocol.
 
     Sample content (global batch ``g``, generated with a PCG64 seeded by a hash of
     (seed, split, g), drawn in this order):

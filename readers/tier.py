@@ -40,7 +40,7 @@ import multiprocessing as mp
 
 from cnr.errors import CnrError
 from cnr.faults import maybe_crash
-from readers.batch import Batch, RawBatch, to_batch
+from cnr.readers.batch import Batch, RawBatch, to_batch
 
 logger = logging.getLogger(__name__)
 

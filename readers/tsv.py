@@ -1,7 +1,7 @@
 """Criteo-format TSV reader: ``label \\t I1..I<num_dense> \\t C1..C<num_features>`` per line.
 
 The global sample stream is the lines of ``paths`` in order (files concatenated); see
-``readers.batch`` for how global batches are split over ranks and resumed from a cursor.
+``cnr.readers.batch`` for how global batches are split over ranks and resumed from a cursor.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 import numpy as np
 
 from cnr.errors import ConfigError
-from readers.batch import (
+from cnr.readers.batch import (
     Batch,
     DataExhaustedError,
     MalformedDataError,
@@ -23,7 +23,7 @@ from readers.batch import (
     to_batch,
     validate_common,
 )
-from readers.lines import LineSource, Position, line_number
+from cnr.readers.lines import LineSource, Position, line_number
 
 ON_MALFORMED = ("reject", "skip")
 _HEX = b"0123456789abcdefABCDEF"
@@ -51,7 +51,7 @@ _BLOCK = 8192  # lines validated at once in "skip" mode: bounds memory for large
 
 
 class TsvReader:
-    """Finite reader of Criteo TSV files; see the module docstring and ``readers.batch``.
+    """Finite reader of Criteo TSV files; see the module docstring and ``cnr.readers.batch``.
 
     Each line has ``1 + num_dense + len(features)`` tab-separated fields:
 
@@ -216,7 +216,7 @@ class TsvReader:
     def skip_batch(self) -> None:
         """Move the cursor past this rank's next batch without parsing it.
 
-        Another reader process of the same trainer rank reads that batch (``readers.tier``).
+        Another reader process of the same trainer rank reads that batch (``cnr.readers.tier``).
         Raises DataExhaustedError (state unchanged) when the batch is not complete in the files,
         exactly when :meth:`next_batch` would. In "skip" mode the lines are still validated, so
         the numbering of valid lines stays the same in every reader.

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cnr import faults
-from readers import Batch, SyntheticReader, TsvReader
-from readers.tier import InProcessSource, ReaderError, ReaderTier
+from cnr.readers import Batch, SyntheticReader, TsvReader
+from cnr.readers.tier import InProcessSource, ReaderError, ReaderTier
 
 FEATURES = [("f0", 50), ("f1", 3000), ("f2", 7)]
 D = 3

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cnr.errors import ConfigError
-from readers import Batch, SyntheticReader
-from readers.synthetic import power_law_ranks
+from cnr.readers import Batch, SyntheticReader
+from cnr.readers.synthetic import power_law_ranks
 
 FEATURES = [("a", 1000), ("b", 50), ("c", 1), ("d", 3_000_000)]
 B = 32

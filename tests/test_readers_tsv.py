@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cnr.errors import ConfigError
-from readers import Batch, DataExhaustedError, MalformedDataError, TsvReader
+from cnr.readers import Batch, DataExhaustedError, MalformedDataError, TsvReader
 
 FEATURES = [("f0", 7), ("f1", 1000), ("f2", 2 ** 40)]
 D = 3

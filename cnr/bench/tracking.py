@@ -23,7 +23,7 @@ from cnr.launch import launch
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.tracker import RowTracker
 from cnr.train import _train_step
-from readers import SyntheticReader, TsvReader
+from cnr.readers import SyntheticReader, TsvReader
 
 
 class _TimedTracker:

@@ -1,0 +1,31 @@
+"""The wheel installs one top-level package, ``cnr``; models/ and readers/ live under it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheel_holds_only_the_cnr_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), ROOT], check=True, capture_output=True)
+    wheel, = tmp_path.glob("cnr-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"cnr"}
+    assert "cnr/models/dlrm.py" in names and "cnr/readers/tier.py" in names
+
+
+def test_a_users_own_models_package_does_not_shadow_cnrs(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("USER = True\n")
+    (tmp_path / "readers").mkdir()
+    (tmp_path / "readers" / "__init__.py").write_text("USER = True\n")
+    code = "import models, readers, cnr.parallel, cnr.data, cnr.train; print(models.USER and readers.USER)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.stdout.strip() == "True"
