@@ -15,7 +15,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch.distributed as dist
 
-from cnr.config import Config
+from cnr.options import CheckpointOptions
 from cnr.policy import BitDecision, apply_observed, decide_bits, fixed_bits, previous_decision
 
 logger = logging.getLogger(__name__)
@@ -24,27 +24,27 @@ logger = logging.getLogger(__name__)
 class BitWidthPlanner:
     """Holds the decision; ``for_checkpoint`` is collective (every rank calls it at a boundary)."""
 
-    def __init__(self, config: Config, failure_rate: float, world_size: int, restores: int,
-                 recorded: Optional[Mapping[str, Any]], rank: int) -> None:
+    def __init__(self, options: CheckpointOptions, failure_rate: float, world_size: int, restores: int,
+                 recorded: Optional[Mapping[str, Any]], rank: int, start_step: int = 0) -> None:
         """``restores``: failures observed so far in this job; ``recorded``: the decision the
-        restored checkpoint's manifest holds (None when starting fresh)."""
-        self.config = config
+        restored checkpoint's manifest holds (None when starting fresh); ``start_step``: the
+        step training (re)started from, for the seconds per step measured at the first save."""
+        self.options = options
         self.rate = failure_rate
-        self.nodes = config.checkpoint.failures.nodes or world_size
+        self.nodes = options.failures.nodes or world_size
+        self.start_step = start_step
         self.restores = restores
         self.rank = rank
         self.decision: Optional[BitDecision] = self._initial(previous_decision(recorded))
         self._created = time.perf_counter()
-        self._first_step_end: Optional[float] = None
-        self._steps_timed = 0
         if self.decision is not None:
             self._log("checkpoint bit-width %d (%s): %s")
         elif rank == 0:
             logger.info("checkpoint bit-width: from expected failures (rate %.3g/node-hour, %d nodes, %d steps); "
-                        "seconds per step measured over the first interval", self.rate, self.nodes, config.train.steps)
+                        "seconds per step measured over the first interval", self.rate, self.nodes, options.expected_steps)
 
     def _initial(self, previous: Optional[BitDecision]) -> Optional[BitDecision]:
-        c = self.config.checkpoint
+        c = self.options
         if c.bit_policy == "fixed":
             return fixed_bits(c.bits)
         if previous is not None and previous.mode == "failures":
@@ -54,32 +54,20 @@ class BitWidthPlanner:
         return None
 
     def _decide(self, step_seconds: float) -> BitDecision:
-        f = self.config.checkpoint.failures
-        return decide_bits(self.rate, self.nodes, self.config.train.steps, step_seconds,
+        f = self.options.failures
+        return decide_bits(self.rate, self.nodes, self.options.expected_steps, step_seconds,
                            f.tolerated_restores, self.restores)
 
     def _log(self, fmt: str) -> None:
         if self.rank == 0 and self.decision is not None:
             logger.info(fmt, self.decision.bits, self.decision.mode, self.decision.reason)
 
-    def step_done(self) -> None:
-        """Call after every training step: times steps 2.. (the first one warms up)."""
-        if self.decision is not None:
-            return
-        if self._first_step_end is None:
-            self._first_step_end = time.perf_counter()
-        else:
-            self._steps_timed += 1
-
-    def for_checkpoint(self) -> BitDecision:
-        """The decision for the checkpoint about to be taken (collective the first time when
-        the step time is measured: rank 0's measurement is every rank's)."""
+    def for_checkpoint(self, step: int) -> BitDecision:
+        """The decision for the checkpoint about to be taken at ``step`` (collective the first
+        time when the step time is measured: rank 0's measurement, from the start to this first
+        save, is every rank's)."""
         if self.decision is None:
-            now = time.perf_counter()
-            if self._first_step_end is not None and self._steps_timed > 0:
-                seconds = (now - self._first_step_end) / self._steps_timed
-            else:  # a one-step interval: the warm-up step is all there is
-                seconds = now - self._created
+            seconds = (time.perf_counter() - self._created) / max(1, step - self.start_step)
             shared: List[Any] = [seconds]
             dist.broadcast_object_list(shared, src=0)
             self.decision = self._decide(float(shared[0]))

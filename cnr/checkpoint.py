@@ -1,4 +1,4 @@
-"""The facade a training loop calls: ``Checkpointer.save`` at every interval boundary.
+"""The checkpoint engine behind ``cnr.Checkpointer`` (cnr.api): ``save`` at every boundary.
 
 Only the snapshot blocks training: settle the previous checkpoint (wait for it, or abandon it,
 per ``checkpoint.on_overlap``), decide full or incremental, copy the state into host buffers,
@@ -18,14 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.config import Config
+from cnr.options import CheckpointOptions
 from cnr.manifest import make_id
 from cnr.merge import Merger
 from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers
-from cnr.state import StatePiece
+from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointKind, ShardRegion
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role
 from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,7 @@ class SaveStats:
 
 def rng_piece(rank: int) -> StatePiece:
     """This rank's torch CPU generator state, stored per rank (restored when world size matches)."""
-    state = torch.get_rng_state()
-    return StatePiece(f"{RNG_PREFIX}rank-{rank:05d}", tuple(state.shape), ShardRegion((0,), tuple(state.shape)), state, False)
+    return whole_piece(f"{RNG_PREFIX}rank-{rank:05d}", torch.get_rng_state(), Role.RNG, replicated=False)
 
 
 def pieces_to_write(pieces: List[StatePiece], rank: int) -> List[StatePiece]:
@@ -71,40 +70,46 @@ class ChainState:
     increments: int = 0  # committed increments since the newest full or merged baseline (what cnr.merge counts)
 
 
-class Checkpointer:
-    """Takes checkpoints of one rank's state; collective on ``save`` and ``finish``.
+class CheckpointEngine:
+    """Takes checkpoints of one rank's state; collective on ``save``, ``wait`` and ``finish``.
 
-    ``bits``: the bit-width decision in force (cnr.policy); the trainer may replace it between
+    ``bits``: the bit-width decision in force (cnr.policy); the owner may replace it between
     checkpoints, and every rank must hold the same one. ``writer``: this rank's background
-    writer if already started (the trainer starts it first, so that its process imports while
-    the model is built); the Checkpointer owns it from then on.
+    writer if already started (so that its process imports while the model is built); the
+    engine owns it from then on.
     """
 
-    def __init__(self, storage_uri: str, config: Config, rank: int, world_size: int,
+    def __init__(self, storage_uri: str, options: CheckpointOptions, rank: int, world_size: int,
                  tracker: Optional[RowTracker] = None, chain: Optional[ChainState] = None,
                  bits: Optional[BitDecision] = None, writer: Optional[Writer] = None) -> None:
-        self.config = config
+        self.options = options
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
         self.chain = chain or ChainState()
-        self.bits = bits or fixed_bits(config.checkpoint.bits)
+        self.bits = bits or fixed_bits(options.bits)
         self.buffers = HostBuffers()
         self.stats = SaveStats()
-        self.writer = writer or Writer(storage_uri, config)
-        c = config.checkpoint
+        self.writer = writer or Writer(storage_uri, options)
+        c = options
         # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
         self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
         self._captured: List[Captured] = []
-        self._in_flight_kind: Optional[CheckpointKind] = None
+        self._in_flight: Optional[Tuple[str, int, CheckpointKind, int, Optional[str]]] = None  # id, step, kind, bits, base
+        self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
 
     # ---- the boundary --------------------------------------------------------------------
 
-    def save(self, step: int, pieces: List[StatePiece], reader: Dict[str, Any], counters: Dict[str, int]) -> str:
-        """Snapshot and hand off a checkpoint of ``pieces`` at ``step``; return its id."""
+    def save(self, step: int, pieces: List[StatePiece], fields: Optional[Dict[str, Any]] = None,
+             app: Optional[Dict[str, Any]] = None) -> str:
+        """Snapshot and hand off a checkpoint of ``pieces`` at ``step``; return its id.
+
+        ``fields``: the manifest's tables, metadata and counters (used on rank 0); ``app``: this
+        rank's JSON state of the application's objects (cnr.app_state).
+        """
         start = time.perf_counter()
-        self._settle(abandon=self.config.checkpoint.on_overlap == "abandon")
+        self._settle(abandon=self.options.on_overlap == "abandon")
         # rank 0 decides (it alone saw the stored sizes) and every rank follows
         plan: List[Any] = [(uuid.uuid4().hex[:8],) + self._decide() if self.rank == 0 else None]
         dist.broadcast_object_list(plan, src=0)
@@ -112,14 +117,15 @@ class Checkpointer:
         ckpt_id = make_id(step, nonce)
         rows = self._capture_rows(kind)
         host, snap_seconds = self.buffers.capture(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows)
-        fields = None
+        manifest_fields = None
         if self.rank == 0:
-            fields = {"reader": reader, "counters": dict(counters), "chain_bytes": list(self.chain.chain_bytes),
-                      "bit_width": self.bits.to_dict()}
-        c = self.config.checkpoint
-        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, fields,
-                                    bits=self.bits.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits))
-        self._in_flight_kind = kind
+            manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
+                               "bit_width": self.bits.to_dict()}
+        c = self.options
+        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields,
+                                    bits=self.bits.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits,
+                                    app=dict(app or {})))
+        self._in_flight = (ckpt_id, step, kind, self.bits.bits, base)
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
@@ -148,7 +154,7 @@ class Checkpointer:
 
     def _decide(self) -> Tuple[CheckpointKind, Optional[str]]:
         """Kind and base of the next checkpoint (rank 0; cnr.policy.next_kind)."""
-        policy = self.config.checkpoint.policy
+        policy = self.options.policy
         have_base = self.tracker is not None and self.chain.last_full is not None
         kind = next_kind(policy, self.chain.chain_bytes, have_base)
         if kind == CheckpointKind.FULL:
@@ -169,14 +175,14 @@ class Checkpointer:
         since_base = self.tracker.capture("baseline", clear=False)
         since_last = self.tracker.capture("checkpoint", clear=True)
         self._captured = [since_last, since_base]
-        stored = since_last if self.config.checkpoint.policy == "consecutive" else since_base
-        return {t: self.tracker.rows(stored.bits, t) for t in self.tracker.tables}
+        stored = since_last if self.options.policy == "consecutive" else since_base
+        return self.tracker.capture_rows(stored.bits)
 
     def _maybe_merge(self, ckpt_id: str) -> None:
         """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
         the background; the merged baseline is the chain's new start. If a merge still runs, the
         next commit tries again."""
-        if self.merger is not None and self.chain.increments >= self.config.checkpoint.merge_every \
+        if self.merger is not None and self.chain.increments >= self.options.merge_every \
                 and self.merger.start(ckpt_id):
             self.chain.increments = 0
 
@@ -188,11 +194,13 @@ class Checkpointer:
             if result is None:
                 result = self.writer.cancel() if abandon else self.writer.wait()
         local = STATUSES.index(result.status) if result is not None else -1
-        outcome = torch.tensor([local], dtype=torch.int64)
+        extra = result.extra if result is not None else {}
+        outcome = torch.tensor([local, extra.get("rows", 0), extra.get("bytes", 0)], dtype=torch.int64)
         dist.broadcast(outcome, src=0)  # rank 0's writer commits, so its status is the outcome
         if int(outcome[0]) < 0:
             return
         committed = STATUSES[int(outcome[0])] == "committed"
+        self._record_outcome(committed, int(outcome[1]), int(outcome[2]), result)
         if self.tracker is not None:
             self.tracker.release(self._captured, committed)
         self._captured = []
@@ -205,7 +213,7 @@ class Checkpointer:
         if committed:
             self.stats.checkpoints += 1
             self.chain.last_committed = ckpt_id
-            if self._in_flight_kind == CheckpointKind.FULL:
+            if self._in_flight is not None and self._in_flight[2] == CheckpointKind.FULL:
                 self.chain.last_full = ckpt_id
                 self.chain.increments = 0
             else:
@@ -220,4 +228,15 @@ class Checkpointer:
             self.stats.errors[ckpt_id] = error
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
                          "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])], error)
-        self._in_flight_kind = None
+        self._in_flight = None
+
+    def _record_outcome(self, committed: bool, rows: int, nbytes: int, result: Optional[WriteResult]) -> None:
+        if self._in_flight is None:
+            return
+        ckpt_id, step, kind, bits, base = self._in_flight
+        error = None
+        if not committed:
+            error = result.error if result is not None and result.error else "another rank's writer failed"
+        status = CheckpointStatus.COMMITTED if committed else CheckpointStatus.FAILED
+        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, rows, nbytes, base, error,
+                                                self.options.quant_method if bits < 32 else "")

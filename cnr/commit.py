@@ -11,7 +11,6 @@ import math
 import time
 from typing import Any, Dict, List, Tuple
 
-from cnr.config import Config
 from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
 from cnr.manifest import (
@@ -19,8 +18,7 @@ from cnr.manifest import (
     parse_rank_index, rank_index_key,
 )
 from cnr.storage.base import Storage
-from cnr.tracker import table_of
-from cnr.types import RNG_PREFIX, CheckpointKind
+from cnr.types import TABLE_ROLES, CheckpointKind, Role
 
 _POLL_SECONDS = 0.05
 
@@ -28,7 +26,7 @@ _POLL_SECONDS = 0.05
 def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> None:
     """Every tensor must be covered exactly by its chunks, except table rows of an incremental."""
     for name, entry in tensors.items():
-        if kind == CheckpointKind.INCREMENTAL and table_of(name) is not None:
+        if kind == CheckpointKind.INCREMENTAL and entry.role in TABLE_ROLES:
             continue
         numel = math.prod(entry.shape)
         trailing = math.prod(entry.shape[2:])
@@ -63,28 +61,28 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
     return [indexes[r] for r in range(world_size)]
 
 
-def build_manifest(job, config: Config, tensors: Dict[str, TensorEntry]) -> Manifest:
-    """The manifest of ``job``; its ``chain_bytes`` extend the history the trainer sent (rank 0's
-    ``manifest_fields``) with the chunk bytes every rank stored for this checkpoint."""
+def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:
+    """The manifest of ``job``: rank 0's ``manifest_fields`` (tables, metadata, counters, bit_width,
+    chain_bytes) with every rank's tensors and app state. Its ``chain_bytes`` extend the history
+    the trainer sent with the chunk bytes every rank stored for this checkpoint."""
     fields: Dict[str, Any] = job.manifest_fields or {}
     stored = sum(c.nbytes for t in tensors.values() for c in t.chunks)
     before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
     return Manifest(
         id=job.ckpt_id, step=job.step, kind=job.kind, base=job.base, world_size=job.world_size,
-        created_unix=time.time(), arch=config.model.arch, tables=config.table_specs(),
-        sparse_optimizer=config.train.sparse_optimizer, dense_optimizer=config.train.dense_optimizer,
-        tensors=tensors, reader=dict(fields.get("reader", {})), counters=dict(fields.get("counters", {})),
-        config=config.to_dict(), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
+        created_unix=time.time(), tables=tuple(fields.get("tables", ())), tensors=tensors,
+        counters={**fields.get("counters", {}), "step": job.step}, metadata=dict(fields.get("metadata", {})),
+        app_ranks=tuple(app_ranks), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
     )
 
 
-def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[Manifest, int]:
+def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> Tuple[Manifest, int]:
     """Commit ``job``'s checkpoint; return its manifest and the manifest's size in bytes."""
-    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, config.checkpoint.commit_timeout_s, cancel)
+    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel)
     tensors = merge_rank_indexes(indexes)
-    state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
+    state = {n: t for n, t in tensors.items() if t.role != Role.RNG}
     check_coverage(state, job.kind)
-    manifest = build_manifest(job, config, tensors)
+    manifest = build_manifest(job, tensors, [index.app for index in indexes])
     blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():

@@ -357,6 +357,12 @@ def validate(config: Config) -> None:
     _positive("train.dense_lr", t.dense_lr)
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
+    validate_checkpoint(c)
+    _validate_publish(config.publish)
+
+
+def validate_checkpoint(c: "CheckpointConfig") -> None:
+    """The checkpoint section's checks (cnr.options.CheckpointOptions shares them)."""
     _one_of("checkpoint.policy", c.policy, POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
@@ -373,7 +379,6 @@ def validate(config: Config) -> None:
              f"{c.policy!r}: only consecutive increments form chains to merge")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
-    _validate_publish(config.publish)
 
 
 def _validate_publish(p: PublishConfig) -> None:

@@ -26,8 +26,7 @@ from cnr.config import Config
 from cnr.encode import DecodedChunk
 from cnr.errors import CheckpointError
 from cnr.evaluate import evaluate
-from cnr.state import MODEL
-from cnr.tracker import table_of
+from cnr.manifest import V1_MODEL as MODEL  # cnr train keeps its model under app_state["model"]
 from cnr.models.dlrm import build_dlrm
 
 _INT8_SCALE_BIAS_BYTES = 4  # fbgemm's fused int8 rows end with an fp16 scale and an fp16 bias
@@ -36,6 +35,14 @@ _INT8_SCALE_BIAS_BYTES = 4  # fbgemm's fused int8 rows end with an fp16 scale an
 def _int8_qconfig() -> QConfig:
     return QConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
                    weight=PlaceholderObserver.with_args(dtype=torch.qint8))
+
+
+def _table_name(tensor: str) -> Optional[str]:
+    """torchrec's name of the table whose weight ``tensor`` is (``...embedding_bags.<t>.weight``), else None."""
+    parts = tensor.split(".")
+    if tensor.endswith(".weight") and len(parts) >= 3 and parts[-3] in ("embedding_bags", "embeddings"):
+        return parts[-2]
+    return None
 
 
 class InferenceModel:
@@ -91,7 +98,7 @@ class InferenceModel:
         whole: set = set()
         with self.lock, torch.no_grad():
             for chunk in chunks:
-                table = table_of(chunk.ref.tensor)
+                table = _table_name(chunk.ref.tensor)
                 ids = _write(self.tensors[chunk.ref.tensor], chunk)
                 if table is not None:
                     if ids is None:

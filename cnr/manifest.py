@@ -14,6 +14,7 @@ mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -21,12 +22,17 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.storage.base import Storage, validate_key
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, TableSpec
+from cnr.types import (
+    RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, Role, TableSpec,
+)
 
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 1
+VERSION = 2
+"""Version 2 (the library API) records each tensor's role and table, the application's state
+per rank (``app``) and opaque application metadata; version 1 (cnr train only) still reads."""
+READABLE_VERSIONS = (1, 2)
 
 
 def checkpoint_prefix(ckpt_id: str) -> str:
@@ -84,31 +90,41 @@ def make_id(step: int, nonce: str) -> str:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A global tensor in a checkpoint: its shape, dtype, and the chunks that hold it."""
+    """A global tensor in a checkpoint: its shape, dtype, role, and the chunks that hold it.
+
+    ``table``: for the table roles, the id of the table it belongs to (its weight's name).
+    """
 
     shape: Tuple[int, ...]
     dtype: str
     replicated: bool
     chunks: Tuple[ChunkRef, ...]
+    role: Role = Role.DENSE
+    table: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class RankIndex:
-    """What one rank wrote for one checkpoint."""
+    """What one rank wrote for one checkpoint. ``app``: its JSON state of app_state's objects."""
 
     id: str
     rank: int
     world_size: int
     tensors: Dict[str, TensorEntry]
+    app: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A committed checkpoint. ``counters``: step, samples, restores; ``reader``: the cursor.
+    """A committed checkpoint. ``counters``: integers, ``step`` always among them.
 
+    ``tables``: every embedding table of the model. ``metadata``: the application's own
+    description of the job (opaque to cnr; ``cnr train`` stores its config there).
+    ``app_ranks``: per rank, the JSON state of app_state's objects (cnr.app_state).
     ``chain_bytes``: chunk bytes of the newest full checkpoint of the job and of every committed
     checkpoint after it, this one last (what the intermittent predictor reads on resume).
     ``bit_width``: the bit-width decision in force (cnr.policy.BitDecision.to_dict()).
+    ``version``: the format version it was read from.
     """
 
     id: str
@@ -117,16 +133,14 @@ class Manifest:
     base: Optional[str]
     world_size: int
     created_unix: float
-    arch: str
     tables: Tuple[TableSpec, ...]
-    sparse_optimizer: str
-    dense_optimizer: str
     tensors: Dict[str, TensorEntry]
-    reader: Dict[str, Any]
     counters: Dict[str, int]
-    config: Dict[str, Any] = field(default_factory=dict)
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    app_ranks: Tuple[Dict[str, Any], ...] = ()
     chain_bytes: Tuple[int, ...] = ()
     bit_width: Dict[str, Any] = field(default_factory=dict)
+    version: int = VERSION
 
     @property
     def bytes(self) -> int:
@@ -142,18 +156,18 @@ class Manifest:
     @property
     def rows(self) -> int:
         """Embedding rows stored (rows of table weight chunks)."""
-        return sum(c.rows for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks)
+        return sum(c.rows for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks)
 
     @property
     def bits(self) -> int:
         """Bit-width of the stored embedding rows (32 for fp32)."""
-        bits = {c.bits for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks}
+        bits = {c.bits for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks}
         return min(bits) if bits else 32
 
     @property
     def method(self) -> str:
         """Quantizer of the stored embedding rows ("" when they are raw)."""
-        methods = sorted({c.method for name, t in self.tensors.items() if _is_table_weight(name) for c in t.chunks})
+        methods = sorted({c.method for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks})
         return ",".join(m for m in methods if m)
 
 
@@ -173,27 +187,28 @@ def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
 
 def _tensors_to_dict(tensors: Dict[str, TensorEntry]) -> Dict[str, Any]:
     return {
-        name: {"shape": list(t.shape), "dtype": t.dtype, "replicated": t.replicated,
-               "chunks": [_chunk_to_dict(c) for c in t.chunks]}
+        name: {"shape": list(t.shape), "dtype": t.dtype, "replicated": t.replicated, "role": t.role.value,
+               "table": t.table, "chunks": [_chunk_to_dict(c) for c in t.chunks]}
         for name, t in sorted(tensors.items())
     }
 
 
 def manifest_to_bytes(m: Manifest) -> bytes:
+    """Always the current version: a manifest read from version 1 is written back as version 2."""
     body = {
         "format": MANIFEST_FORMAT, "version": VERSION, "id": m.id, "step": m.step, "kind": m.kind.value,
-        "base": m.base, "world_size": m.world_size, "created_unix": m.created_unix, "arch": m.arch,
-        "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features)} for t in m.tables],
-        "sparse_optimizer": m.sparse_optimizer, "dense_optimizer": m.dense_optimizer,
-        "tensors": _tensors_to_dict(m.tensors), "reader": m.reader, "counters": m.counters, "config": m.config,
-        "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
+        "base": m.base, "world_size": m.world_size, "created_unix": m.created_unix,
+        "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features),
+                    "placement": t.placement} for t in m.tables],
+        "tensors": _tensors_to_dict(m.tensors), "counters": m.counters, "metadata": m.metadata,
+        "app": list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
     }
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 
 def rank_index_to_bytes(r: RankIndex) -> bytes:
     body = {"format": RANK_INDEX_FORMAT, "version": VERSION, "id": r.id, "rank": r.rank,
-            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors)}
+            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors), "app": r.app}
     return json.dumps(body, sort_keys=True).encode()
 
 
@@ -254,17 +269,78 @@ def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
                     encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0))
 
 
-def _parse_tensors(obj: Any, where: str, ckpt_id: str) -> Dict[str, TensorEntry]:
+def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str, TensorEntry]:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{where} must be a JSON object")
+    fields = {"shape": list, "dtype": str, "replicated": bool, "chunks": list}
+    if version >= 2:
+        fields.update(role=str, table=_OPT_STR)
     out = {}
     for name, raw in obj.items():
-        r = _Reader(raw, f"{where}[{name!r}]", {"shape": list, "dtype": str, "replicated": bool, "chunks": list})
+        r = _Reader(raw, f"{where}[{name!r}]", fields)
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in r["shape"]):
             raise CheckpointError(f"{where}[{name!r}] shape {r['shape']!r} must list non-negative integers")
         chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name) for i, c in enumerate(r["chunks"]))
-        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks)
+        role, table = _v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
+        if (role in TABLE_ROLES) != (table is not None):
+            raise CheckpointError(f"{where}[{name!r}] has role {role.value!r} but table {table!r}")
+        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks, role, table)
     return out
+
+
+def _parse_role(value: str, where: str) -> Role:
+    try:
+        return Role(value)
+    except ValueError as e:
+        raise CheckpointError(f"{where} role {value!r} is not one of {[r.value for r in Role]}") from e
+
+
+# ---- version 1: names said what a tensor was ---------------------------------------------------
+
+V1_MODEL, V1_SPARSE_OPTIM, V1_DENSE_OPTIM = "model/", "sparse_optim/", "dense_optim/"
+V1_MODULE_KEY, V1_OPTIMIZER_KEY = "model", "optim"
+"""Version 1 was written by ``cnr train`` only: its model and dense optimizer are app_state's
+"model" and "optim" (the keys cnr train uses), its reader cursor and counters "reader" and
+"progress"."""
+
+
+def _v1_role(name: str) -> Tuple[Role, Optional[str]]:
+    """Role and table of a version 1 tensor name (tables keyed by bare table name until renamed)."""
+    if name.startswith(RNG_PREFIX):
+        return Role.RNG, None
+    if name.startswith(V1_SPARSE_OPTIM):
+        return Role.TABLE_STATE, name[len(V1_SPARSE_OPTIM):].split(".")[0]
+    if name.startswith(V1_DENSE_OPTIM):
+        return Role.OPTIMIZER, None
+    parts = name.split(".")
+    if name.startswith(V1_MODEL) and name.endswith(".weight") and len(parts) >= 3 \
+            and parts[-3] in ("embedding_bags", "embeddings"):
+        return Role.TABLE_ROWS, name
+    return Role.DENSE, None
+
+
+def _v1_upgrade(tensors: Dict[str, TensorEntry], where: str) -> Dict[str, TensorEntry]:
+    """Version 1 names -> version 2 names (chunks keep the name their headers carry)."""
+    weights = {name.split(".")[-2]: name for name, t in tensors.items() if t.role == Role.TABLE_ROWS}
+    out: Dict[str, TensorEntry] = {}
+    for name, t in tensors.items():
+        if t.role == Role.TABLE_STATE:
+            weight = weights.get(t.table or "")
+            if weight is None:
+                raise CheckpointError(f"{where}: optimizer state {name!r} names no table of the checkpoint")
+            out[f"{weight}/{name[len(V1_SPARSE_OPTIM):]}"] = dataclasses.replace(t, table=weight)
+        elif t.role == Role.OPTIMIZER:
+            out[f"{V1_OPTIMIZER_KEY}/{V1_MODULE_KEY}.{name[len(V1_DENSE_OPTIM):]}"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _v1_app(reader: Dict[str, Any], counters: Dict[str, int], world_size: int) -> Tuple[Dict[str, Any], ...]:
+    """The per-rank app state cnr train's Stateful objects hold, from version 1's fields."""
+    state = {"reader": {"kind": "stateful", "state": reader},
+             "progress": {"kind": "stateful", "state": {k: counters[k] for k in ("samples", "restores") if k in counters}}}
+    return tuple(state for _ in range(world_size))
 
 
 def _parse_json(blob: bytes, where: str) -> Any:
@@ -274,50 +350,80 @@ def _parse_json(blob: bytes, where: str) -> Any:
         raise CheckpointError(f"{where} is not valid JSON: {e}") from e
 
 
-def _check_format(obj: Any, fmt: str, where: str) -> None:
+def _check_format(obj: Any, fmt: str, where: str) -> int:
+    """The document's format version (raises unless ``fmt`` at a readable version)."""
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         raise CheckpointError(f"{where} is not a {fmt} document")
-    if obj.get("version") != VERSION:
-        raise CheckpointError(f"{where} has version {obj.get('version')!r}; this cnr reads version {VERSION}")
+    version = obj.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{where} has version {version!r}; this cnr reads versions {list(READABLE_VERSIONS)}")
+    return version
+
+
+_COMMON = {"format": str, "version": int, "id": str, "step": int, "kind": str, "base": _OPT_STR, "world_size": int,
+           "created_unix": _NUM, "tables": list, "tensors": dict, "counters": dict}
+_V1_FIELDS = {**_COMMON, "arch": str, "sparse_optimizer": str, "dense_optimizer": str, "reader": dict, "config": dict}
+_V2_FIELDS = {**_COMMON, "metadata": dict, "app": list, "chain_bytes": list, "bit_width": dict}
+
+
+def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, ...]:
+    fields = {"name": str, "rows": int, "dim": int, "features": list}
+    if version >= 2:
+        fields["placement"] = str
+    tables = []
+    for i, t in enumerate(raw):
+        tr = _Reader(t, f"{where}.tables[{i}]", fields)
+        tables.append(TableSpec(tr["name"], tr["rows"], tr["dim"], tuple(tr["features"]), tr.get("placement", "")))
+    return tuple(tables)
 
 
 def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
-    """Parse and validate a manifest; raise CheckpointError naming the first problem."""
+    """Parse and validate a manifest (version 1 or 2); raise CheckpointError naming the first problem."""
     obj = _parse_json(blob, where)
-    _check_format(obj, MANIFEST_FORMAT, where)
-    r = _Reader(obj, where, {
-        "format": str, "version": int, "id": str, "step": int, "kind": str, "base": _OPT_STR, "world_size": int,
-        "created_unix": _NUM, "arch": str, "tables": list, "sparse_optimizer": str, "dense_optimizer": str,
-        "tensors": dict, "reader": dict, "counters": dict, "config": dict,
-    }, optional={"chain_bytes": list, "bit_width": dict})
+    version = _check_format(obj, MANIFEST_FORMAT, where)
+    if version == 1:
+        r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
+    else:
+        r = _Reader(obj, where, _V2_FIELDS)
     try:
         kind = CheckpointKind(r["kind"])
     except ValueError as e:
         raise CheckpointError(f"{where} kind {r['kind']!r} is not one of {[k.value for k in CheckpointKind]}") from e
-    tables = []
-    for i, t in enumerate(r["tables"]):
-        tr = _Reader(t, f"{where}.tables[{i}]", {"name": str, "rows": int, "dim": int, "features": list})
-        tables.append(TableSpec(tr["name"], tr["rows"], tr["dim"], tuple(tr["features"])))
     counters = r["counters"]
     if any(not isinstance(v, int) or isinstance(v, bool) for v in counters.values()):
-        raise CheckpointError(f"{where}.counters must hold integers, got {counters!r}")
+        raise CheckpointError(f"{where}.counters must hold integers, got {counters!r:.200}")
+    if counters.get("step", r["step"]) != r["step"]:
+        raise CheckpointError(f"{where}.counters step {counters.get('step')!r} differs from its step {r['step']}")
     chain_bytes = r.get("chain_bytes", [])
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in chain_bytes):
         raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
+    tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+    if version == 1:
+        tensors = _v1_upgrade(tensors, where)
+        metadata = {"config": r["config"], "arch": r["arch"], "sparse_optimizer": r["sparse_optimizer"],
+                    "dense_optimizer": r["dense_optimizer"]}
+        app_ranks = _v1_app(r["reader"], counters, r["world_size"])
+    else:
+        metadata, app_ranks = r["metadata"], tuple(r["app"])
+        if len(app_ranks) != r["world_size"] or any(not isinstance(a, dict) for a in app_ranks):
+            raise CheckpointError(f"{where}.app must hold one object per rank ({r['world_size']})")
     return Manifest(
         id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
-        created_unix=float(r["created_unix"]), arch=r["arch"], tables=tuple(tables),
-        sparse_optimizer=r["sparse_optimizer"], dense_optimizer=r["dense_optimizer"],
-        tensors=_parse_tensors(r["tensors"], f"{where}.tensors", r["id"]), reader=r["reader"],
-        counters=counters, config=r["config"], chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}),
+        created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),
+        tensors=tensors, counters=counters, metadata=metadata, app_ranks=app_ranks,
+        chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}), version=version,
     )
 
 
 def parse_rank_index(blob: bytes, where: str = "rank index") -> RankIndex:
     obj = _parse_json(blob, where)
-    _check_format(obj, RANK_INDEX_FORMAT, where)
-    r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "tensors": dict})
-    return RankIndex(r["id"], r["rank"], r["world_size"], _parse_tensors(r["tensors"], f"{where}.tensors", r["id"]))
+    version = _check_format(obj, RANK_INDEX_FORMAT, where)
+    fields = {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "tensors": dict}
+    if version >= 2:
+        fields["app"] = dict
+    r = _Reader(obj, where, fields)
+    tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+    return RankIndex(r["id"], r["rank"], r["world_size"], tensors, r.get("app", {}))
 
 
 def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
@@ -329,9 +435,11 @@ def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
                 merged[name] = entry
                 continue
             have = merged[name]
-            if (have.shape, have.dtype, have.replicated) != (entry.shape, entry.dtype, entry.replicated):
-                raise CheckpointError(f"ranks disagree on tensor {name!r}: {have.shape}/{have.dtype} vs {entry.shape}/{entry.dtype}")
-            merged[name] = TensorEntry(have.shape, have.dtype, have.replicated, have.chunks + entry.chunks)
+            if (have.shape, have.dtype, have.replicated, have.role, have.table) != \
+                    (entry.shape, entry.dtype, entry.replicated, entry.role, entry.table):
+                raise CheckpointError(f"ranks disagree on tensor {name!r}: {have.shape}/{have.dtype}/{have.role.value} "
+                                      f"vs {entry.shape}/{entry.dtype}/{entry.role.value}")
+            merged[name] = dataclasses.replace(have, chunks=have.chunks + entry.chunks)
     return merged
 
 
@@ -382,13 +490,6 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
 def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
     """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
     return [info for info, _ in scan_checkpoints(storage)]
-
-
-def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
-    try:
-        return read_manifest(storage, ckpt_id)
-    except KeyNotFoundError:
-        return None
 
 
 def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:

@@ -39,8 +39,7 @@ from cnr.restore import fetch_chunk
 from cnr.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.tracker import table_of
-from cnr.types import ByteRange, CheckpointKind, ChunkRef, Encoding
+from cnr.types import TABLE_ROLES, ByteRange, CheckpointKind, ChunkRef, Encoding
 from cnr.upload import Packer, Uploader, die_with_parent, row_blocks
 
 logger = logging.getLogger(__name__)
@@ -190,7 +189,7 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
         packer = Packer(uploader, merged_id(ckpt_id), 0, chunk_bytes)
         tensors: Dict[str, TensorEntry] = {}
         for name, entry in target.tensors.items():
-            if table_of(name) is None:
+            if entry.role not in TABLE_ROLES:
                 chunks = tuple(_copy_whole(storage, packer, entry))
                 tensors[name] = TensorEntry(entry.shape, entry.dtype, entry.replicated, chunks)
             else:

@@ -19,7 +19,6 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr.config import Config
 from cnr.errors import ConfigError
-from cnr.state import DenseOptimizer
 from cnr.models.dlrm import build_dlrm
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class ShardedModel:
     """The DMP-wrapped model and its dense optimizer (the sparse one is fused into backward)."""
 
     model: DistributedModelParallel
-    dense_optimizer: DenseOptimizer
+    dense_optimizer: torch.optim.Optimizer
     plan_text: str
 
 
@@ -73,34 +72,12 @@ def check_device_support(config: Config, device: torch.device) -> None:
         )
 
 
-def check_incremental_safe(config: Config) -> None:
-    """Refuse incremental checkpoints when training can change rows that were not looked up.
-
-    fbgemm's fused sparse optimizers update only looked-up rows. A data-parallel table is
-    trained by the dense optimizer instead; Adam's moments move every row of it each step.
-    """
-    incremental = config.checkpoint.policy != "full"
-    if not (incremental or config.publish.enabled) or config.train.dense_optimizer != "adam":
-        return
-    dp = [t.name for t in config.model.tables
-          if "data_parallel" in (t.sharding_types or config.model.sharding_types)]
-    if dp:
-        what = f"checkpoint.policy = {config.checkpoint.policy!r}" if incremental else "publish.enabled (increments)"
-        raise ConfigError(
-            f"{what} needs every changed row to be a looked-up row, but "
-            f"tables {dp} may be data_parallel and train.dense_optimizer = 'adam' changes all their rows every step; "
-            "use checkpoint.policy = 'full' (and publish.enabled = false), another dense optimizer, or sharding "
-            "types without data_parallel"
-        )
-
-
 def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
     """Build DLRM, attach the fused sparse optimizer, shard with torchrec's planner, wrap in DMP.
 
     Collective over the default process group (the plan is computed on rank 0 and broadcast).
     """
     check_device_support(config, device)
-    check_incremental_safe(config)
     model = build_dlrm(config)
     apply_optimizer_in_backward(
         SPARSE_OPTIMIZER_CLASSES[config.train.sparse_optimizer],
@@ -124,4 +101,15 @@ def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
     optimizer = DENSE_OPTIMIZER_CLASSES[config.train.dense_optimizer](
         list(dense_params.values()), lr=config.train.dense_lr
     )
-    return ShardedModel(dmp, DenseOptimizer(dense_params, optimizer), str(plan))
+    return ShardedModel(dmp, optimizer, str(plan))
+
+
+def train_step(sharded: ShardedModel, batch) -> float:
+    """One DLRM training step on ``batch``; returns the loss. The fused sparse optimizer updates
+    embedding rows inside backward, the dense optimizer steps after it."""
+    logits = sharded.model(batch.dense, batch.sparse).squeeze(-1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    sharded.dense_optimizer.zero_grad()
+    loss.backward()
+    sharded.dense_optimizer.step()
+    return float(loss.detach())

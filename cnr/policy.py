@@ -192,3 +192,14 @@ def fixed_bits(bits: int) -> BitDecision:
 def previous_decision(obj: Optional[Mapping[str, Any]]) -> Optional[BitDecision]:
     """The decision a manifest recorded (None for none)."""
     return BitDecision.from_dict(obj) if obj else None
+
+
+def failure_rate(options) -> float:
+    """Failures per node-hour for the bit-width policy of ``options`` (a CheckpointOptions or a
+    config's checkpoint section): configured, or from the failure log; 0 for fixed bits."""
+    f = options.failures
+    if options.bit_policy != "failures":
+        return 0.0
+    if f.log:
+        return rate_from_failure_log(read_failure_log(f.log), f.log_nodes)
+    return f.rate_per_node_hour

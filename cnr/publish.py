@@ -39,16 +39,18 @@ import torch
 import torch.distributed as dist
 
 from cnr.checkpoint import pieces_to_write
+from cnr.app_state import AppState, whole_tables
 from cnr.config import Config
+from cnr.options import CheckpointOptions
 from cnr.errors import ConfigError
 from cnr.manifest import make_id, newest_committed
 from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
 from cnr.snapshot import HostBuffers
-from cnr.state import MODEL, StatePiece
+from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.tracker import Captured, RowTracker, table_of
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
+from cnr.tracker import Captured, RowTracker
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
 from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ def check_publish_storage(storage_uri: str, config: Config) -> None:
 
 def published_pieces(pieces: Sequence[StatePiece], with_dense: bool) -> List[StatePiece]:
     """The pieces inference needs: table weights, plus dense parameters when ``with_dense``."""
-    return [p for p in pieces if p.name.startswith(MODEL) and (with_dense or table_of(p.name) is not None)]
+    return [p for p in pieces if p.role == Role.TABLE_ROWS or (with_dense and p.role == Role.DENSE)]
 
 
 # ---- retention ---------------------------------------------------------------------------------
@@ -172,7 +174,8 @@ class Publisher:
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
         retain = functools.partial(retain_publishes, keep_bases=config.publish.keep_bases)
-        self.writer = Writer(uri, config, retain=retain)
+        # its own writer settings: the checkpoint section's chunking, threads and timeout, its own retention
+        self.writer = Writer(uri, CheckpointOptions.from_config(config.checkpoint), retain=retain)
         self._captured: List[Captured] = []
         self._in_flight: Optional[_Plan] = None
         self._result: Optional[WriteResult] = None
@@ -222,6 +225,10 @@ class Publisher:
             self.writer.close()
         self.stats.drain_seconds += time.perf_counter() - start
 
+    def abort(self) -> None:
+        """Stop the writer without collectives (on an error path, other ranks may be gone)."""
+        self.writer.close()
+
     def summary(self) -> Dict[str, Any]:
         """Totals over ranks (collective): bytes summed, stall the maximum; rank 0's counts."""
         s = self.stats
@@ -255,7 +262,7 @@ class Publisher:
         self._captured = [captured]
         rows = None
         if plan.kind == CheckpointKind.INCREMENTAL:
-            rows = {t: self.tracker.rows(captured.bits, t) for t in self.tracker.tables}
+            rows = self.tracker.capture_rows(captured.bits)
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
         host, seconds = self.buffers.capture(chosen, rows)
         fields = None
@@ -350,11 +357,12 @@ def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int,
     if not config.publish.enabled:
         return None
     if tracker is None:
-        tracker = RowTracker(model, views=(VIEW,))
+        # no optimizer is known here: data-parallel tables are published whole (cnr.app_state.whole_tables)
+        tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
         tracker.install()
     return Publisher(publish_uri(storage_uri, config), config, rank, world_size, tracker)
 
 
-def tracker_views(config: Config) -> Tuple[str, ...]:
-    """Views of the job's shared tracker: the Checkpointer's, plus "publish" when publishing."""
-    return ("checkpoint", "baseline") + ((VIEW,) if config.publish.enabled else ())
+def publish_views(config: Config) -> Tuple[str, ...]:
+    """Tracker views publishing adds to the Checkpointer's shared tracker."""
+    return (VIEW,) if config.publish.enabled else ()

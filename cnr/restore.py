@@ -18,10 +18,9 @@ import torch
 from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
-from cnr.state import DENSE_OPTIM, DenseOptimizer, StatePiece, split_dense_name
-from cnr.tracker import table_of
+from cnr.state import StatePiece
 from cnr.storage.base import Storage
-from cnr.types import RNG_PREFIX, ByteRange, ChunkRef
+from cnr.types import RNG_PREFIX, TABLE_ROLES, ByteRange, ChunkRef, Role
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +224,11 @@ def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
     for _nbytes, writes in results:
         for i, count, rows in writes:
             copied[i] += count
-            table = table_of(pieces[i].name)
+            table = pieces[i].table
             if rows is not None and table is not None:
                 applied.setdefault(table, []).append(rows)
     for i, piece in enumerate(pieces):
-        partial_ok = overlay and table_of(piece.name) is not None
+        partial_ok = overlay and piece.role in TABLE_ROLES
         if not partial_ok and copied[i] != max(1, piece.tensor.numel()):
             raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
     rows = {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()}
@@ -252,19 +251,10 @@ def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     return total, rows
 
 
-def prepare_dense_optimizer(manifest: Manifest, dense_optimizer: DenseOptimizer) -> None:
-    """Create lazily-made dense optimizer state (e.g. Adam's) so restore has tensors to fill."""
-    for name, entry in manifest.tensors.items():
-        if name.startswith(DENSE_OPTIM):
-            param, key = split_dense_name(name)
-            if param not in dense_optimizer.params:
-                raise CheckpointError(f"the checkpoint has optimizer state for {param!r}, which the current model lacks")
-            dense_optimizer.ensure_state(param, key, tuple(entry.shape), DTYPES[entry.dtype])
-
-
 def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:
-    """Every training-state tensor in the checkpoint must exist in the current model."""
-    extra = sorted(set(n for n in manifest.tensors if not n.startswith(RNG_PREFIX)) - set(names))
+    """Every training-state tensor in the checkpoint must exist in the current application state
+    (``names``: every rank's; per-rank RNG and Stateful tensors are matched by their owners)."""
+    extra = sorted(set(n for n, t in manifest.tensors.items() if t.role not in (Role.RNG, Role.STATEFUL)) - set(names))
     if extra:
         raise CheckpointError(f"checkpoint {manifest.id} holds tensors the current model lacks: {extra[:5]}")
 

@@ -17,8 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cnr.state import StatePiece
-from cnr.tracker import table_of
-from cnr.types import ShardRegion
+from cnr.types import TABLE_ROLES, Role, ShardRegion
 
 _Key = Tuple[str, Tuple[int, ...]]
 
@@ -37,6 +36,12 @@ class HostPiece:
     replicated: bool
     data: torch.Tensor
     row_ids: Optional[torch.Tensor]
+    role: Role = Role.DENSE
+    table: Optional[str] = None
+
+
+def _host(piece: StatePiece, data: torch.Tensor, row_ids: Optional[torch.Tensor]) -> HostPiece:
+    return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids, piece.role, piece.table)
 
 
 def _alloc(shape: Tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -88,8 +93,8 @@ class HostBuffers:
 
         A table's weight and optimizer pieces share a region, so the ids are found once (cached).
         """
-        table = table_of(piece.name)
-        if table is None or table not in rows:
+        table = piece.table
+        if piece.role not in TABLE_ROLES or table not in rows:
             return None
         row0, size = piece.region.offsets[0], piece.region.sizes[0]
         key = (table, row0, size)
@@ -107,11 +112,11 @@ class HostBuffers:
         src = piece.tensor.detach()
         if local is None:
             buf.copy_(src.reshape(buf.shape))
-            return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf, None)
+            return _host(piece, buf, None)
         n = local.numel()
         torch.index_select(src, 0, local, out=buf[:n])
         torch.add(local, piece.region.offsets[0], out=ids[:n])
-        return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf[:n], ids[:n])
+        return _host(piece, buf[:n], ids[:n])
 
     def _capture_cuda(self, plan: List[Tuple[StatePiece, Optional[torch.Tensor]]]) -> List[HostPiece]:
         if self._stream is None:
@@ -127,14 +132,14 @@ class HostBuffers:
                 src = piece.tensor.detach()
                 if local is None:
                     buf.copy_(src.reshape(buf.shape), non_blocking=True)
-                    out.append(HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf, None))
+                    out.append(_host(piece, buf, None))
                     continue
                 n = local.numel()
                 gathered = src.index_select(0, local.to(src.device, non_blocking=True))
                 keep_alive.append(gathered)
                 buf[:n].copy_(gathered, non_blocking=True)
                 torch.add(local, piece.region.offsets[0], out=ids[:n])
-                out.append(HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf[:n], ids[:n]))
+                out.append(_host(piece, buf[:n], ids[:n]))
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()

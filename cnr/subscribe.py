@@ -39,8 +39,7 @@ from cnr.manifest import ROOT, Manifest, read_manifest, resolve_chain
 from cnr.restore import fetch_chunk
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.tracker import table_of
-from cnr.types import CheckpointKind
+from cnr.types import CheckpointKind, Role
 
 logger = logging.getLogger(__name__)
 
@@ -290,4 +289,4 @@ class Subscriber:
 
 def _has_dense(m: Manifest) -> bool:
     """Whether a publish holds dense parameters (any tensor that is not a table's)."""
-    return any(table_of(name) is None for name in m.tensors)
+    return any(t.role == Role.DENSE for t in m.tensors.values())

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from cnr.app_state import app_tables
 
 logger = logging.getLogger(__name__)
 
@@ -139,41 +141,54 @@ def _rows_of(bits: np.ndarray, table: TrackedTable) -> torch.Tensor:
 
 
 class RowTracker:
-    """Tracks touched rows of every embedding shard this rank holds, for a DMP model."""
+    """Tracks touched rows of every embedding shard this rank holds.
 
-    def __init__(self, model: torch.nn.Module, views: Sequence[str] = DEFAULT_VIEWS) -> None:
-        self._modules = [m for _, m in model.named_modules() if hasattr(m, "register_post_lookup_tracker_fn")]
+    ``app``: a module (taken as ``{"model": module}``) or an app_state dict; its tables are
+    keyed by table id (cnr.app_state: the stored name of the weight), so any number of embedding
+    modules may use the same table names. ``whole``: table ids whose rows can change without a
+    lookup; they are left out of ``capture_rows`` (stored whole in every checkpoint).
+    """
+
+    def __init__(self, app: Union[torch.nn.Module, Mapping[str, Any]], views: Sequence[str] = DEFAULT_VIEWS,
+                 whole: Iterable[str] = ()) -> None:
+        refs = app_tables({"model": app} if isinstance(app, torch.nn.Module) else app)
         self.tables: Dict[str, TrackedTable] = {}
-        self._feature_table: Dict[str, str] = {}
+        self._feature_table: Dict[int, Dict[str, str]] = {}  # id(sharded module) -> feature -> table id
+        self._modules: Dict[int, torch.nn.Module] = {}
         bit = 0
-        for module in self._modules:
-            for table, (row_offset, rows, dp) in sorted(_local_row_ranges(module).items()):
-                self.tables[table] = TrackedTable(table, row_offset, rows, bit, dp)
-                bit += (rows + 7) // 8 * 8
-            for table, config in module._table_name_to_config.items():
-                for feature in config.feature_names:
-                    self._feature_table[feature] = table
+        for ref in refs:
+            row_offset, rows, dp = _local_row_range(ref)
+            if rows is None:
+                continue  # this rank holds no shard of the table
+            self.tables[ref.id] = TrackedTable(ref.id, row_offset, rows, bit, dp)
+            bit += (rows + 7) // 8 * 8
+            self._modules[id(ref.module)] = ref.module
+            for feature in ref.module._table_name_to_config[ref.name].feature_names:
+                self._feature_table.setdefault(id(ref.module), {})[feature] = ref.id
+        for ref in refs:  # modules whose tables are all elsewhere still get the hook (it ignores nothing)
+            self._modules.setdefault(id(ref.module), ref.module)
+        self.whole = frozenset(t for t in whole if t in self.tables)
         self.current = np.zeros(bit // 8, dtype=np.uint8)
         self.views: Dict[str, np.ndarray] = {v: np.zeros_like(self.current) for v in views}
         self._device_current: Optional[torch.Tensor] = None  # the bitmap on CUDA, when ids arrive there
-        self._bases: Dict[Tuple[Tuple[str, ...], int], np.ndarray] = {}
+        self._bases: Dict[Tuple[int, Tuple[str, ...], int], np.ndarray] = {}
         self._scratch = _Scratch()
 
     # ---- hot path ------------------------------------------------------------------------
 
     def install(self) -> None:
         """Register the post-lookup hook on every sharded embedding module (one slot each)."""
-        for module in self._modules:
+        for module in self._modules.values():
             module.register_post_lookup_tracker_fn(self.record)
 
-    def record(self, features, _embeddings=None, _module=None, _raw_ids=None) -> None:
-        """The post-lookup hook: set the bits of every id this shard received."""
+    def record(self, features, _embeddings=None, module=None, _raw_ids=None) -> None:
+        """The post-lookup hook: set the bits of every id the shards of ``module`` received."""
         keys = tuple(features.keys())
         values = features.values()
         if not keys or values.numel() == 0:
             return
         lengths = features.lengths()
-        base = self._sample_bases(keys, lengths.numel())  # each sample's table start bit
+        base = self._sample_bases(id(module), keys, lengths.numel())  # each sample's table start bit
         if values.is_cuda:
             self._record_cuda(values, lengths, base)
             return
@@ -196,18 +211,19 @@ class RowTracker:
                                           output_size=values.numel())
         set_bits_torch(self._device_current, values.to(torch.int64) + offsets)
 
-    def _sample_bases(self, keys: Tuple[str, ...], samples: int) -> np.ndarray:
-        cached = self._bases.get((keys, samples))
+    def _sample_bases(self, module: int, keys: Tuple[str, ...], samples: int) -> np.ndarray:
+        cached = self._bases.get((module, keys, samples))
         if cached is None:
+            features = self._feature_table.get(module, {})
             per_key = []
             for key in keys:
-                table = self.tables.get(self._feature_table.get(key, ""))
+                table = self.tables.get(features.get(key, ""))
                 if table is None:
                     raise RuntimeError(f"feature {key!r} arrived at a shard this rank does not hold")
                 per_key.append(table.bit_start)
             # lengths are key-major: every sample of key 0, then key 1, ...
             cached = np.repeat(np.array(per_key, dtype=np.int64), samples // len(keys))
-            self._bases[(keys, samples)] = cached
+            self._bases[(module, keys, samples)] = cached
         return cached
 
     # ---- views ---------------------------------------------------------------------------
@@ -267,6 +283,10 @@ class RowTracker:
         """Global ids (ascending) of ``table``'s rows set in ``bits`` (a view or a capture)."""
         return _rows_of(bits, self.tables[table])
 
+    def capture_rows(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
+        """Rows to store per table for ``bits``; tables in ``whole`` are absent (stored whole)."""
+        return {t: _rows_of(bits, table) for t, table in self.tables.items() if t not in self.whole}
+
     def count(self, bits: np.ndarray) -> int:
         """Number of set bits."""
         return int(np.unpackbits(bits).sum())
@@ -291,41 +311,20 @@ class RowTracker:
         return sum(t.rows for t in self.tables.values())
 
 
-def _local_row_ranges(module: torch.nn.Module) -> Dict[str, Tuple[int, int, bool]]:
-    """table -> (row offset, rows, data parallel) of the one row range this rank holds.
+def _local_row_range(ref) -> Tuple[int, Optional[int], bool]:
+    """(row offset, rows or None if this rank holds none, data parallel) of table ``ref``
+    (a cnr.app_state.TableRef) on this rank.
 
     Column-wise shards of a table share a row range; a rank never holds two row ranges of one
     table in torchrec's sharding types, which this checks.
     """
-    out: Dict[str, Tuple[int, int, bool]] = {}
-    for key, value in module.state_dict().items():
-        if not key.endswith(".weight"):
-            continue
-        table = key.split(".")[-2]
-        if hasattr(value, "local_shards"):
-            ranges = {(s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]) for s in value.local_shards()}
-            if not ranges:
-                continue
-            if len(ranges) > 1:
-                raise RuntimeError(f"table {table!r} has {len(ranges)} row ranges on one rank: {sorted(ranges)}")
-            (offset, rows), = ranges
-            out[table] = (offset, rows, False)
-        else:
-            out[table] = (0, int(value.shape[0]), True)
-    return out
-
-
-def table_of(tensor_name: str) -> Optional[str]:
-    """The table a state tensor belongs to, or None for dense state.
-
-    ``model/...embedding_bags.<t>.weight`` and ``model/...embeddings.<t>.weight`` -> t;
-    ``sparse_optim/<t>.<state>`` -> t.
-    """
-    if tensor_name.startswith("sparse_optim/"):
-        return tensor_name[len("sparse_optim/"):].split(".")[0]
-    if tensor_name.startswith("model/") and tensor_name.endswith(".weight"):
-        parts = tensor_name.split(".")
-        if len(parts) >= 3 and parts[-3] in ("embedding_bags", "embeddings"):
-            return parts[-2]
-    return None
-
+    value = ref.module.state_dict()[ref.local_key]
+    if not hasattr(value, "local_shards"):
+        return 0, int(value.shape[0]), True
+    ranges = {(s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]) for s in value.local_shards()}
+    if not ranges:
+        return 0, None, False
+    if len(ranges) > 1:
+        raise RuntimeError(f"table {ref.id!r} has {len(ranges)} row ranges on one rank: {sorted(ranges)}")
+    (offset, rows), = ranges
+    return offset, rows, False

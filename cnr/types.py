@@ -24,6 +24,27 @@ class CheckpointKind(str, enum.Enum):
     """Only rows touched since its baseline; restore needs the baseline first."""
 
 
+class Role(str, enum.Enum):
+    """What a stored tensor is to the application; recorded per tensor in the manifest."""
+
+    TABLE_ROWS = "table_rows"
+    """An embedding table's weight: row-indexed, stored incrementally and possibly quantized."""
+    TABLE_STATE = "table_state"
+    """State of a table's fused optimizer, row-aligned with its weight (e.g. row-wise momentum)."""
+    DENSE = "dense"
+    """Any other tensor of a module's state_dict (dense parameters, buffers)."""
+    OPTIMIZER = "optimizer"
+    """Per-parameter state of an optimizer in app_state (not fused into a table)."""
+    STATEFUL = "stateful"
+    """A tensor inside a Stateful object's state; stored per rank."""
+    RNG = "rng"
+    """A rank's torch CPU generator state; stored per rank, not training state."""
+
+
+TABLE_ROLES = (Role.TABLE_ROWS, Role.TABLE_STATE)
+"""Roles whose tensors are row-aligned with an embedding table and may be stored incrementally."""
+
+
 class CheckpointStatus(str, enum.Enum):
     """Lifecycle of a checkpoint as seen in storage."""
 
@@ -117,12 +138,18 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: its name, rows, embedding dimension and the features it serves."""
+    """One embedding table: its name, rows, embedding dimension and the features it serves.
+
+    ``name``: the table's id, the stored name of its weight (``<app key>/<module path>.weight``;
+    a bare table name in manifests of version 1). ``placement``: torchrec's sharding type
+    ("" when unknown).
+    """
 
     name: str
     rows: int
     dim: int
     features: Tuple[str, ...]
+    placement: str = ""
 
 
 @dataclass(frozen=True)

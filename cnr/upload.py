@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
 from cnr.retention import retain_checkpoints
-from cnr.config import Config
+from cnr.options import CheckpointOptions
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import Cancelled, CnrError
 from cnr import faults
@@ -39,11 +39,9 @@ from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
-from cnr.state import SPARSE_OPTIM
-from cnr.tracker import table_of
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import CheckpointKind, ChunkRef
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Role
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +67,7 @@ class WriteJob:
     bits: int = 32
     method: str = ""
     optimizer_bits: int = 32
+    app: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,9 +190,9 @@ class Uploader:
 def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
     """Bit-width ``piece`` is stored at: table weights at ``job.bits``, 2-D sparse optimizer
     state at ``job.optimizer_bits``, everything else (dense state, 1-D momentum) at 32."""
-    if piece.data.dim() != 2 or piece.data.dtype != torch.float32 or table_of(piece.name) is None:
+    if piece.data.dim() != 2 or piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
         return 32
-    return job.optimizer_bits if piece.name.startswith(SPARSE_OPTIM) else job.bits
+    return job.optimizer_bits if piece.role == Role.TABLE_STATE else job.bits
 
 
 def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
@@ -268,14 +267,14 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
             written += ref.nbytes
         have = tensors.get(piece.name)
         tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
-                                          (have.chunks if have else ()) + tuple(refs))
+                                          (have.chunks if have else ()) + tuple(refs), piece.role, piece.table)
         if i == 0:
             packer.flush()
             uploader.wait()
             maybe_crash("mid_data", job.step, job.rank, cancel)
     packer.flush()
     uploader.wait()
-    index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
+    index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors, job.app)
     blob = rank_index_to_bytes(index)
     storage.put(rank_index_key(job.ckpt_id, job.rank), blob)
     maybe_crash("after_data", job.step, job.rank, cancel)
@@ -316,16 +315,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
+def _run_job(storage: Storage, uploader: Uploader, options: CheckpointOptions, job: WriteJob, cancel) -> WriteResult:
     start = time.perf_counter()
     try:
-        _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
+        _index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel)
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
         else:
-            manifest, manifest_bytes = commit_checkpoint(storage, job, config, cancel)
+            manifest, manifest_bytes = commit_checkpoint(storage, job, options.commit_timeout_s, cancel)
             # stored_at: wall clock of the commit, for the time from snapshot to commit
-            extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time()}
+            extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
+                     "bytes": manifest.bytes}
             result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, manifest.full_fp32_bytes,
                                  time.perf_counter() - start, extra=extra)
     except Cancelled as e:
@@ -341,7 +341,8 @@ def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob
     return result
 
 
-def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain: Optional[Retain] = None) -> None:
+def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, cancel,
+                retain: Optional[Retain] = None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel."""
     die_with_parent()
     faults.KILL_PARENT = True
@@ -349,18 +350,18 @@ def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     torch.set_num_threads(1)
     storage = open_storage(storage_uri)
-    uploader = Uploader(storage, config.checkpoint.upload_threads)
+    uploader = Uploader(storage, options.upload_threads)
     try:
         while True:
             job = jobs.get()
             if job is None:
                 return
-            result = _run_job(storage, uploader, config, job, cancel)
+            result = _run_job(storage, uploader, options, job, cancel)
             results.put(result)
             if result.status == "committed":
                 # after the result: the trainer's next boundary does not wait for the deletes
                 if retain is None:
-                    retain_checkpoints(storage, config.checkpoint.keep_last)
+                    retain_checkpoints(storage, options.keep_last)
                 else:
                     retain(storage)
     finally:
@@ -375,13 +376,13 @@ class Writer:
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
     """
 
-    def __init__(self, storage_uri: str, config: Config, retain: Optional[Retain] = None) -> None:
+    def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None) -> None:
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
         self._cancel = ctx.Event()
         self._process = ctx.Process(target=writer_main,
-                                    args=(storage_uri, config, self._jobs, self._results, self._cancel, retain),
+                                    args=(storage_uri, options, self._jobs, self._results, self._cancel, retain),
                                     name="cnr-writer", daemon=True)
         self._process.start()
         self.in_flight: Optional[WriteJob] = None

@@ -1,0 +1,81 @@
+"""Shared benchmark plumbing: argument parsing, a trained sharded model, directory sizes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import List
+
+import numpy as np
+import torch
+
+from cnr.config import Config, load_config
+from cnr.data import make_reader, to_device
+from cnr.launch import launch
+from cnr.parallel import ShardedModel, build_sharded_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH_CONFIG = os.path.join(ROOT, "configs", "bench.yaml")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", default=BENCH_CONFIG, help="YAML config (default configs/bench.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    return p
+
+
+def load(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.set)
+
+
+def trained_model(config: Config, rank: int, world_size: int, steps: int) -> ShardedModel:
+    """A sharded model after ``steps`` training steps, so optimizer state is populated."""
+    from cnr.train import _train_step
+
+    device = torch.device("cpu")
+    sharded = build_sharded_model(config, device)
+    reader = make_reader(config, rank, world_size, None, split="train")
+    for _ in range(steps):
+        _train_step(sharded, to_device(reader.next_batch(), device))
+    return sharded
+
+
+def dir_bytes(path: str) -> int:
+    """Total size of the regular files below ``path``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 4) if b else float("nan")
+
+
+def argv_list(argv: List[str]) -> List[str]:
+    return [a for a in argv if a != "--"]
+
+
+def _dump_trained_rows(rank: int, world_size: int, arg) -> dict:
+    """Train ``arg['config']`` for ``arg['steps']`` steps; write trained rows of its largest table."""
+    config = load_config(arg["config"])
+    sharded = trained_model(config, rank, world_size, arg["steps"])
+    largest = max(config.model.tables, key=lambda t: t.rows).name
+    state = sharded.model.state_dict()
+    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{largest}.weight"))
+    momentum = next(v for k, v in sharded.model.fused_optimizer.state_dict()["state"].items() if k.endswith(f".{largest}.weight"))
+    rows = weight.local_shards()[0].tensor
+    touched = next(iter(momentum.values())).local_shards()[0].tensor > 0  # row-wise Adagrad state: only trained rows moved
+    picked = rows[touched][: arg["rows"]].contiguous()
+    picked.numpy().tofile(arg["path"])
+    return {"rows": int(picked.shape[0]), "dim": int(picked.shape[1]), "table": largest}
+
+
+def trained_embedding_rows(steps: int, rows: int, config_path: str = BENCH_CONFIG) -> torch.Tensor:
+    """Up to ``rows`` embedding rows of a DLRM trained for ``steps`` steps on the synthetic stream
+    (rows that training actually updated, from the largest table of ``config_path``)."""
+    with tempfile.TemporaryDirectory(prefix="cnr-rows-") as tmp:
+        path = os.path.join(tmp, "rows.f32")
+        info = launch(_dump_trained_rows, 1, {"config": config_path, "steps": steps, "rows": rows, "path": path})
+        data = torch.from_numpy(np.fromfile(path, dtype="<f4").copy())
+        return data.view(info["rows"], info["dim"])

@@ -1,0 +1,78 @@
+"""An emulated network link for benchmarks: reads through a storage share one byte rate.
+
+moto on 127.0.0.1 serves reads at loopback speed (over 1 GB/s here), faster than most links a
+rank restores over. ``LinkedStorage`` delivers each ``get`` no sooner than a link of ``rate``
+bytes/s shared by every thread would: a transfer starts when the link is free and holds it for
+``bytes / rate`` seconds. The fetch, the checks and the decoding still run for real; writes and
+metadata calls pass straight through.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import List, Optional
+
+from cnr.storage.base import Buffer, Storage
+from cnr.types import ByteRange
+
+
+class Link:
+    """A shared link of ``rate`` bytes/s: transfers queue for it one after another."""
+
+    def __init__(self, rate: float) -> None:
+        if rate <= 0:
+            raise ValueError(f"link rate {rate!r} is not allowed; it must be > 0 bytes/s")
+        self.rate = rate
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def carry(self, nbytes: int, started: float) -> None:
+        """Sleep until ``nbytes`` requested at ``started`` (monotonic s) would have arrived."""
+        with self._lock:
+            begin = max(started, self._free_at)
+            self._free_at = begin + nbytes / self.rate
+            done = self._free_at
+        delay = done - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class LinkedStorage(Storage):
+    """``inner`` with every read delivered at most as fast as ``link`` allows."""
+
+    def __init__(self, inner: Storage, link: Optional[Link]) -> None:
+        self.inner = inner
+        self.link = link
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+        started = time.monotonic()
+        data = self.inner.get(key, byte_range)
+        if self.link is not None:
+            self.link.carry(len(data), started)
+        return data
+
+    def put(self, key: str, data: Buffer) -> None:
+        self.inner.put(key, data)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> List[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def check_writable(self) -> None:
+        self.inner.check_writable()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,182 @@
+"""``python -m cnr bench policies``: bytes per interval and peak storage of every checkpoint
+policy at every bit-width, relative to a full fp32 checkpoint every interval.
+
+One training run of ``configs/bench.yaml`` (about a quarter of the rows touched per 100-step
+interval) over ``--intervals`` intervals feeds every (policy, bit-width) cell: at each boundary
+each cell's own ``Checkpointer`` (the trainer's, with its own storage directory and its own
+views of one shared row tracker) takes its checkpoint through the real writer, one cell after
+the other (they share one set of host buffers). Training does not depend on checkpointing, so
+every cell sees exactly the state and touched rows its own ``cnr train`` run would; retention is
+off so that every checkpoint stays to be counted.
+
+The figures come from the manifests, as ``cnr report`` computes them (cnr.report): average
+bytes written per interval (chunks + metadata), and peak storage: the largest chain (a
+checkpoint and everything its restore reads) over the run, which is what retention keeping the
+newest chain holds. The baseline writes a full fp32 checkpoint every interval and keeps the
+newest one.
+
+``bw_reduction_best``/``capacity_reduction_best``: the best policy at the bit-width chosen for
+at most 1 expected failure (cnr.policy.choose_bits with the default tolerances).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from cnr.bench.common import argv_list, base_parser
+from cnr.checkpoint import Checkpointer
+from cnr.config import Config, FailureConfig, load_config
+from cnr.data import make_reader, to_device
+from cnr.errors import ConfigError
+from cnr.launch import launch
+from cnr.parallel import build_sharded_model
+from cnr.policy import choose_bits
+from cnr.report import collect
+from cnr.snapshot import HostBuffers
+from cnr.state import collect_state
+from cnr.storage import open_storage
+from cnr.tracker import Captured, RowTracker
+
+POLICIES = ("one_shot", "consecutive", "intermittent")
+
+
+class CellTracker:
+    """One cell's views ("<cell>:checkpoint", "<cell>:baseline") of a shared RowTracker, with the
+    interface a Checkpointer uses. Folding twice is harmless: the first fold empties ``current``."""
+
+    def __init__(self, shared: RowTracker, cell: str) -> None:
+        self.shared = shared
+        self.cell = cell
+        self.tables = shared.tables
+
+    def fold(self) -> None:
+        self.shared.fold()
+
+    def capture(self, view: str, clear: bool) -> Captured:
+        return self.shared.capture(f"{self.cell}:{view}", clear)
+
+    def release(self, captured: List[Captured], committed: bool) -> None:
+        self.shared.release(captured, committed)
+
+    def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
+        return self.shared.rows(bits, table)
+
+
+def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
+    return [(p, b) for p in policies for b in bits]
+
+
+def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
+    """Train once; every cell checkpoints at every boundary. Returns per-cell summaries."""
+    from cnr.train import _train_step
+
+    config: Config = arg["config"]
+    cells = [f"{p}-{b}" for p, b in arg["cells"]]
+    sharded = build_sharded_model(config, torch.device("cpu"))
+    tracker = RowTracker(sharded.model, views=[f"{c}:{v}" for c in cells for v in ("checkpoint", "baseline")])
+    tracker.install()
+    buffers = HostBuffers()
+    ckpts = {}
+    for (policy, bits), cell in zip(arg["cells"], cells):
+        c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed")
+        ckpt = Checkpointer(os.path.join(arg["workdir"], cell), dataclasses.replace(config, checkpoint=c), rank,
+                            world_size, CellTracker(tracker, cell))
+        ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
+        ckpts[cell] = ckpt
+    reader = make_reader(config, rank, world_size, None, split="train")
+    start, train_seconds = time.perf_counter(), 0.0
+    for step in range(1, arg["steps"] + 1):
+        t0 = time.perf_counter()
+        _train_step(sharded, to_device(reader.next_batch(), torch.device("cpu")))
+        train_seconds += time.perf_counter() - t0
+        if step % config.checkpoint.interval == 0:
+            pieces = collect_state(sharded.model, sharded.dense_optimizer)
+            for ckpt in ckpts.values():
+                ckpt.save(step, pieces, reader.cursor(), {"step": step, "samples": 0, "restores": 0})
+                ckpt.wait()
+    for ckpt in ckpts.values():
+        ckpt.finish()
+    stats = {cell: {"bytes_written": k.stats.bytes_written, "checkpoints": k.stats.checkpoints,
+                    "failed": k.stats.failed} for cell, k in ckpts.items()}
+    return {"cells": stats, "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
+
+
+def _cell_row(workdir: str, policy: str, bits: int, stats: Dict[str, int]) -> Dict[str, Any]:
+    store = open_storage(os.path.join(workdir, f"{policy}-{bits}"))
+    try:
+        data = collect(store)
+    finally:
+        store.close()
+    totals = data.totals()
+    return {
+        "policy": policy, "bits": bits, "checkpoints": totals["checkpoints"], "failed": stats["failed"],
+        "kinds": "".join("F" if p.entry.kind == "full" else "i" for p in data.points),
+        "avg_bytes_per_interval": int(totals["avg_written_per_interval"]),
+        "avg_data_bytes_per_interval": int(sum(p.entry.data_bytes for p in data.points) / len(data.points)),
+        "peak_storage_bytes": int(totals["peak_needed_bytes"]),
+        "bw_reduction": round(totals["bw_reduction"], 3),
+        "capacity_reduction": round(totals["capacity_reduction"], 3),
+        "bytes_written_by_writer": stats["bytes_written"],
+    }
+
+
+def summarize(table: List[Dict[str, Any]], tolerated: Dict[int, int]) -> Dict[str, Any]:
+    """The headline figures of a policy table (pure; tested on its own)."""
+    chosen = choose_bits(1.0, tolerated)
+    at_chosen = [r for r in table if r["bits"] == chosen]
+    by = {(r["policy"], r["bits"]): r for r in table}
+    # chunk bytes: the manifests' JSON differs by the policy's name in the stored config
+    not_worse = {str(b): by[("intermittent", b)]["avg_data_bytes_per_interval"]
+                 <= by[("one_shot", b)]["avg_data_bytes_per_interval"]
+                 for p, b in by if p == "intermittent" and ("one_shot", b) in by}
+    best_bw = max(at_chosen, key=lambda r: r["bw_reduction"]) if at_chosen else None
+    best_cap = max(at_chosen, key=lambda r: r["capacity_reduction"]) if at_chosen else None
+    return {
+        "bits_for_1_failure": chosen,
+        "bw_reduction_best": best_bw["bw_reduction"] if best_bw else None,
+        "bw_reduction_best_policy": best_bw["policy"] if best_bw else None,
+        "capacity_reduction_best": best_cap["capacity_reduction"] if best_cap else None,
+        "capacity_reduction_best_policy": best_cap["policy"] if best_cap else None,
+        "intermittent_not_worse_than_one_shot": not_worse,
+        "targets_met": {
+            "bw_reduction_best>=25": bool(best_bw and best_bw["bw_reduction"] >= 25),
+            "capacity_reduction_best>=10": bool(best_cap and best_cap["capacity_reduction"] >= 10),
+            "intermittent<=one_shot": all(not_worse.values()) if not_worse else None,
+        },
+    }
+
+
+def run(argv: List[str]) -> Dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--intervals", type=int, default=12, help="checkpoint intervals (>= 2)")
+    parser.add_argument("--bits", default="2,3,4,8,32", help="comma-separated bit-widths")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    args = parser.parse_args(argv_list(argv))
+    bits = [int(b) for b in args.bits.split(",")]
+    policies = args.policies.split(",")
+    bad = [p for p in policies if p not in POLICIES] + [str(b) for b in bits if b not in (2, 3, 4, 8, 32)]
+    if bad or args.intervals < 2:
+        raise ConfigError(f"bench policies: {bad or args.intervals} not allowed; policies {', '.join(POLICIES)}, "
+                          "bits 2, 3, 4, 8, 32, --intervals >= 2")
+    config = load_config(args.config, args.set)  # validates before any work
+    cells = _cells(policies, bits)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-policies-")
+    try:
+        out = launch(_run_cells, 1, {"config": config, "cells": cells, "workdir": workdir,
+                                     "steps": args.intervals * config.checkpoint.interval})
+        table = [_cell_row(workdir, p, b, out["cells"][f"{p}-{b}"]) for p, b in cells]
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    tolerated = FailureConfig().tolerated_restores
+    return {"bench": "policies", "config": os.path.basename(args.config), "intervals": args.intervals,
+            "train_seconds": out["train_seconds"], "wall_seconds": out["wall_seconds"],
+            **summarize(table, tolerated), "policy_table": table}

@@ -1,0 +1,172 @@
+"""``python -m cnr bench snapshot``: the training stall of checkpoints, and what they write.
+
+On configs/bench.yaml (world size 1), in one process:
+- full: ``--repeats`` steady-state full checkpoints (warm buffers): stall, background, bytes;
+- incremental: a one-shot baseline, then ``--repeats`` increments ``checkpoint.interval``
+  steps apart, each against a copy of its own bytes; medians are reported;
+- baselines in the same run: a plain copy of the same bytes into an existing buffer
+  (``stall_over_memcpy``) and ``torch.distributed.checkpoint.save`` of the same model
+  (``stall_over_dcp``);
+- scaling: a baseline plus one increment at three table sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from cnr.bench.common import argv_list, base_parser, load, ratio
+from cnr.checkpoint import Checkpointer
+from cnr.config import Config
+from cnr.data import make_reader
+from cnr.launch import launch
+from cnr.parallel import build_sharded_model
+from cnr.state import collect_state
+from cnr.tracker import RowTracker
+from cnr.train import _train_step
+
+
+def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of copying ``nbytes`` into an existing (already touched) buffer."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _Run:
+    """A sharded model, its reader, and a Checkpointer writing under ``workdir``."""
+
+    def __init__(self, config: Config, workdir: str, name: str, track: bool) -> None:
+        self.sharded = build_sharded_model(config, torch.device("cpu"))
+        self.reader = make_reader(config, 0, 1, None, "train")
+        self.tracker = RowTracker(self.sharded.model) if track else None
+        if self.tracker is not None:
+            self.tracker.install()
+        self.ckpt = Checkpointer(os.path.join(workdir, name), config, 0, 1, self.tracker)
+        self.step = 0
+        self.interval = config.checkpoint.interval
+
+    def train_interval(self) -> None:
+        for _ in range(self.interval):
+            _train_step(self.sharded, self.reader.next_batch())
+        self.step += self.interval
+
+    def checkpoint(self) -> Dict[str, Any]:
+        """Save at the current step, wait for the commit, report that one checkpoint."""
+        s = self.ckpt.stats
+        before = s.stall_seconds
+        self.ckpt.save(self.step, collect_state(self.sharded.model, self.sharded.dense_optimizer), {}, {"step": self.step})
+        stall = s.stall_seconds - before
+        written_before = s.bytes_written
+        self.ckpt.wait()
+        return {"kind": s.kinds[-1], "stall_s": round(stall, 4), "background_s": round(s.background_seconds[-1], 3),
+                "snapshot_bytes": s.snapshot_bytes[-1], "bytes_written": s.bytes_written - written_before}
+
+    def close(self) -> None:
+        self.ckpt.finish()
+
+
+def _full_and_incremental(config: Config, workdir: str, repeats: int) -> Dict[str, Any]:
+    full_run = _Run(dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, policy="full")),
+                    workdir, "full", track=False)
+    fulls = []
+    for _ in range(repeats + 1):  # the first allocates the host buffers; steady state after it
+        full_run.train_interval()
+        fulls.append(full_run.checkpoint())
+    sharded = full_run.sharded
+    state = {"model": sharded.model.state_dict(), "sparse_optim": sharded.model.fused_optimizer.state_dict(),
+             "dense_optim": sharded.dense_optimizer.optimizer.state_dict()}
+    dcp_seconds = []
+    for i in range(2):
+        start = time.perf_counter()
+        dcp.save(state, checkpoint_id=os.path.join(workdir, f"dcp-{i}"))
+        dcp_seconds.append(time.perf_counter() - start)
+    full_run.close()
+    del full_run, state, sharded
+    inc_run = _Run(config, workdir, "incremental", track=True)
+    inc_run.train_interval()
+    inc_run.checkpoint()
+    increments = []
+    for _ in range(repeats):
+        inc_run.train_interval()
+        inc = inc_run.checkpoint()
+        inc["memcpy_s"] = round(_memcpy_seconds(inc["snapshot_bytes"]), 5)
+        inc["stall_over_memcpy"] = ratio(inc["stall_s"], inc["memcpy_s"])
+        increments.append(inc)
+    inc_run.close()
+    return {"fulls": fulls[1:], "increments": increments, "dcp_save_s": round(dcp_seconds[1], 4),
+            "memcpy_full_s": round(_memcpy_seconds(fulls[-1]["snapshot_bytes"]), 5)}
+
+
+def _scaled(config: Config, factor: float) -> Config:
+    tables = [dataclasses.replace(t, rows=max(1, int(t.rows * factor))) for t in config.model.tables]
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, tables=tables))
+
+
+def _scaling(config: Config, workdir: str, factors: List[float]) -> List[Dict[str, Any]]:
+    out = []
+    for f in factors:
+        run = _Run(_scaled(config, f), os.path.join(workdir, f"scale-{f}"), "ck", track=True)
+        run.train_interval()
+        run.checkpoint()
+        run.train_interval()
+        inc = run.checkpoint()
+        rows = sum(t.rows for t in run.tracker.tables.values())
+        run.close()
+        out.append({"scale": f, "rows": rows, **inc})
+    return out
+
+
+def _median(rows: List[Dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
+    config, workdir = arg["config"], arg["workdir"]
+    main = _full_and_incremental(config, workdir, arg["repeats"])
+    fulls, incs = main["fulls"], main["increments"]
+    stall_full, stall_inc = _median(fulls, "stall_s"), _median(incs, "stall_s")
+    bytes_full, bytes_inc = _median(fulls, "bytes_written"), _median(incs, "bytes_written")
+    scaling = _scaling(config, workdir, arg["scales"]) if arg["scales"] else []
+    return {
+        "stall_full_s": stall_full, "stall_incremental_s": stall_inc,
+        "stall_over_memcpy": ratio(stall_full, main["memcpy_full_s"]),
+        "stall_over_memcpy_incremental": _median(incs, "stall_over_memcpy"),
+        "stall_over_dcp": ratio(stall_full, main["dcp_save_s"]),
+        "stall_over_dcp_incremental": ratio(stall_inc, main["dcp_save_s"]),
+        "dcp_save_s": main["dcp_save_s"], "memcpy_full_s": main["memcpy_full_s"],
+        "background_full_s": _median(fulls, "background_s"), "background_incremental_s": _median(incs, "background_s"),
+        "bytes_full": bytes_full, "bytes_incremental": bytes_inc,
+        "write_bandwidth_saved": round(1 - bytes_inc / bytes_full, 4),
+        "incremental_bytes_fraction": round(bytes_inc / bytes_full, 4),
+        "fulls": fulls, "increments": incs, "scaling": scaling,
+    }
+
+
+def run(argv: List[str]) -> Dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--scales", default="0.25,0.5,1.0", help="table-size factors for the scaling rows ('' to skip)")
+    parser.add_argument("--repeats", type=int, default=3, help="measured checkpoints of each kind (medians reported)")
+    args = parser.parse_args(argv_list(argv))
+    config = load(args)
+    scales = [float(x) for x in args.scales.split(",") if x]
+    workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-")
+    try:
+        result = launch(_bench, 1, {"config": config, "workdir": workdir, "scales": scales, "repeats": args.repeats})
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return {"bench": "snapshot", "config": os.path.basename(args.config), **result}

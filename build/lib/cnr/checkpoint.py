@@ -1,0 +1,223 @@
+"""The facade a training loop calls: ``Checkpointer.save`` at every interval boundary.
+
+Only the snapshot blocks training: settle the previous checkpoint (wait for it, or abandon it,
+per ``checkpoint.on_overlap``), decide full or incremental, copy the state into host buffers,
+and hand it to this rank's background writer (``cnr.upload``). Every rank learns the previous
+checkpoint's outcome from rank 0 (whose writer commits), so all ranks agree on the chain and
+give tracked rows back to the tracker when a checkpoint did not commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from cnr.config import Config
+from cnr.manifest import make_id
+from cnr.merge import Merger
+from cnr.policy import BitDecision, fixed_bits, next_kind
+from cnr.snapshot import HostBuffers
+from cnr.state import StatePiece
+from cnr.tracker import Captured, RowTracker
+from cnr.types import RNG_PREFIX, CheckpointKind, ShardRegion
+from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    """Totals over this process's checkpoints: seconds are wall time, bytes are stored bytes."""
+
+    checkpoints: int = 0
+    failed: int = 0
+    stall_seconds: float = 0.0
+    snapshot_seconds: float = 0.0
+    drain_seconds: float = 0.0
+    bytes_written: int = 0
+    full_fp32_bytes: int = 0
+    ids: List[str] = field(default_factory=list)
+    kinds: List[str] = field(default_factory=list)
+    background_seconds: List[float] = field(default_factory=list)
+    snapshot_bytes: List[int] = field(default_factory=list)
+    errors: Dict[str, str] = field(default_factory=dict)  # id -> why it did not commit
+
+
+def rng_piece(rank: int) -> StatePiece:
+    """This rank's torch CPU generator state, stored per rank (restored when world size matches)."""
+    state = torch.get_rng_state()
+    return StatePiece(f"{RNG_PREFIX}rank-{rank:05d}", tuple(state.shape), ShardRegion((0,), tuple(state.shape)), state, False)
+
+
+def pieces_to_write(pieces: List[StatePiece], rank: int) -> List[StatePiece]:
+    """Sharded pieces of this rank, plus replicated ones on rank 0 only (they are identical)."""
+    return [p for p in pieces if not p.replicated or rank == 0]
+
+
+@dataclass
+class ChainState:
+    """Where the job's checkpoint chain stands: the newest committed full checkpoint and
+    checkpoint, and ``chain_bytes``: the full one's stored bytes, then each committed one after."""
+
+    last_full: Optional[str] = None
+    last_committed: Optional[str] = None
+    chain_bytes: List[int] = field(default_factory=list)
+    increments: int = 0  # committed increments since the newest full or merged baseline (what cnr.merge counts)
+
+
+class Checkpointer:
+    """Takes checkpoints of one rank's state; collective on ``save`` and ``finish``.
+
+    ``bits``: the bit-width decision in force (cnr.policy); the trainer may replace it between
+    checkpoints, and every rank must hold the same one. ``writer``: this rank's background
+    writer if already started (the trainer starts it first, so that its process imports while
+    the model is built); the Checkpointer owns it from then on.
+    """
+
+    def __init__(self, storage_uri: str, config: Config, rank: int, world_size: int,
+                 tracker: Optional[RowTracker] = None, chain: Optional[ChainState] = None,
+                 bits: Optional[BitDecision] = None, writer: Optional[Writer] = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.tracker = tracker
+        self.chain = chain or ChainState()
+        self.bits = bits or fixed_bits(config.checkpoint.bits)
+        self.buffers = HostBuffers()
+        self.stats = SaveStats()
+        self.writer = writer or Writer(storage_uri, config)
+        c = config.checkpoint
+        # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
+        self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
+        self._captured: List[Captured] = []
+        self._in_flight_kind: Optional[CheckpointKind] = None
+        self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
+
+    # ---- the boundary --------------------------------------------------------------------
+
+    def save(self, step: int, pieces: List[StatePiece], reader: Dict[str, Any], counters: Dict[str, int]) -> str:
+        """Snapshot and hand off a checkpoint of ``pieces`` at ``step``; return its id."""
+        start = time.perf_counter()
+        self._settle(abandon=self.config.checkpoint.on_overlap == "abandon")
+        # rank 0 decides (it alone saw the stored sizes) and every rank follows
+        plan: List[Any] = [(uuid.uuid4().hex[:8],) + self._decide() if self.rank == 0 else None]
+        dist.broadcast_object_list(plan, src=0)
+        nonce, kind, base = plan[0]
+        ckpt_id = make_id(step, nonce)
+        rows = self._capture_rows(kind)
+        host, snap_seconds = self.buffers.capture(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows)
+        fields = None
+        if self.rank == 0:
+            fields = {"reader": reader, "counters": dict(counters), "chain_bytes": list(self.chain.chain_bytes),
+                      "bit_width": self.bits.to_dict()}
+        c = self.config.checkpoint
+        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, fields,
+                                    bits=self.bits.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits))
+        self._in_flight_kind = kind
+        self.stats.snapshot_seconds += snap_seconds
+        self.stats.stall_seconds += time.perf_counter() - start
+        self.stats.ids.append(ckpt_id)
+        self.stats.kinds.append(kind.value)
+        self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
+        logger.info("checkpoint %s (%s) snapshot in %.3f s; writing in the background", ckpt_id, kind.value, snap_seconds)
+        return ckpt_id
+
+    def wait(self) -> None:
+        """Block until the in-flight checkpoint has committed or failed (collective)."""
+        self._settle(abandon=False)
+
+    def finish(self) -> None:
+        """Wait for the last checkpoint to commit and for a running merge to end (neither counted as
+        stall; both in ``drain_seconds``), and stop the writer."""
+        start = time.perf_counter()
+        try:
+            self._settle(abandon=False)
+        finally:
+            self.writer.close()
+            if self.merger is not None:
+                self.merger.wait()
+        self.stats.drain_seconds += time.perf_counter() - start
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _decide(self) -> Tuple[CheckpointKind, Optional[str]]:
+        """Kind and base of the next checkpoint (rank 0; cnr.policy.next_kind)."""
+        policy = self.config.checkpoint.policy
+        have_base = self.tracker is not None and self.chain.last_full is not None
+        kind = next_kind(policy, self.chain.chain_bytes, have_base)
+        if kind == CheckpointKind.FULL:
+            return kind, None
+        # a consecutive increment builds on the checkpoint before it, the others on the baseline
+        return kind, self.chain.last_committed if policy == "consecutive" else self.chain.last_full
+
+    def _capture_rows(self, kind: CheckpointKind) -> Optional[Dict[str, torch.Tensor]]:
+        """Rows the checkpoint stores per table (None: all). The "checkpoint" view holds rows
+        touched since the last committed checkpoint, "baseline" since the last full one."""
+        if self.tracker is None:
+            return None
+        self.tracker.fold()
+        if kind == CheckpointKind.FULL:
+            # a full checkpoint holds every row: both views start afresh from it
+            self._captured = [self.tracker.capture("checkpoint", clear=True), self.tracker.capture("baseline", clear=True)]
+            return None
+        since_base = self.tracker.capture("baseline", clear=False)
+        since_last = self.tracker.capture("checkpoint", clear=True)
+        self._captured = [since_last, since_base]
+        stored = since_last if self.config.checkpoint.policy == "consecutive" else since_base
+        return {t: self.tracker.rows(stored.bits, t) for t in self.tracker.tables}
+
+    def _maybe_merge(self, ckpt_id: str) -> None:
+        """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
+        the background; the merged baseline is the chain's new start. If a merge still runs, the
+        next commit tries again."""
+        if self.merger is not None and self.chain.increments >= self.config.checkpoint.merge_every \
+                and self.merger.start(ckpt_id):
+            self.chain.increments = 0
+
+    def _settle(self, abandon: bool) -> None:
+        """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
+        result: Optional[WriteResult] = None
+        if self.writer.in_flight is not None:
+            result = self.writer.wait(timeout=0.0) if abandon else None
+            if result is None:
+                result = self.writer.cancel() if abandon else self.writer.wait()
+        local = STATUSES.index(result.status) if result is not None else -1
+        outcome = torch.tensor([local], dtype=torch.int64)
+        dist.broadcast(outcome, src=0)  # rank 0's writer commits, so its status is the outcome
+        if int(outcome[0]) < 0:
+            return
+        committed = STATUSES[int(outcome[0])] == "committed"
+        if self.tracker is not None:
+            self.tracker.release(self._captured, committed)
+        self._captured = []
+        if result is not None:
+            self.last_result = result
+            self.stats.bytes_written += result.bytes_written
+            self.stats.full_fp32_bytes += result.full_fp32_bytes
+            self.stats.background_seconds.append(result.seconds)
+        ckpt_id = self.stats.ids[-1]
+        if committed:
+            self.stats.checkpoints += 1
+            self.chain.last_committed = ckpt_id
+            if self._in_flight_kind == CheckpointKind.FULL:
+                self.chain.last_full = ckpt_id
+                self.chain.increments = 0
+            else:
+                self.chain.increments += 1
+            if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
+                self.chain.chain_bytes = list(result.extra["chain_bytes"])
+            logger.info("checkpoint %s committed", ckpt_id)
+            self._maybe_merge(ckpt_id)
+        else:
+            self.stats.failed += 1
+            error = result.error if result is not None and result.error else "another rank's writer failed"
+            self.stats.errors[ckpt_id] = error
+            logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
+                         "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])], error)
+        self._in_flight_kind = None

@@ -1,0 +1,153 @@
+"""Command line: ``python -m cnr {train,inspect,report,subscribe,bench} ...``. Errors exit 2 with one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import List, Optional
+
+from cnr.errors import CnrError
+
+BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
+              "publish")  # cnr/bench/<name>.py, each with run(argv) -> dict
+
+
+def _train(args: argparse.Namespace) -> int:
+    from cnr.config import load_config
+    from cnr.launch import launch
+    from cnr.train import prepare_job, run_rank
+
+    config = load_config(args.config, args.set)
+    job = prepare_job(config, args.storage, args.resume, args.nproc)
+    summary = launch(run_rank, args.nproc, job)
+    if summary is not None:  # under torchrun only rank 0 has the summary
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cnr.manifest import list_checkpoints
+    from cnr.storage import open_storage
+
+    storage = open_storage(args.uri)
+    infos = list_checkpoints(storage)
+    rows = [
+        {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method}
+        for i in infos
+    ]
+    if args.json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
+    else:
+        width = max([22] + [len(r["id"]) for r in rows])  # merged baselines have longer ids
+        print(f"{'id':<{width}} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
+        for r in rows:
+            print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
+                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cnr.report import write_report
+
+    print(json.dumps(write_report(args.uri, args.out), sort_keys=True), flush=True)
+    return 0
+
+
+def _check_subscribe_args(args: argparse.Namespace) -> None:
+    from cnr.errors import ConfigError
+
+    if not args.poll_s > 0:
+        raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be > 0 seconds")
+    if not args.timeout_s >= 0:
+        raise ConfigError(f"--timeout-s {args.timeout_s} is not allowed; it must be >= 0 seconds (0: no limit)")
+    if args.until_seq is not None and args.until_seq < 1:
+        raise ConfigError(f"--until-seq {args.until_seq} is not allowed; sequence numbers start at 1")
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from cnr.config import load_config
+    from cnr.inference import InferenceModel
+    from cnr.storage import open_storage
+    from cnr.subscribe import Subscriber
+
+    _check_subscribe_args(args)
+    config = load_config(args.config, args.set)
+    subscriber = Subscriber(open_storage(args.uri), InferenceModel(config, quantized=args.quantized), args.state)
+    try:
+        try:
+            if args.once:
+                subscriber.poll()
+            else:
+                subscriber.follow(args.until_seq, args.timeout_s, args.poll_s)
+        except KeyboardInterrupt:  # a follower is stopped by hand: report where it stands
+            pass
+        out = subscriber.summary()
+        if args.eval and subscriber.applied is not None:
+            out["eval"] = subscriber.model.evaluate()
+            if args.quantized:
+                out["eval_int8"] = subscriber.model.evaluate(quantized=True)
+    finally:
+        subscriber.close()
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"cnr.bench.{args.name}")
+    result = module.run(args.args)
+    print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
+    t.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
+    t.add_argument("--storage", default="./checkpoints", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    t.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint first")
+    t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
+    t.set_defaults(func=_train)
+    i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
+    i.add_argument("uri")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_inspect)
+    r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
+    r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    r.add_argument("--out", default="cnr-report", help="directory for report.md and the PNGs (created if missing)")
+    r.set_defaults(func=_report)
+    s = sub.add_parser("subscribe", help="apply publishes from a publish store to an inference model; last stdout "
+                       "line is a JSON object")
+    s.add_argument("uri", help="the publish store: local path, file://PATH or s3://BUCKET/PREFIX")
+    s.add_argument("--config", required=True, help="the trainer's YAML config (tables and dense shape)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    s.add_argument("--state", default=None, help="file keeping the applied publish and its tensors across restarts")
+    s.add_argument("--once", action="store_true", help="apply what is committed now and exit")
+    s.add_argument("--until-seq", type=int, default=None, help="stop once this sequence number is applied")
+    s.add_argument("--timeout-s", type=float, default=0.0, help="stop following after this many seconds (0: never)")
+    s.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls")
+    s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
+    s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
+    s.set_defaults(func=_subscribe)
+    b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
+    b.add_argument("name", choices=BENCHMARKS)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("cnr").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except CnrError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

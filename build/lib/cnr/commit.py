@@ -1,0 +1,94 @@
+"""Rank 0's commit: once every rank's index is stored, check coverage and write the manifest.
+
+Runs in rank 0's writer process. It polls storage for the other ranks' indexes (they are written
+by other processes, possibly on other machines), gives up on a failure marker, a cancel, or
+``checkpoint.commit_timeout_s``, and writes ``manifest.json`` last: the commit point.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Tuple
+
+from cnr.config import Config
+from cnr.errors import Cancelled, CheckpointError
+from cnr.faults import maybe_crash
+from cnr.manifest import (
+    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
+    parse_rank_index, rank_index_key,
+)
+from cnr.storage.base import Storage
+from cnr.tracker import table_of
+from cnr.types import RNG_PREFIX, CheckpointKind
+
+_POLL_SECONDS = 0.05
+
+
+def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> None:
+    """Every tensor must be covered exactly by its chunks, except table rows of an incremental."""
+    for name, entry in tensors.items():
+        if kind == CheckpointKind.INCREMENTAL and table_of(name) is not None:
+            continue
+        numel = math.prod(entry.shape)
+        trailing = math.prod(entry.shape[2:])
+        covered = sum(c.rows * (c.cols if c.cols else 1) * trailing for c in entry.chunks)
+        if covered != numel:
+            raise CheckpointError(f"checkpoint chunks cover {covered} of {numel} elements of {name!r}")
+
+
+def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None) -> List[RankIndex]:
+    """Every rank's index of ``ckpt_id``, once all exist; raise on a failed rank or timeout."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(world_size))
+    indexes: Dict[int, RankIndex] = {}
+    while pending:
+        for r in sorted(pending):
+            key = rank_index_key(ckpt_id, r)
+            if storage.exists(key):
+                index = parse_rank_index(storage.get(key), where=f"{storage.uri}/{key}")
+                if index.id != ckpt_id or index.rank != r or index.world_size != world_size:
+                    raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
+                indexes[r] = index
+                pending.discard(r)
+            elif storage.exists(failed_key(ckpt_id, r)):
+                raise CheckpointError(f"rank {r} failed to write its part of checkpoint {ckpt_id}")
+        if not pending:
+            break
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"checkpoint {ckpt_id} was abandoned while waiting for ranks {sorted(pending)}")
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"ranks {sorted(pending)} did not store their part of {ckpt_id} within {timeout_s:.0f} s")
+        time.sleep(_POLL_SECONDS)
+    return [indexes[r] for r in range(world_size)]
+
+
+def build_manifest(job, config: Config, tensors: Dict[str, TensorEntry]) -> Manifest:
+    """The manifest of ``job``; its ``chain_bytes`` extend the history the trainer sent (rank 0's
+    ``manifest_fields``) with the chunk bytes every rank stored for this checkpoint."""
+    fields: Dict[str, Any] = job.manifest_fields or {}
+    stored = sum(c.nbytes for t in tensors.values() for c in t.chunks)
+    before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
+    return Manifest(
+        id=job.ckpt_id, step=job.step, kind=job.kind, base=job.base, world_size=job.world_size,
+        created_unix=time.time(), arch=config.model.arch, tables=config.table_specs(),
+        sparse_optimizer=config.train.sparse_optimizer, dense_optimizer=config.train.dense_optimizer,
+        tensors=tensors, reader=dict(fields.get("reader", {})), counters=dict(fields.get("counters", {})),
+        config=config.to_dict(), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
+    )
+
+
+def commit_checkpoint(storage: Storage, job, config: Config, cancel=None) -> Tuple[Manifest, int]:
+    """Commit ``job``'s checkpoint; return its manifest and the manifest's size in bytes."""
+    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, config.checkpoint.commit_timeout_s, cancel)
+    tensors = merge_rank_indexes(indexes)
+    state = {n: t for n, t in tensors.items() if not n.startswith(RNG_PREFIX)}
+    check_coverage(state, job.kind)
+    manifest = build_manifest(job, config, tensors)
+    blob = manifest_to_bytes(manifest)
+    maybe_crash("before_commit", job.step, job.rank, cancel)
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
+    storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
+    maybe_crash("after_commit", job.step, job.rank)
+    return manifest, len(blob)

@@ -1,0 +1,427 @@
+"""Validated configuration: YAML file + dotted ``--set`` overrides -> frozen dataclasses.
+
+Every bad value is rejected with a ConfigError naming the key, the value and what is allowed,
+before any process is spawned or anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from cnr.errors import ConfigError
+from cnr.policy import POLICIES
+from cnr.types import ShardingKind, TableSpec
+
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
+DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
+ARCHES = ("dlrm", "dcn")
+DATA_SOURCES = ("synthetic", "tsv")
+MALFORMED_POLICIES = ("reject", "skip")
+BIT_POLICIES = ("fixed", "failures")
+OVERLAP_MODES = ("wait", "abandon")
+MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
+MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
+PUBLISH_BITS = (4, 8, 32)
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table. ``features`` are the sparse feature names it serves.
+
+    ``sharding_types`` constrains the planner for this table (empty: ``model.sharding_types``).
+    """
+
+    name: str
+    rows: int
+    features: List[str]
+    sharding_types: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DLRM shape. ``dense_arch[-1]`` must equal ``embedding_dim`` (DLRM's interaction)."""
+
+    arch: str = "dlrm"
+    embedding_dim: int = 16
+    tables: List[TableConfig] = field(default_factory=list)
+    dense_arch: List[int] = field(default_factory=lambda: [32, 16])
+    over_arch: List[int] = field(default_factory=lambda: [32, 1])
+    dcn_num_layers: int = 2
+    dcn_low_rank_dim: int = 8
+    sharding_types: List[str] = field(default_factory=lambda: ["table_wise", "column_wise"])
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from. ``power_law_exponent`` > 0: larger means more skewed ids.
+
+    The reader tier (``cnr.readers.tier``): ``reader_processes`` per trainer rank (0: read in the
+    trainer's own process), each buffering at most ``queue_depth`` batches; the trainer waits
+    at most ``reader_timeout_s`` seconds for any reader message before it fails naming the
+    reader. ``trace_dir``: if set, each rank
+    records the sample ids it trains per step there (``cnr.trace``); "" = off.
+    """
+
+    source: str = "synthetic"
+    num_dense: int = 13
+    ids_per_feature: int = 1
+    power_law_exponent: float = 1.1
+    tsv_paths: List[str] = field(default_factory=list)
+    eval_tsv_paths: List[str] = field(default_factory=list)
+    on_malformed: str = "reject"
+    eval_batches: int = 8
+    reader_processes: int = 1
+    queue_depth: int = 4
+    reader_timeout_s: float = 60.0
+    trace_dir: str = ""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop. ``batch_size`` is per rank; ``eval_interval`` 0 = eval only at the end."""
+
+    steps: int = 100
+    batch_size: int = 128
+    seed: int = 0
+    sparse_optimizer: str = "rowwise_adagrad"
+    sparse_lr: float = 0.05
+    dense_optimizer: str = "adagrad"
+    dense_lr: float = 0.05
+    eval_interval: int = 0
+
+
+def _default_tolerated() -> Dict[int, int]:
+    # From `bench accuracy` (README): 2-bit stays within the seed noise (about 0.5% logloss) up
+    # to 3 restores and leaves it by 20; 3- and 4-bit stay within it up to 20, the most measured.
+    return {2: 3, 3: 20, 4: 20}
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """Inputs of ``checkpoint.bit_policy: failures`` (Check-N-Run §5.2.1).
+
+    The failure rate is ``rate_per_node_hour``, or derived from ``log``: a plain file of failure
+    timestamps (unix seconds or ISO-8601, one per line) observed over ``log_nodes`` nodes.
+    ``nodes``: nodes of this job (0: the world size). ``step_seconds``: expected seconds per
+    step (0: measured over the first interval). ``tolerated_restores``: bit-width (2, 3, 4) ->
+    the most restores from checkpoints at that width the accuracy budget allows.
+    """
+
+    rate_per_node_hour: float = 0.0
+    log: str = ""
+    log_nodes: int = 0
+    nodes: int = 0
+    step_seconds: float = 0.0
+    tolerated_restores: Dict[int, int] = field(default_factory=_default_tolerated)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk.
+
+    ``policy``: "full" (every checkpoint full), "one_shot" (one full baseline, then
+    incrementals of the rows touched since it), "consecutive" (incrementals of the rows touched
+    since the previous checkpoint; restore replays the chain) or "intermittent" (one-shot, with
+    a new baseline whenever the history predictor expects it to pay off; cnr.policy).
+    ``on_overlap``: what a boundary does while the
+    previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
+    (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
+    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore.
+    ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
+    by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
+    "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
+    ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
+    is one value per row and stays fp32). ``bit_policy``: "fixed" (``bits``) or "failures"
+    (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
+    writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
+    after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
+    their chains need, delete the rest (0: keep everything). ``merge_every``: with the
+    consecutive policy, merge the chain into a new full baseline in the background once this
+    many increments followed the newest one (cnr.merge; 0: never).
+    """
+
+    enabled: bool = True
+    interval: int = 50
+    chunk_bytes: int = 16 * 1024 * 1024
+    policy: str = "intermittent"
+    on_overlap: str = "wait"
+    upload_threads: int = 2
+    restore_threads: int = 2
+    commit_timeout_s: float = 600.0
+    bits: int = 32
+    quant_method: str = ""
+    optimizer_bits: int = 32
+    bit_policy: str = "fixed"
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    keep_last: int = 2
+    merge_every: int = 0
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """Online-training publishing to inference (cnr.publish), independent of checkpoints.
+
+    Every ``interval`` steps the embedding rows modified since the previous publish go to
+    ``storage`` as a consecutive increment with the next sequence number; every
+    ``full_every``-th publish (and the first of every run) is a full base instead. Dense
+    parameters ride along every ``dense_interval`` steps (a multiple of ``interval``) and in
+    every base. ``bits``: 4, 8 or 32 (fp32, exact); ``quant_method`` as checkpoint.quant_method.
+    ``storage``: a URI of its own ("" = ``<--storage>/publish``). ``keep_bases``: after each
+    commit keep the newest N bases and every publish after the oldest of them (0: keep all).
+    """
+
+    enabled: bool = False
+    storage: str = ""
+    interval: int = 20
+    full_every: int = 10
+    dense_interval: int = 100
+    bits: int = 8
+    quant_method: str = ""
+    keep_bases: int = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole job configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+
+    def table_specs(self) -> Tuple[TableSpec, ...]:
+        """The tables as shared TableSpec values, in config order."""
+        return tuple(
+            TableSpec(t.name, t.rows, self.model.embedding_dim, tuple(t.features))
+            for t in self.model.tables
+        )
+
+    def feature_rows(self) -> List[Tuple[str, int]]:
+        """(feature name, rows of its table) for every sparse feature, in config order."""
+        return [(f, t.rows) for t in self.model.tables for f in t.features]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain nested dict (JSON/YAML-serialisable) of every value."""
+        return dataclasses.asdict(self)
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML; None = defaults), apply ``key=value`` overrides, validate."""
+    raw: Dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+        raw = loaded or {}
+    for item in overrides:
+        _apply_override(raw, item)
+    config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _apply_override(raw: Dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not allowed: use dotted.key=value, e.g. train.steps=200")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"--set key {key!r} is not allowed: use dotted.key=value")
+    node = raw
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set key {key!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section {where or '<top>'!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        prefix = where + "." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix + str(unknown[0])!r}; allowed keys in "
+            f"{where or 'the top level'}: {', '.join(names)}"
+        )
+    values = {}
+    for name in names:
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], f"{where}.{name}" if where else name)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    origin = typing.get_origin(hint)
+    if origin in (list, List):
+        (item_hint,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
+        return [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")
+        return {_coerce(key_hint, k, f"{key} key {k!r}"): _coerce(value_hint, v, f"{key}[{k!r}]") for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key {key!r} has an unsupported type {hint!r}")  # a bug in cnr
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
+    _require(value in allowed, f"config key {key!r} = {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, f"config key {key!r} = {value!r} is not allowed; it must be > 0")
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks; raises ConfigError naming the offending key and value."""
+    m, d, t, c = config.model, config.data, config.train, config.checkpoint
+    _one_of("model.arch", m.arch, ARCHES)
+    _positive("model.embedding_dim", m.embedding_dim)
+    _require(bool(m.tables), "config key 'model.tables' is empty; at least one table is required")
+    _validate_tables(m.tables, allowed_sharding=[k.value for k in ShardingKind])
+    for key, sizes in (("model.dense_arch", m.dense_arch), ("model.over_arch", m.over_arch)):
+        _require(bool(sizes) and all(s > 0 for s in sizes), f"config key {key!r} = {sizes!r} must be a non-empty list of positive sizes")
+    _require(m.dense_arch[-1] == m.embedding_dim,
+             f"config key 'model.dense_arch' ends with {m.dense_arch[-1]}, but DLRM needs it to equal model.embedding_dim = {m.embedding_dim}")
+    _require(m.over_arch[-1] == 1, f"config key 'model.over_arch' ends with {m.over_arch[-1]}; it must end with 1 (one logit)")
+    _positive("model.dcn_num_layers", m.dcn_num_layers)
+    _positive("model.dcn_low_rank_dim", m.dcn_low_rank_dim)
+    allowed_sharding = [k.value for k in ShardingKind]
+    _require(bool(m.sharding_types), "config key 'model.sharding_types' is empty; allowed: " + ", ".join(allowed_sharding))
+    for s in m.sharding_types:
+        _one_of("model.sharding_types", s, allowed_sharding)
+    _one_of("data.source", d.source, DATA_SOURCES)
+    _positive("data.num_dense", d.num_dense)
+    _positive("data.ids_per_feature", d.ids_per_feature)
+    _positive("data.power_law_exponent", d.power_law_exponent)
+    _positive("data.eval_batches", d.eval_batches)
+    _one_of("data.on_malformed", d.on_malformed, MALFORMED_POLICIES)
+    if d.source == "tsv":
+        _require(bool(d.tsv_paths), "config key 'data.tsv_paths' is empty; data.source = 'tsv' needs at least one file")
+    _require(0 <= d.reader_processes <= MAX_READER_PROCESSES,
+             f"config key 'data.reader_processes' = {d.reader_processes} is not allowed; it must be in "
+             f"[0, {MAX_READER_PROCESSES}] (0 reads in the trainer's process)")
+    _require(1 <= d.queue_depth <= MAX_QUEUE_DEPTH,
+             f"config key 'data.queue_depth' = {d.queue_depth} is not allowed; it must be in [1, {MAX_QUEUE_DEPTH}]")
+    _require(math.isfinite(d.reader_timeout_s) and d.reader_timeout_s > 0,
+             f"config key 'data.reader_timeout_s' = {d.reader_timeout_s} is not allowed; it must be a finite number > 0")
+    _positive("train.steps", t.steps)
+    _positive("train.batch_size", t.batch_size)
+    _require(t.seed >= 0, f"config key 'train.seed' = {t.seed} is not allowed; it must be >= 0")
+    _one_of("train.sparse_optimizer", t.sparse_optimizer, SPARSE_OPTIMIZERS)
+    _one_of("train.dense_optimizer", t.dense_optimizer, DENSE_OPTIMIZERS)
+    _positive("train.sparse_lr", t.sparse_lr)
+    _positive("train.dense_lr", t.dense_lr)
+    _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
+    _positive("checkpoint.interval", c.interval)
+    _one_of("checkpoint.policy", c.policy, POLICIES)
+    _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
+    _positive("checkpoint.upload_threads", c.upload_threads)
+    _positive("checkpoint.restore_threads", c.restore_threads)
+    _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
+    _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
+    _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
+    _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
+    _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
+    _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")
+    _require(c.merge_every == 0 or c.policy == "consecutive",
+             f"config key 'checkpoint.merge_every' = {c.merge_every} needs checkpoint.policy 'consecutive', not "
+             f"{c.policy!r}: only consecutive increments form chains to merge")
+    _validate_failures(c.failures, c.bit_policy)
+    _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+    _validate_publish(config.publish)
+
+
+def _validate_publish(p: PublishConfig) -> None:
+    _positive("publish.interval", p.interval)
+    _positive("publish.full_every", p.full_every)
+    _require(p.dense_interval > 0 and p.dense_interval % p.interval == 0,
+             f"config key 'publish.dense_interval' = {p.dense_interval} is not allowed; it must be a positive "
+             f"multiple of publish.interval = {p.interval}")
+    _require(p.bits in PUBLISH_BITS, f"config key 'publish.bits' = {p.bits} is not allowed; allowed: "
+             + ", ".join(str(b) for b in PUBLISH_BITS))
+    _one_of("publish.quant_method", p.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _require(p.keep_bases >= 0, f"config key 'publish.keep_bases' = {p.keep_bases} is not allowed; "
+             "it must be >= 0 (0 keeps everything)")
+
+
+def _validate_failures(f: FailureConfig, bit_policy: str) -> None:
+    k = "checkpoint.failures"
+    _require(math.isfinite(f.rate_per_node_hour) and f.rate_per_node_hour >= 0,
+             f"config key '{k}.rate_per_node_hour' = {f.rate_per_node_hour!r} is not allowed; it must be >= 0")
+    for name in ("log_nodes", "nodes"):
+        _require(getattr(f, name) >= 0, f"config key '{k}.{name}' = {getattr(f, name)} is not allowed; it must be >= 0")
+    _require(math.isfinite(f.step_seconds) and f.step_seconds >= 0,
+             f"config key '{k}.step_seconds' = {f.step_seconds!r} is not allowed; it must be >= 0 (0: measured)")
+    _require(bool(f.tolerated_restores) and all(b in (2, 3, 4) and n >= 0 for b, n in f.tolerated_restores.items()),
+             f"config key '{k}.tolerated_restores' = {f.tolerated_restores!r} is not allowed; it maps bit-widths "
+             "2, 3, 4 to restore counts >= 0, e.g. {2: 1, 3: 3, 4: 20}")
+    if bit_policy == "failures":
+        _require((f.rate_per_node_hour > 0) != bool(f.log),
+                 f"checkpoint.bit_policy 'failures' needs exactly one of '{k}.rate_per_node_hour' (> 0) or "
+                 f"'{k}.log', got rate {f.rate_per_node_hour!r} and log {f.log!r}")
+        _require(not f.log or f.log_nodes >= 1, f"config key '{k}.log_nodes' = {f.log_nodes} is not allowed with a "
+                 "failure log; it must be the number of nodes (>= 1) the log covers")
+
+
+def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[str]) -> None:
+    seen_tables: set = set()
+    seen_features: Dict[str, str] = {}
+    for i, table in enumerate(tables):
+        key = f"model.tables[{i}]"
+        _require(bool(table.name) and table.name.replace("_", "").isalnum(),
+                 f"config key '{key}.name' = {table.name!r} is not allowed; use letters, digits and '_'")
+        _require(table.name not in seen_tables, f"config key '{key}.name' = {table.name!r} is used by two tables")
+        seen_tables.add(table.name)
+        _positive(f"{key}.rows", table.rows)
+        for s in table.sharding_types:
+            _one_of(f"{key}.sharding_types", s, allowed_sharding)
+        _require(bool(table.features), f"table {table.name!r} ({key}.features) has no features; every table needs at least one")
+        for feature in table.features:
+            _require(feature not in seen_features,
+                     f"feature {feature!r} of table {table.name!r} is already served by table {seen_features.get(feature)!r}")
+            seen_features[feature] = table.name

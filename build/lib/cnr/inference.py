@@ -1,0 +1,177 @@
+"""The inference side of publishing: an unsharded DLRM on the CPU that publishes are applied to.
+
+Its tables are a torchrec ``EmbeddingBagCollection`` (fp32) holding exactly the published
+values (dequantized when publishing below 32 bits). With ``quantized=True`` the tables are also
+mirrored into torchrec's quantized inference EBC (``torchrec.quant.EmbeddingBagCollection``,
+int8 rows with fp16 scale and bias, fbgemm's CPU kernels): the rows each publish changed are
+re-quantized into it, so it serves the same model at a quarter of the memory.
+
+Tensors are addressed by their published names (``model/<state_dict key>``, as cnr.state names
+them on the trainer), which for this unsharded model are the same keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Dict, List, Optional
+
+import torch
+from torch.ao.quantization import PlaceholderObserver, QConfig
+from torchrec.models.dlrm import SparseArch
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from torchrec.quant.embedding_modules import quant_prep_enable_quant_state_dict_split_scale_bias
+
+from cnr.config import Config
+from cnr.encode import DecodedChunk
+from cnr.errors import CheckpointError
+from cnr.evaluate import evaluate
+from cnr.state import MODEL
+from cnr.tracker import table_of
+from cnr.models.dlrm import build_dlrm
+
+_INT8_SCALE_BIAS_BYTES = 4  # fbgemm's fused int8 rows end with an fp16 scale and an fp16 bias
+
+
+def _int8_qconfig() -> QConfig:
+    return QConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
+                   weight=PlaceholderObserver.with_args(dtype=torch.qint8))
+
+
+class InferenceModel:
+    """A DLRM for serving, updated in place by a subscriber.
+
+    ``tensors``: published name -> live tensor (table weights and dense parameters).
+    ``lock``: held while a publish is applied and while ``evaluate`` runs, so a reader in
+    another thread never sees a publish half-applied.
+    """
+
+    def __init__(self, config: Config, quantized: bool = False) -> None:
+        self.config = config
+        self.model = build_dlrm(config)  # tables on meta: nothing is drawn, a base fills them
+        self.ebc = self.model.sparse_arch.embedding_bag_collection
+        self.ebc.to_empty(device=torch.device("cpu"))
+        with torch.no_grad():
+            for p in self.ebc.parameters():
+                p.zero_()
+        self.model.eval()
+        self.tensors: Dict[str, torch.Tensor] = {MODEL + k: v for k, v in self.model.state_dict().items()}
+        self.lock = threading.Lock()
+        self.qebc: Optional[QuantEmbeddingBagCollection] = None
+        self.quant_model: Optional[torch.nn.Module] = None
+        if quantized:
+            self._build_quantized()
+
+    def _build_quantized(self) -> None:
+        self.ebc.qconfig = _int8_qconfig()
+        quant_prep_enable_quant_state_dict_split_scale_bias(self.ebc)  # scale/bias as views we can write
+        self.qebc = QuantEmbeddingBagCollection.from_float(self.ebc)
+        # the same dense layers, with the quantized tables in the sparse arch
+        self.quant_model = copy.copy(self.model)
+        self.quant_model._modules = dict(self.model._modules)
+        self.quant_model._modules["sparse_arch"] = SparseArch(self.qebc)
+
+    def table(self, name: str) -> torch.Tensor:
+        """The fp32 weight of table ``name`` (live)."""
+        return self.ebc.embedding_bags[name].weight.data
+
+    def check_tensor(self, name: str, shape: tuple, dtype: str) -> None:
+        """Raise CheckpointError unless the model has tensor ``name`` of ``shape`` (published float32)."""
+        live = self.tensors.get(name)
+        if live is None:
+            raise CheckpointError(f"the publish has tensor {name!r}, which the inference model (config) lacks")
+        if tuple(live.shape) != tuple(shape) or dtype != "float32":
+            raise CheckpointError(f"published tensor {name!r} is {dtype} {list(shape)}, the inference model has "
+                                  f"float32 {list(live.shape)}: the config does not match the trainer's")
+
+    def apply(self, chunks: List[DecodedChunk]) -> None:
+        """Write verified chunks into the live tensors (no I/O, cannot fail half-way on valid input)
+        and refresh the quantized tables' rows they wrote."""
+        touched: Dict[str, List[torch.Tensor]] = {}
+        whole: set = set()
+        with self.lock, torch.no_grad():
+            for chunk in chunks:
+                table = table_of(chunk.ref.tensor)
+                ids = _write(self.tensors[chunk.ref.tensor], chunk)
+                if table is not None:
+                    if ids is None:
+                        whole.add(table)
+                    else:
+                        touched.setdefault(table, []).append(ids)
+            if self.qebc is not None:
+                for t in whole:
+                    self._requantize(t, None)
+                for t, parts in touched.items():
+                    if t not in whole:
+                        self._requantize(t, torch.unique(torch.cat(parts)))
+
+    def _requantize(self, table: str, ids: Optional[torch.Tensor]) -> None:
+        """Quantize rows ``ids`` (None: all) of the fp32 table into the int8 EBC, as torchrec's
+        ``from_float`` does (fbgemm's fused 8-bit rows: codes, then fp16 scale and bias)."""
+        src = self.table(table) if ids is None else self.table(table).index_select(0, ids)
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(src.contiguous(), 8)
+        dim = src.shape[1]
+        codes = fused[:, :dim]
+        scale_bias = fused[:, dim:dim + _INT8_SCALE_BIAS_BYTES].contiguous().view(torch.float16)
+        bag = self.qebc.embedding_bags[table]
+        if ids is None:
+            bag.weight.copy_(codes)
+            bag.weight_qscale.copy_(scale_bias[:, :1])
+            bag.weight_qbias.copy_(scale_bias[:, 1:])
+        else:
+            bag.weight[ids] = codes
+            bag.weight_qscale[ids] = scale_bias[:, :1]
+            bag.weight_qbias[ids] = scale_bias[:, 1:]
+
+    def dequantized_table(self, name: str) -> torch.Tensor:
+        """The int8 table's rows as fp32 (codes x scale + bias), to compare with ``table``."""
+        bag = self.qebc.embedding_bags[name]
+        return bag.weight.float() * bag.weight_qscale.float() + bag.weight_qbias.float()
+
+    def evaluate(self, quantized: bool = False) -> Dict[str, float]:
+        """Eval logloss and AUC of the served model on the held-out stream (cnr.evaluate)."""
+        model = self.quant_model if quantized else self.model
+        if model is None:
+            raise ValueError("this InferenceModel was built without quantized tables")
+        with self.lock:
+            return evaluate(self.config, model, 0, 1, torch.device("cpu"))
+
+    def snapshot(self) -> Dict[str, torch.Tensor]:
+        """A copy of every published tensor (for saving the subscriber's state)."""
+        with self.lock:
+            return {k: v.detach().clone() for k, v in self.tensors.items()}
+
+    def load(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Set every tensor from ``tensors`` (a ``snapshot``); names and shapes must match."""
+        if set(tensors) != set(self.tensors):
+            raise CheckpointError(f"saved subscriber tensors {sorted(set(tensors) ^ set(self.tensors))[:5]} do not "
+                                  "match the inference model")
+        for name, t in tensors.items():
+            live = self.tensors[name]
+            if t.shape != live.shape or t.dtype != live.dtype:
+                raise CheckpointError(f"saved tensor {name!r} is {t.dtype} {list(t.shape)}, the inference model has "
+                                      f"{live.dtype} {list(live.shape)}")
+        with self.lock, torch.no_grad():
+            for name, t in tensors.items():
+                self.tensors[name].copy_(t)
+            if self.qebc is not None:
+                for table in self.ebc.embedding_bags:
+                    self._requantize(table, None)
+
+
+def _write(target: torch.Tensor, chunk: DecodedChunk) -> Optional[torch.Tensor]:
+    """Copy one chunk into the unsharded ``target``; return its row ids (None: a contiguous range)."""
+    ref = chunk.ref
+    view = target.reshape(1) if target.dim() == 0 else target
+    if view.dim() >= 2:
+        cols = slice(ref.col_offset, ref.col_offset + ref.cols)
+        if ref.row_ids:
+            view[chunk.row_ids, cols] = chunk.data
+            return chunk.row_ids
+        view[ref.row_start:ref.row_start + ref.rows, cols] = chunk.data
+        return None
+    if ref.row_ids:
+        view[chunk.row_ids] = chunk.data
+        return chunk.row_ids
+    view[ref.row_start:ref.row_start + ref.rows] = chunk.data
+    return None

@@ -1,0 +1,108 @@
+"""Run a per-rank function on N local ranks (spawned), under torchrun, or in this process.
+
+Local runs rendezvous through a file store in a temporary directory and pin gloo to the
+loopback interface, so nothing leaves the machine. Rank 0's return value (a JSON-serialisable
+dict) comes back to the caller; an error in any rank is re-raised here with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from cnr.errors import CnrError
+
+RankFn = Callable[[int, int, Any], Optional[Dict[str, Any]]]
+
+
+class RankFailed(CnrError):
+    """A rank exited with an error or was killed."""
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or another env:// launcher) set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    """cuda:<local rank> when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawned: bool = True) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        default_backend(), init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
+    )
+    code = 0
+    try:
+        result = fn(rank, world_size, arg)
+        if rank == 0:
+            with open(os.path.join(workdir, "result.json"), "w") as f:
+                json.dump(result, f)
+        dist.barrier()  # no rank tears down while another is still in a collective
+    except BaseException as e:
+        code = 1
+        message = str(e) if isinstance(e, CnrError) else "".join(traceback.format_exception(e))
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {message}")
+        if not spawned:
+            raise
+    finally:
+        if code == 0 and dist.is_initialized():
+            dist.destroy_process_group()
+    if spawned:
+        # Gloo's worker threads can still hold work objects when the interpreter finalises and
+        # abort the process there ("terminate called without an active exception"); the result
+        # is already on disk, so a spawned rank leaves without running finalisers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
+    """Run ``fn(rank, world_size, arg)`` on every rank; return rank 0's result."""
+    if under_torchrun():
+        dist.init_process_group(default_backend())
+        try:
+            return fn(dist.get_rank(), dist.get_world_size(), arg)
+        finally:
+            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="cnr-launch-") as workdir:
+        if nproc == 1:
+            _entry(0, 1, fn, arg, workdir, spawned=False)
+        else:
+            try:
+                mp.start_processes(_entry, args=(nproc, fn, arg, workdir), nprocs=nproc, join=True, start_method="spawn")
+            except ProcessException as e:
+                raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
+        path = os.path.join(workdir, "result.json")
+        if not os.path.exists(path):
+            raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
+        with open(path) as f:
+            return json.load(f)
+
+
+def _first_error(workdir: str) -> Optional[str]:
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("error-"):
+            with open(os.path.join(workdir, name)) as f:
+                return f"rank {name[6:-4]}: {f.read()}"
+    return None

@@ -1,0 +1,127 @@
+"""Process groups and the sharded model: torchrec planner, DMP, fused sparse + dense optimizers."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Type
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ShardingType
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from cnr.config import Config
+from cnr.errors import ConfigError
+from cnr.state import DenseOptimizer
+from cnr.models.dlrm import build_dlrm
+
+logger = logging.getLogger(__name__)
+
+SPARSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+}
+DENSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+}
+# fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
+CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+
+
+class ConfiguredSharder(EmbeddingBagCollectionSharder):
+    """torchrec's EBC sharder, offering row-wise and table-row-wise on CPU too.
+
+    torchrec's default list for CPU leaves them out, but fbgemm's CPU kernels run them
+    (bucketized input dist, fused lookup): measured here with gloo on 2 ranks, and the tracker
+    and resume tests cover them. The planner still chooses among ``model.sharding_types``.
+    """
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        types = super().sharding_types(compute_device_type)
+        for extra in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
+            if extra not in types:
+                types.append(extra)
+        return types
+
+
+@dataclass
+class ShardedModel:
+    """The DMP-wrapped model and its dense optimizer (the sparse one is fused into backward)."""
+
+    model: DistributedModelParallel
+    dense_optimizer: DenseOptimizer
+    plan_text: str
+
+
+def check_device_support(config: Config, device: torch.device) -> None:
+    """Reject combinations fbgemm cannot run on ``device``, before any work starts."""
+    if device.type == "cpu" and config.train.sparse_optimizer not in CPU_SPARSE_OPTIMIZERS:
+        raise ConfigError(
+            f"train.sparse_optimizer = {config.train.sparse_optimizer!r} is not supported by fbgemm's fused "
+            f"kernels on CPU; allowed on CPU: {', '.join(CPU_SPARSE_OPTIMIZERS)} (adam needs CUDA)"
+        )
+
+
+def check_incremental_safe(config: Config) -> None:
+    """Refuse incremental checkpoints when training can change rows that were not looked up.
+
+    fbgemm's fused sparse optimizers update only looked-up rows. A data-parallel table is
+    trained by the dense optimizer instead; Adam's moments move every row of it each step.
+    """
+    incremental = config.checkpoint.policy != "full"
+    if not (incremental or config.publish.enabled) or config.train.dense_optimizer != "adam":
+        return
+    dp = [t.name for t in config.model.tables
+          if "data_parallel" in (t.sharding_types or config.model.sharding_types)]
+    if dp:
+        what = f"checkpoint.policy = {config.checkpoint.policy!r}" if incremental else "publish.enabled (increments)"
+        raise ConfigError(
+            f"{what} needs every changed row to be a looked-up row, but "
+            f"tables {dp} may be data_parallel and train.dense_optimizer = 'adam' changes all their rows every step; "
+            "use checkpoint.policy = 'full' (and publish.enabled = false), another dense optimizer, or sharding "
+            "types without data_parallel"
+        )
+
+
+def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
+    """Build DLRM, attach the fused sparse optimizer, shard with torchrec's planner, wrap in DMP.
+
+    Collective over the default process group (the plan is computed on rank 0 and broadcast).
+    """
+    check_device_support(config, device)
+    check_incremental_safe(config)
+    model = build_dlrm(config)
+    apply_optimizer_in_backward(
+        SPARSE_OPTIMIZER_CLASSES[config.train.sparse_optimizer],
+        model.sparse_arch.parameters(),
+        {"lr": config.train.sparse_lr},
+    )
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=list(t.sharding_types or config.model.sharding_types))
+        for t in config.model.tables
+    }
+    world = dist.get_world_size()
+    topology = Topology(world_size=world, compute_device=device.type, local_world_size=world)
+    sharders = [ConfiguredSharder()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchrec warns about topology construction and DDP on CPU
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        torch.manual_seed(config.train.seed + 1)  # table init draws from this, identically per run
+        dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    optimizer = DENSE_OPTIMIZER_CLASSES[config.train.dense_optimizer](
+        list(dense_params.values()), lr=config.train.dense_lr
+    )
+    return ShardedModel(dmp, DenseOptimizer(dense_params, optimizer), str(plan))

@@ -1,0 +1,194 @@
+"""Checkpoint policy: full or incremental next, and the bit-width from the expected failures.
+
+Pure functions of their inputs (no storage, no collectives), so they are tested directly.
+
+Kinds (Check-N-Run §4.1, §4.1.1): ``full`` takes a full checkpoint every time; ``one_shot``
+takes one full baseline, then increments of the rows touched since it; ``consecutive`` takes
+increments of the rows touched since the previous checkpoint (restore replays the chain);
+``intermittent`` is one-shot with the history predictor choosing when to take a new baseline.
+
+Bit-width (§5.2.1): expected failures = failure rate per node-hour x nodes x expected hours; the
+smallest bit-width whose tolerated restore count covers them is chosen, else 8 bits. Once more
+failures are observed than expected, every later checkpoint uses 8 bits.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from cnr.errors import ConfigError
+from cnr.types import CheckpointKind
+
+POLICIES = ("full", "one_shot", "consecutive", "intermittent")
+FALLBACK_BITS = 8
+
+
+def intermittent_wants_full(chain_bytes: Sequence[int]) -> bool:
+    """The history predictor: should the next checkpoint be a new full baseline?
+
+    ``chain_bytes``: bytes written by the last full checkpoint, then by each of the ``i``
+    incrementals after it. With sizes as fractions of the full one (S0 = 1), take a full
+    checkpoint iff ``1 + S1 + ... + Si <= (i + 1) * Si``. Right after a full (i = 0) the answer
+    is no: one increment is needed before there is a history to predict from.
+    """
+    if not chain_bytes:
+        return True
+    i = len(chain_bytes) - 1
+    if i == 0:
+        return False
+    base = float(chain_bytes[0])
+    if base <= 0:
+        return True
+    sizes = [b / base for b in chain_bytes]
+    return sum(sizes) <= (i + 1) * sizes[-1]
+
+
+def next_kind(policy: str, chain_bytes: Sequence[int], have_base: bool) -> CheckpointKind:
+    """Kind of the next checkpoint under ``policy`` (one of POLICIES).
+
+    ``have_base``: a committed full baseline exists for this job (else the next one is full);
+    ``chain_bytes``: bytes of that baseline and of every committed increment since it.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"checkpoint policy {policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
+    if policy == "full" or not have_base:
+        return CheckpointKind.FULL
+    if policy == "intermittent" and intermittent_wants_full(chain_bytes):
+        return CheckpointKind.FULL
+    return CheckpointKind.INCREMENTAL
+
+
+# ---- bit-width from expected failures --------------------------------------------------------
+
+def expected_failures(rate_per_node_hour: float, nodes: int, hours: float) -> float:
+    """Expected node failures over a job: rate (per node-hour) x nodes x hours."""
+    return rate_per_node_hour * nodes * hours
+
+
+def choose_bits(expected: float, tolerated_restores: Mapping[int, int]) -> int:
+    """The smallest bit-width whose tolerated restore count is >= ``expected``; else 8.
+
+    ``tolerated_restores`` maps a bit-width (2, 3 or 4) to the most restores from checkpoints
+    at that width the accuracy budget allows.
+    """
+    for bits in sorted(tolerated_restores):
+        if expected <= tolerated_restores[bits]:
+            return bits
+    return FALLBACK_BITS
+
+
+def _parse_timestamp(text: str, where: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        stamp = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise ConfigError(f"{where}: {text!r} is neither unix seconds nor an ISO-8601 time") from e
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=_dt.timezone.utc)
+    return stamp.timestamp()
+
+
+def read_failure_log(path: str) -> List[float]:
+    """Failure times (unix seconds, sorted) from a plain file: one timestamp per line, either
+    unix seconds or ISO-8601; blank lines and ``#`` comments are ignored."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read failure log {path!r}: {e.strerror or e}") from e
+    times = []
+    for n, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if text:
+            times.append(_parse_timestamp(text, f"failure log {path!r} line {n}"))
+    return sorted(times)
+
+
+def rate_from_failure_log(times: Sequence[float], log_nodes: int) -> float:
+    """Failures per node-hour observed in a log of ``log_nodes`` nodes: the ``n - 1`` intervals
+    between the first and last of ``n`` failures, over that span (the maximum-likelihood rate of
+    a Poisson process observed from one failure to another)."""
+    if len(times) < 2:
+        raise ConfigError(f"a failure log needs at least 2 timestamps to give a rate, it has {len(times)}")
+    span_hours = (times[-1] - times[0]) / 3600.0
+    if span_hours <= 0 or log_nodes < 1:
+        raise ConfigError(f"a failure log must span a positive time over >= 1 node (span {span_hours} h, nodes {log_nodes})")
+    return (len(times) - 1) / (span_hours * log_nodes)
+
+
+@dataclass(frozen=True)
+class BitDecision:
+    """The bit-width of a job's checkpoints and why; stored in every manifest ("bit_width").
+
+    ``mode``: "fixed" (checkpoint.bits) or "failures" (from the expected failures).
+    ``expected_failures`` = ``rate_per_node_hour`` x ``nodes`` x ``expected_hours``, where
+    ``expected_hours`` = ``steps`` x ``step_seconds`` / 3600. ``observed_failures``: restores so far.
+    ``fallback``: more failures were observed than expected, so 8 bits from then on.
+    """
+
+    mode: str
+    bits: int
+    reason: str
+    expected_failures: float = 0.0
+    observed_failures: int = 0
+    rate_per_node_hour: float = 0.0
+    nodes: int = 0
+    expected_hours: float = 0.0
+    steps: int = 0
+    step_seconds: float = 0.0
+    fallback: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(obj: Mapping[str, Any]) -> "BitDecision":
+        """Inverse of to_dict; raises ValueError on a field that is missing or unknown."""
+        names = set(BitDecision.__dataclass_fields__)
+        if set(obj) != names:
+            raise ValueError(f"bit_width fields {sorted(obj)} differ from {sorted(names)}")
+        return BitDecision(**dict(obj))
+
+
+def decide_bits(rate_per_node_hour: float, nodes: int, steps: int, step_seconds: float,
+                tolerated_restores: Mapping[int, int], observed_failures: int) -> BitDecision:
+    """A fresh decision from the failure inputs (mode "failures")."""
+    hours = steps * step_seconds / 3600.0
+    expected = expected_failures(rate_per_node_hour, nodes, hours)
+    bits = choose_bits(expected, tolerated_restores)
+    table = ", ".join(f"{b}-bit <= {tolerated_restores[b]}" for b in sorted(tolerated_restores))
+    reason = (f"expected failures {expected:.3g} = {rate_per_node_hour:.3g}/node-hour x {nodes} nodes x "
+              f"{hours:.3g} h ({steps} steps x {step_seconds:.3g} s); tolerated restores: {table}; "
+              f"{bits} bits is the smallest width that covers it" if bits != FALLBACK_BITS else
+              f"expected failures {expected:.3g} exceed every tolerance ({table}): 8 bits")
+    decision = BitDecision("failures", bits, reason, expected, observed_failures, rate_per_node_hour, nodes,
+                           hours, steps, step_seconds)
+    return apply_observed(decision, observed_failures)
+
+
+def apply_observed(decision: BitDecision, observed_failures: int) -> BitDecision:
+    """``decision`` updated with the failures observed so far: once they exceed the estimate,
+    8 bits for every later checkpoint (sticky: a decision that fell back stays at 8 bits)."""
+    if decision.mode != "failures":
+        return decision
+    if decision.fallback or observed_failures > decision.expected_failures:
+        reason = decision.reason if decision.fallback else (
+            f"{observed_failures} failures observed exceed the {decision.expected_failures:.3g} expected: "
+            f"falling back from {decision.bits} to {FALLBACK_BITS} bits for every later checkpoint")
+        return BitDecision(**{**decision.to_dict(), "bits": max(decision.bits, FALLBACK_BITS), "reason": reason,
+                              "observed_failures": observed_failures, "fallback": True})
+    return BitDecision(**{**decision.to_dict(), "observed_failures": observed_failures})
+
+
+def fixed_bits(bits: int) -> BitDecision:
+    return BitDecision("fixed", bits, f"checkpoint.bits = {bits}")
+
+
+def previous_decision(obj: Optional[Mapping[str, Any]]) -> Optional[BitDecision]:
+    """The decision a manifest recorded (None for none)."""
+    return BitDecision.from_dict(obj) if obj else None

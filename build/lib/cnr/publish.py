@@ -1,0 +1,360 @@
+"""Online-training publishing to inference (Check-N-Run §1, §4.1): consecutive increments.
+
+Every ``publish.interval`` steps the embedding rows modified since the previous publish go to the
+publish store as a *consecutive increment* whose ``base`` is the previous publish. Every
+``publish.full_every``-th publish, and the first one of every run (a resumed trainer has moved
+back to its checkpoint, so increments on the old publishes would be wrong), is a *full base*:
+every row of every table. Dense parameters go into every base and into the first publish on or
+after each multiple of ``publish.dense_interval`` steps. A subscriber (cnr.subscribe) applies
+publishes in order.
+
+A publish reuses the checkpoint machinery end to end: host buffers (its share of the stall), the
+rank's background ``Writer`` process (encode, quantize at ``publish.bits``, upload), the commit
+protocol (rank 0 writes ``manifest.json`` last, after every rank's index), and the checkpoint
+layout inside the publish store::
+
+    <publish store>/checkpoints/<seq:010d>-<nonce>/rank-<r>/chunk-<n>.bin, rank-<r>.json, manifest.json
+
+In a publish manifest ``step`` is the publish's **sequence number** (1, 2, ...; ids sort by it,
+across job restarts too) and ``counters`` hold the training ``step``, ``seq`` and
+``trigger_unix_us`` (wall clock when the publish was triggered, to measure freshness). Only
+``model/`` tensors are published (table weights, dense parameters): optimizer and RNG state are
+training-only. ``cnr inspect`` lists a publish store like a checkpoint store.
+
+Training never waits for publishing: a boundary reached while the previous publish is still being
+written is skipped, and its rows go out with the next publish (the view keeps them). A failed
+publish gives its rows back to the view and its sequence number is used again by the next one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from cnr.checkpoint import pieces_to_write
+from cnr.config import Config
+from cnr.errors import ConfigError
+from cnr.manifest import make_id, newest_committed
+from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
+from cnr.snapshot import HostBuffers
+from cnr.state import MODEL, StatePiece
+from cnr.storage import open_storage
+from cnr.storage.base import Storage
+from cnr.tracker import Captured, RowTracker, table_of
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
+from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
+
+logger = logging.getLogger(__name__)
+
+VIEW = "publish"
+_RUNNING = -2  # rank 0's writer is still busy with the previous publish
+_NONE = -1  # nothing in flight
+
+
+def publish_uri(storage_uri: str, config: Config) -> str:
+    """Where publishes go: ``publish.storage``, or ``<storage_uri>/publish``."""
+    return config.publish.storage or storage_uri.rstrip("/") + "/publish"
+
+
+def check_publish_storage(storage_uri: str, config: Config) -> None:
+    """Reject a publish store that overlaps the checkpoint layout or cannot be written.
+
+    Both stores use the ``checkpoints/`` layout, so one inside the other's ``checkpoints/``
+    prefix (or the same root) would have each side's retention delete the other's objects.
+    """
+    pub = open_storage(publish_uri(storage_uri, config))
+    try:
+        if config.checkpoint.enabled:
+            ckpt = open_storage(storage_uri)
+            a, b = pub.uri.rstrip("/"), ckpt.uri.rstrip("/")
+            ckpt.close()
+            if a == b or a.startswith(b + "/checkpoints") or b.startswith(a + "/checkpoints"):
+                raise ConfigError(f"publish.storage {a!r} overlaps the checkpoint storage {b!r}; give publishing "
+                                  "its own location (default: <--storage>/publish)")
+        pub.check_writable()
+    finally:
+        pub.close()
+
+
+def published_pieces(pieces: Sequence[StatePiece], with_dense: bool) -> List[StatePiece]:
+    """The pieces inference needs: table weights, plus dense parameters when ``with_dense``."""
+    return [p for p in pieces if p.name.startswith(MODEL) and (with_dense or table_of(p.name) is not None)]
+
+
+# ---- retention ---------------------------------------------------------------------------------
+
+def plan_publish_retention(infos: Sequence[CheckpointInfo], keep_bases: int) -> RetentionPlan:
+    """Keep the newest ``keep_bases`` (>= 1) full bases and every committed publish after the
+    oldest of them; older publishes are superseded (a subscriber reloads from a newer base)."""
+    committed = sorted((i for i in infos if i.status == CheckpointStatus.COMMITTED), key=lambda i: (i.step, i.id))
+    bases = [k for k, i in enumerate(committed) if i.kind == CheckpointKind.FULL]
+    keep_from = bases[-keep_bases] if len(bases) >= keep_bases else 0
+    return plan_retention(infos, max(1, len(committed) - keep_from))
+
+
+def retain_publishes(storage: Storage, keep_bases: int) -> Dict[str, Any]:
+    """Retention after a publish commit (rank 0's writer); an error is logged, never raised."""
+    if keep_bases == 0:
+        return dict(NOTHING_DELETED)
+    return retain_after_commit(storage, functools.partial(plan_publish_retention, keep_bases=keep_bases), "publish")
+
+
+# ---- the publisher -----------------------------------------------------------------------------
+
+@dataclass
+class PublishStats:
+    """This process's publishing totals: seconds are wall time, bytes are stored bytes.
+
+    ``records`` (rank 0): one dict per settled publish (id, seq, step, kind, dense, status, bytes,
+    background seconds, trigger_unix_us).
+    """
+
+    published: int = 0
+    failed: int = 0
+    skipped: int = 0
+    stall_seconds: float = 0.0
+    snapshot_seconds: float = 0.0
+    drain_seconds: float = 0.0
+    bytes_written: int = 0
+    records: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Rank 0's decision for one publish, broadcast to every rank."""
+
+    pub_id: str
+    seq: int
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    dense: bool
+    trigger_unix_us: int
+
+
+@dataclass
+class _Chain:
+    """Where this run's publish sequence stands: the newest committed publish, its sequence number
+    and training step, increments since the newest base, and the training step of the newest
+    committed dense parameters. Rank 0 plans every publish from it (and alone reads the store's
+    sequence at start); the other ranks follow rank 0's broadcast plan."""
+
+    last_id: Optional[str] = None
+    seq: int = 0
+    step: int = -1
+    since_base: int = 0
+    dense_step: int = -1
+
+
+class Publisher:
+    """Publishes one rank's table rows (and dense parameters) at publish boundaries.
+
+    Collective on ``publish`` and ``finish``. ``tracker`` must have the ``"publish"`` view; it may
+    be the Checkpointer's (one hook slot per module), whose views it leaves alone.
+    """
+
+    def __init__(self, uri: str, config: Config, rank: int, world_size: int, tracker: RowTracker) -> None:
+        if VIEW not in tracker.views:
+            raise ValueError(f"the tracker has no {VIEW!r} view (it has {sorted(tracker.views)})")
+        self.uri = uri
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.tracker = tracker
+        self.buffers = HostBuffers()
+        self.stats = PublishStats()
+        self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
+        retain = functools.partial(retain_publishes, keep_bases=config.publish.keep_bases)
+        self.writer = Writer(uri, config, retain=retain)
+        self._captured: List[Captured] = []
+        self._in_flight: Optional[_Plan] = None
+        self._result: Optional[WriteResult] = None
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a publish boundary."""
+        return step % self.config.publish.interval == 0
+
+    def publish(self, step: int, pieces: List[StatePiece]) -> Optional[str]:
+        """Publish at ``step`` unless the previous publish is still being written; return the id."""
+        start = time.perf_counter()
+        plan = None
+        if self.rank == 0:  # its writer commits: it settles first, then decides on the new chain state
+            code = self._outcome(blocking=False)
+            self._settle(code)
+            plan = self._decide(step, force_dense=False) if code != _RUNNING else None
+        code, plan = _broadcast((code if self.rank == 0 else None, plan))
+        if self.rank != 0:
+            self._settle(code)
+        if plan is None:
+            self.stats.skipped += 1
+            logger.info("publish at step %d skipped: publish %s is still being written", step,
+                        self._in_flight.pub_id if self._in_flight else "?")
+        else:
+            self._submit(pieces, plan)
+        self.stats.stall_seconds += time.perf_counter() - start
+        return plan.pub_id if plan is not None else None
+
+    def wait(self) -> None:
+        """Block until the in-flight publish has committed or failed (collective)."""
+        self._drain()
+
+    def finish(self, step: int, pieces: List[StatePiece]) -> None:
+        """Drain the in-flight publish; then publish whatever the last committed publish lacks
+        (rows or dense parameters of the final ``step``) and drain that too. Not counted as stall."""
+        start = time.perf_counter()
+        try:
+            self._drain()
+            plan = None
+            if self.rank == 0 and (self.chain.step != step or self.chain.dense_step != step):
+                plan = self._decide(step, force_dense=True)
+            (plan,) = _broadcast((plan,))
+            if plan is not None:
+                self._submit(pieces, plan)
+                self._drain()
+        finally:
+            self.writer.close()
+        self.stats.drain_seconds += time.perf_counter() - start
+
+    def summary(self) -> Dict[str, Any]:
+        """Totals over ranks (collective): bytes summed, stall the maximum; rank 0's counts."""
+        s = self.stats
+        sums = torch.tensor([float(s.bytes_written)], dtype=torch.float64)
+        maxes = torch.tensor([s.stall_seconds, s.snapshot_seconds], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return {"publishes": s.published, "publish_failed": s.failed, "publish_skipped": s.skipped,
+                "publish_bytes_written": int(sums[0]), "publish_stall_seconds": round(float(maxes[0]), 6),
+                "publish_snapshot_seconds": round(float(maxes[1]), 6),
+                "publish_drain_seconds": round(s.drain_seconds, 6), "last_publish_seq": self.chain.seq,
+                "publish_uri": self.uri}
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _decide(self, step: int, force_dense: bool) -> _Plan:
+        """Rank 0: the next publish's id, sequence number, kind, base and whether dense rides along."""
+        c, p = self.chain, self.config.publish
+        full = c.last_id is None or c.since_base + 1 >= p.full_every
+        # dense goes out at multiples of dense_interval; one crossed during a skipped boundary goes now
+        dense = full or force_dense or step // p.dense_interval > c.dense_step // p.dense_interval
+        seq = c.seq + 1
+        kind = CheckpointKind.FULL if full else CheckpointKind.INCREMENTAL
+        return _Plan(make_id(seq, uuid.uuid4().hex[:8]), seq, step, kind, None if full else c.last_id, dense,
+                     int(time.time() * 1e6))
+
+    def _submit(self, pieces: List[StatePiece], plan: _Plan) -> None:
+        """The snapshot (this publish's share of the stall) and the hand-off to the writer."""
+        self.tracker.fold()
+        captured = self.tracker.capture(VIEW, clear=True)
+        self._captured = [captured]
+        rows = None
+        if plan.kind == CheckpointKind.INCREMENTAL:
+            rows = {t: self.tracker.rows(captured.bits, t) for t in self.tracker.tables}
+        chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
+        host, seconds = self.buffers.capture(chosen, rows)
+        fields = None
+        if self.rank == 0:
+            counters = {"step": plan.step, "seq": plan.seq, "trigger_unix_us": plan.trigger_unix_us}
+            fields = {"reader": {}, "counters": counters, "chain_bytes": [], "bit_width": {}}
+        p = self.config.publish
+        self.writer.submit(WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host,
+                                    fields, bits=p.bits, method=p.quant_method))
+        self._in_flight = plan
+        self.stats.snapshot_seconds += seconds
+        logger.info("publish %s (seq %d, %s%s) snapshot in %.3f s", plan.pub_id, plan.seq, plan.kind.value,
+                    ", dense" if plan.dense else "", seconds)
+
+    def _outcome(self, blocking: bool) -> int:
+        """Rank 0: the previous publish's status (index in STATUSES), _NONE or _RUNNING."""
+        if self.writer.in_flight is None:
+            return _NONE
+        result = self.writer.wait(timeout=None if blocking else 0.0)
+        if result is None:
+            return _RUNNING
+        self._result = result
+        return STATUSES.index(result.status)
+
+    def _drain(self) -> None:
+        code = self._outcome(blocking=True) if self.rank == 0 else _NONE
+        (code,) = _broadcast((code,))
+        self._settle(code)
+
+    def _settle(self, code: int) -> None:
+        """Every rank: end the previous publish the way rank 0 (whose writer commits) saw it end."""
+        if code < 0:
+            return
+        committed = STATUSES[code] == "committed"
+        if self.rank != 0 and self.writer.in_flight is not None:
+            # rank 0 committed: this rank's part is stored already, its writer is only reporting
+            result = self.writer.wait(timeout=0.0)
+            self._result = result or (self.writer.wait() if committed else self.writer.cancel())
+        self.tracker.release(self._captured, committed)
+        self._captured = []
+        plan, result = self._in_flight, self._result
+        self._in_flight, self._result = None, None
+        if result is not None:
+            self.stats.bytes_written += result.bytes_written
+        if plan is None:
+            return
+        self._record(plan, committed, result)
+
+    def _record(self, plan: _Plan, committed: bool, result: Optional[WriteResult]) -> None:
+        c = self.chain
+        if committed:
+            self.stats.published += 1
+            c.last_id, c.seq, c.step = plan.pub_id, plan.seq, plan.step
+            c.since_base = 0 if plan.kind == CheckpointKind.FULL else c.since_base + 1
+            if plan.dense:
+                c.dense_step = plan.step
+        else:
+            self.stats.failed += 1
+            error = result.error if result is not None and result.error else "another rank's writer failed"
+            logger.error("publish %s (seq %d) did not commit; its rows go out with the next publish: %s",
+                         plan.pub_id, plan.seq, error)
+        if self.rank == 0:
+            self.stats.records.append({
+                "id": plan.pub_id, "seq": plan.seq, "step": plan.step, "kind": plan.kind.value, "dense": plan.dense,
+                "status": "committed" if committed else (result.status if result is not None else "failed"),
+                "bytes": result.bytes_written if result is not None else 0,
+                "background_seconds": round(result.seconds, 6) if result is not None else None,
+                "trigger_unix_us": plan.trigger_unix_us})
+
+
+def _broadcast(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """Rank 0's ``values`` on every rank."""
+    box: List[Any] = [values]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _newest_seq(uri: str) -> int:
+    """The newest committed publish's sequence number in the store (0 when empty)."""
+    storage = open_storage(uri)
+    try:
+        newest = newest_committed(storage)
+    finally:
+        storage.close()
+    return newest.step if newest is not None else 0
+
+
+def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int, model: torch.nn.Module,
+                   tracker: Optional[RowTracker]) -> Optional[Publisher]:
+    """The job's Publisher (None unless ``publish.enabled``). It shares ``tracker`` (the
+    Checkpointer's, created with ``tracker_views``) or installs a tracker of its own."""
+    if not config.publish.enabled:
+        return None
+    if tracker is None:
+        tracker = RowTracker(model, views=(VIEW,))
+        tracker.install()
+    return Publisher(publish_uri(storage_uri, config), config, rank, world_size, tracker)
+
+
+def tracker_views(config: Config) -> Tuple[str, ...]:
+    """Views of the job's shared tracker: the Checkpointer's, plus "publish" when publishing."""
+    return ("checkpoint", "baseline") + ((VIEW,) if config.publish.enabled else ())

@@ -1,0 +1,142 @@
+"""The only blocking stage of a checkpoint: copy state into reusable host buffers.
+
+A full snapshot copies every row of every piece; an incremental one gathers only the rows the
+tracker reports, with their global row ids. Buffers are allocated on first use, in shared memory
+so the background writer process reads them without another copy, and reused by every later
+checkpoint (a fresh allocation page-faults: measured on this machine a 26% row gather into a new
+tensor ran at 0.5 GB/s against 13.7 GB/s into an existing buffer). On CUDA the buffers are also
+pinned, copies are non-blocking on a side stream, and the snapshot ends with one event wait.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from cnr.state import StatePiece
+from cnr.tracker import table_of
+from cnr.types import ShardRegion
+
+_Key = Tuple[str, Tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class HostPiece:
+    """A captured piece in host memory, ready for the writer.
+
+    ``data`` is ``[n, ...]`` rows. ``row_ids`` (int64 ``[n]``) lists their global row ids for an
+    incremental capture; None means the rows of ``region`` in order.
+    """
+
+    name: str
+    global_shape: Tuple[int, ...]
+    region: ShardRegion
+    replicated: bool
+    data: torch.Tensor
+    row_ids: Optional[torch.Tensor]
+
+
+def _alloc(shape: Tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype).share_memory_()
+    if pin and buf.numel():
+        # pin the shared pages in place so device-to-host copies can be asynchronous
+        torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    return buf
+
+
+class HostBuffers:
+    """Host copies of state pieces and their row ids, keyed by (name, region offsets)."""
+
+    def __init__(self) -> None:
+        self._data: Dict[_Key, torch.Tensor] = {}
+        self._ids: Dict[_Key, torch.Tensor] = {}
+        self._stream = None
+
+    def _buffers(self, piece: StatePiece) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (piece.name, piece.region.offsets)
+        src = piece.tensor
+        shape = (1,) if src.dim() == 0 else tuple(src.shape)
+        buf = self._data.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != src.dtype:
+            buf = _alloc(shape, src.dtype, src.is_cuda)
+            self._data[key] = buf
+            self._ids[key] = _alloc((shape[0],), torch.int64, False)
+        return buf, self._ids[key]
+
+    def capture(self, pieces: List[StatePiece], rows: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[List[HostPiece], float]:
+        """Copy ``pieces`` to host; for tables in ``rows`` (ascending global ids) only those rows.
+
+        Returns the host pieces and the seconds the copy took (the training stall).
+        """
+        start = time.perf_counter()
+        rows = rows or {}
+        local_cache: Dict[Tuple[str, int, int], torch.Tensor] = {}
+        plan = [(p, self._local_rows(p, rows, local_cache)) for p in pieces]
+        host = [self._capture_cpu(p, local) for p, local in plan if not p.tensor.is_cuda]
+        cuda = [(p, local) for p, local in plan if p.tensor.is_cuda]
+        if cuda:
+            host += self._capture_cuda(cuda)
+        return host, time.perf_counter() - start
+
+    @staticmethod
+    def _local_rows(piece: StatePiece, rows: Dict[str, torch.Tensor],
+                    cache: Dict[Tuple[str, int, int], torch.Tensor]) -> Optional[torch.Tensor]:
+        """``piece``'s rows among its table's ascending global ``rows``, relative to its region.
+
+        A table's weight and optimizer pieces share a region, so the ids are found once (cached).
+        """
+        table = table_of(piece.name)
+        if table is None or table not in rows:
+            return None
+        row0, size = piece.region.offsets[0], piece.region.sizes[0]
+        key = (table, row0, size)
+        local = cache.get(key)
+        if local is None:
+            ids = rows[table]
+            # ids ascend, so the region's ids are one slice: two binary searches, no mask pass
+            lo, hi = torch.searchsorted(ids, torch.tensor([row0, row0 + size], dtype=ids.dtype)).tolist()
+            local = ids[lo:hi] - row0 if row0 else ids[lo:hi]
+            cache[key] = local
+        return local
+
+    def _capture_cpu(self, piece: StatePiece, local: Optional[torch.Tensor]) -> HostPiece:
+        buf, ids = self._buffers(piece)
+        src = piece.tensor.detach()
+        if local is None:
+            buf.copy_(src.reshape(buf.shape))
+            return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf, None)
+        n = local.numel()
+        torch.index_select(src, 0, local, out=buf[:n])
+        torch.add(local, piece.region.offsets[0], out=ids[:n])
+        return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf[:n], ids[:n])
+
+    def _capture_cuda(self, plan: List[Tuple[StatePiece, Optional[torch.Tensor]]]) -> List[HostPiece]:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        # The side stream must see every kernel the training stream queued before the snapshot.
+        stream.wait_stream(torch.cuda.current_stream())
+        out: List[HostPiece] = []
+        keep_alive = []
+        with torch.cuda.stream(stream):
+            for piece, local in plan:
+                buf, ids = self._buffers(piece)
+                src = piece.tensor.detach()
+                if local is None:
+                    buf.copy_(src.reshape(buf.shape), non_blocking=True)
+                    out.append(HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf, None))
+                    continue
+                n = local.numel()
+                gathered = src.index_select(0, local.to(src.device, non_blocking=True))
+                keep_alive.append(gathered)
+                buf[:n].copy_(gathered, non_blocking=True)
+                torch.add(local, piece.region.offsets[0], out=ids[:n])
+                out.append(HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, buf[:n], ids[:n]))
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        del keep_alive
+        return out

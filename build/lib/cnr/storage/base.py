@@ -1,0 +1,96 @@
+"""The storage interface every backend implements, and key validation shared by all of them.
+
+Keys are relative, '/'-separated paths under the backend's root (a directory or an S3 prefix).
+A ``put`` is atomic: readers see the whole object or no object, never a partial one.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import List, Optional, Union
+
+from cnr.errors import InvalidKeyError
+from cnr.types import ByteRange
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=-]+$")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged if it is a safe relative key, else raise InvalidKeyError.
+
+    Allowed: segments of letters, digits, '.', '_', '=', '-' joined by '/'; no leading '/',
+    no empty segment, no '.' or '..' segment. This keeps every key under the job's prefix.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"storage key {key!r} is not allowed: it must be a non-empty string")
+    if key.startswith("/"):
+        raise InvalidKeyError(f"storage key {key!r} is not allowed: absolute paths are rejected")
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidKeyError(
+                f"storage key {key!r} is not allowed: empty, '.' and '..' segments are rejected"
+            )
+        if not _SEGMENT.match(segment):
+            raise InvalidKeyError(
+                f"storage key {key!r} is not allowed: segment {segment!r} may only contain "
+                "letters, digits, '.', '_', '=' and '-'"
+            )
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Like validate_key, but '' (the root) is allowed and a trailing '/' is tolerated."""
+    stripped = prefix.rstrip("/")
+    return validate_key(stripped) if stripped else ""
+
+
+def check_range(byte_range: ByteRange, size: int, key: str) -> None:
+    """Raise InvalidKeyError unless ``byte_range`` lies within an object of ``size`` bytes."""
+    if byte_range.start < 0 or byte_range.length < 0 or byte_range.start + byte_range.length > size:
+        raise InvalidKeyError(
+            f"byte range start={byte_range.start} length={byte_range.length} is outside "
+            f"{key!r} of {size} bytes"
+        )
+
+
+class Storage(abc.ABC):
+    """A flat key -> bytes store. Implementations must pass tests/test_storage_contract.py."""
+
+    @property
+    @abc.abstractmethod
+    def uri(self) -> str:
+        """The URI this backend was opened with, without credentials."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` atomically and durably, replacing any existing object."""
+
+    @abc.abstractmethod
+    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+        """Return the object (or ``byte_range`` of it). Raises KeyNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size of the object in bytes. Raises KeyNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> List[str]:
+        """Every key that starts with ``prefix`` + '/' (or every key for ''), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def check_writable(self) -> None:
+        """Raise StorageError naming the location unless an object can be written and removed."""
+
+    def close(self) -> None:
+        """Release clients and connections. The default holds none."""

@@ -1,0 +1,426 @@
+"""S3-compatible backend: objects live at ``s3://bucket/prefix/key``.
+
+One boto3 client and one s3transfer ``TransferManager`` per instance, both created in the
+constructor and reused by every call (the client is thread-safe; the manager runs multipart
+uploads on its own thread pool). Endpoint, region and credentials come from boto3's standard
+chain (``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+``AWS_PROFILE``, shared config files, instance roles...); ``endpoint_url``, ``region`` and
+``profile`` override it.
+
+Retries happen at two levels: botocore retries each HTTP request (``retry_mode``,
+``request_attempts``), and every operation is retried as a whole, with exponential backoff and
+jitter, when an error that botocore gave up on is transient (5xx, throttling, dropped
+connections, checksum mismatches) -- at most ``op_attempts`` times. Anything else (AccessDenied,
+NoSuchBucket, ...) fails at once. Failures surface as StorageError naming ``s3://bucket/key``;
+credentials never appear in messages, logs, ``uri`` or ``repr``.
+
+A PUT -- single or completed multipart -- is atomic in S3: readers see the old object or the
+whole new one. A failed multipart upload is aborted (by s3transfer, and again by us in case that
+abort failed) so no parts linger.
+
+Error classification, credential redaction and the retry loop live in ``s3_errors``; the upload
+reader, body reads and multipart-upload tracking in ``s3_transfer``.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import uuid
+import zlib
+from typing import Callable, Dict, List, Optional, TypeVar
+
+from cnr.errors import ConfigError, KeyNotFoundError, StorageError
+from cnr.storage.base import Buffer, Storage, check_range, validate_key, validate_prefix
+from cnr.types import ByteRange
+
+try:
+    import boto3
+    import botocore.exceptions as bexc
+    from botocore.config import Config
+    from s3transfer.manager import TransferConfig, TransferManager
+except ImportError as _e:  # pragma: no cover - exercised only without boto3
+    raise ConfigError(
+        "s3:// storage needs boto3: install it with `pip install boto3` (or `pip install cnr`)"
+    ) from _e
+
+from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to be installed
+    NOT_FOUND_CODES,
+    describe,
+    error_code,
+    redact,
+    retrying,
+    safe_endpoint,
+    status,
+)
+from cnr.storage.s3_transfer import BufferReader, MultipartUploads, read_body  # noqa: E402
+
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+MIN_PART_SIZE = 5 * MiB  # S3's minimum size of every part but the last
+MAX_PART_SIZE = 5 * 1024 * MiB
+
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_RETRY_MODE = "standard"
+DEFAULT_REQUEST_ATTEMPTS = 5
+DEFAULT_OP_ATTEMPTS = 4
+DEFAULT_BACKOFF_BASE = 0.5
+DEFAULT_BACKOFF_MAX = 8.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_CHECKSUM = "CRC32"
+
+_RETRY_MODES = ("standard", "adaptive", "legacy")
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def validate_bucket(bucket: str) -> str:
+    """Return ``bucket`` if it is a valid S3 bucket name, else raise ConfigError."""
+    if not isinstance(bucket, str) or not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket):
+        raise ConfigError(
+            f"S3 bucket name {bucket!r} is not allowed: use 3-63 characters of lowercase letters, "
+            "digits, '.' and '-', starting and ending with a letter or digit, no '..', not an IP address"
+        )
+    return bucket
+
+
+class S3Storage(Storage):
+    """Objects are S3 objects named ``prefix/key`` in ``bucket``.
+
+    Knobs (defaults in parentheses):
+      part_size (16 MiB): multipart threshold and part size; at least 5 MiB (S3's minimum).
+      max_concurrency (8): parallel part uploads per put (also sizes the connection pool).
+      endpoint_url, region, profile (None): override boto3's standard chain.
+      retry_mode ("standard"), request_attempts (5): botocore's per-request retries
+        (``request_attempts`` counts the first try; passed as ``total_max_attempts``).
+      op_attempts (4), backoff_base (0.5 s), backoff_max (8 s): our retries of a whole
+        operation after botocore gave up on a transient error; delay before retry n is
+        ``min(backoff_max, backoff_base * 2**(n-1))`` times a jitter in [0.5, 1].
+      connect_timeout (10 s), read_timeout (60 s): per request.
+      checksum ("CRC32"): send the object's CRC32 with every put (S3 verifies it; multipart
+        uploads also carry per-part CRC32s and a FULL_OBJECT CRC32) and validate whole-object
+        reads against it. None turns S3 checksums off for stores that do not support them.
+      list_page_size (None: server default, 1000): keys per ListObjectsV2 page.
+      client (None): an existing boto3 S3 client to use instead of creating one; it is not
+        closed by ``close()``.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client=None,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        endpoint_url: Optional[str] = None,
+        region: Optional[str] = None,
+        profile: Optional[str] = None,
+        retry_mode: str = DEFAULT_RETRY_MODE,
+        request_attempts: int = DEFAULT_REQUEST_ATTEMPTS,
+        op_attempts: int = DEFAULT_OP_ATTEMPTS,
+        backoff_base: float = DEFAULT_BACKOFF_BASE,
+        backoff_max: float = DEFAULT_BACKOFF_MAX,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        checksum: Optional[str] = DEFAULT_CHECKSUM,
+        list_page_size: Optional[int] = None,
+    ) -> None:
+        self._bucket = validate_bucket(bucket)
+        self._prefix = validate_prefix(prefix)
+        _check_int("part_size", part_size, MIN_PART_SIZE, MAX_PART_SIZE)
+        _check_int("max_concurrency", max_concurrency, 1, 1024)
+        _check_int("request_attempts", request_attempts, 1, 100)
+        _check_int("op_attempts", op_attempts, 1, 100)
+        if list_page_size is not None:
+            _check_int("list_page_size", list_page_size, 1, 1000)
+        if retry_mode not in _RETRY_MODES:
+            raise ConfigError(f"retry_mode {retry_mode!r} is not allowed: use one of {_RETRY_MODES}")
+        for name, value in (("backoff_base", backoff_base), ("backoff_max", backoff_max),
+                            ("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{name} {value!r} is not allowed: give a number of seconds >= 0")
+        if checksum is not None and checksum != "CRC32":
+            raise ConfigError(f"checksum {checksum!r} is not allowed: use 'CRC32' or None")
+        self._part_size = part_size
+        self._op_attempts = op_attempts
+        self._backoff_base = float(backoff_base)
+        self._backoff_max = float(backoff_max)
+        self._checksum = checksum
+        self._list_page_size = list_page_size
+        self._closed = False
+
+        if client is None:
+            config = Config(
+                retries={"total_max_attempts": request_attempts, "mode": retry_mode},
+                max_pool_connections=max(10, max_concurrency + 2),
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                request_checksum_calculation="when_supported" if checksum else "when_required",
+                response_checksum_validation="when_supported" if checksum else "when_required",
+            )
+            try:
+                session = boto3.session.Session(profile_name=profile)
+                self._client = session.client(
+                    "s3", endpoint_url=endpoint_url, region_name=region, config=config
+                )
+            except bexc.BotoCoreError as e:
+                raise ConfigError(
+                    f"cannot create an S3 client for {self.uri}: {type(e).__name__}: "
+                    f"{redact(str(e), getattr(self, '_client', None))}"
+                ) from None
+            self._owns_client = True
+        else:
+            if endpoint_url is not None or region is not None or profile is not None:
+                raise ConfigError(
+                    "endpoint_url, region and profile are not allowed together with client: "
+                    "configure the client you pass instead"
+                )
+            self._client = client
+            self._owns_client = False
+
+        self._transfer = TransferManager(
+            self._client,
+            TransferConfig(
+                multipart_threshold=part_size,
+                multipart_chunksize=part_size,
+                max_request_concurrency=max_concurrency,
+            ),
+        )
+        self._uploads = MultipartUploads(self._client, self._bucket)
+
+    @classmethod
+    def from_uri(cls, uri: str, **kwargs) -> "S3Storage":
+        """Open ``s3://bucket[/prefix]``; keyword arguments are passed to the constructor."""
+        if not isinstance(uri, str) or not uri.startswith("s3://"):
+            raise ConfigError(f"S3 URI {uri!r} is not allowed: use s3://BUCKET[/PREFIX]")
+        rest = uri[len("s3://"):]
+        bucket, _, prefix = rest.partition("/")
+        if "@" in bucket or ":" in bucket:
+            # Never echo this part: it may hold an access key and secret.
+            raise ConfigError(
+                "S3 URI is not allowed: credentials or a port in s3://... are rejected; give "
+                "credentials through AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile, and "
+                "the endpoint through AWS_ENDPOINT_URL"
+            )
+        if "?" in rest or "#" in rest:
+            raise ConfigError(f"S3 URI {uri!r} is not allowed: query strings and fragments are rejected")
+        return cls(bucket, prefix, **kwargs)
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
+
+    @property
+    def bucket(self) -> str:
+        return self._bucket
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def client(self):
+        """The boto3 S3 client every call of this instance uses."""
+        return self._client
+
+    def __repr__(self) -> str:
+        return f"S3Storage(uri={self.uri!r}, endpoint={safe_endpoint(self._client)!r})"
+
+    def _full_key(self, key: str) -> str:
+        validate_key(key)
+        if self._closed:
+            raise StorageError(f"{self.uri} is closed")
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self._bucket}/{self._prefix}/{key}" if self._prefix else f"s3://{self._bucket}/{key}"
+
+    # -- operations -------------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        full = self._full_key(key)
+        view = memoryview(data)
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        view = view.cast("B")
+        extra: Dict[str, str] = {}
+        if self._checksum:
+            crc = zlib.crc32(view) & 0xFFFFFFFF
+            # ChecksumCRC32 makes S3 verify the whole object (FULL_OBJECT for multipart);
+            # ChecksumAlgorithm makes botocore add per-part CRC32s and is what moto records.
+            extra = {
+                "ChecksumAlgorithm": "CRC32",
+                "ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii"),
+            }
+
+        def attempt() -> None:
+            try:
+                self._transfer.upload(BufferReader(view), self._bucket, full, extra_args=extra).result()
+            except BaseException:
+                self._uploads.abort(full)
+                raise
+
+        self._uploads.begin(full)
+        try:
+            self._retrying("write", key, attempt)
+        finally:
+            self._uploads.end(full)
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+        full = self._full_key(key)
+        if byte_range is None:
+            return self._retrying("read", key, lambda: self._get_whole(full, key))
+        if byte_range.start < 0 or byte_range.length <= 0:
+            # Nothing to fetch (length 0) or nothing valid to ask for (negative): S3 cannot
+            # express an empty Range, so the size comes from a HEAD.
+            check_range(byte_range, self.size(key), key)
+            return b""
+        return self._retrying("read", key, lambda: self._get_range(full, key, byte_range))
+
+    def _get_whole(self, full: str, key: str) -> bytes:
+        kwargs = {"ChecksumMode": "ENABLED"} if self._checksum else {}
+        response = self._client.get_object(Bucket=self._bucket, Key=full, **kwargs)
+        return read_body(response)
+
+    def _get_range(self, full: str, key: str, byte_range: ByteRange) -> bytes:
+        # One ranged GET, no HEAD: the reply's Content-Range carries the object's size, so a
+        # range that runs past the end is caught from it, and one that starts past the end gets
+        # a 416 whose error names the size.
+        end = byte_range.start + byte_range.length - 1
+        try:
+            response = self._client.get_object(
+                Bucket=self._bucket, Key=full, Range=f"bytes={byte_range.start}-{end}"
+            )
+        except bexc.ClientError as e:
+            if error_code(e) != "InvalidRange" and status(e) != 416:
+                raise
+            actual = e.response.get("Error", {}).get("ActualObjectSize")
+            size = int(actual) if actual and actual.isdigit() else self.size(key)
+            check_range(byte_range, size, key)
+            raise StorageError(
+                f"cannot read {self._where(key)}: the server refused bytes {byte_range.start}-{end} "
+                f"of an object of {size} bytes"
+            ) from None
+        data = read_body(response)
+        match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
+        if response["ResponseMetadata"]["HTTPStatusCode"] == 206 and match:
+            if match.group(3) != "*":
+                check_range(byte_range, int(match.group(3)), key)
+            got_start = int(match.group(1))
+        else:
+            # The server ignored the Range header and sent the whole object.
+            check_range(byte_range, len(data), key)
+            data = data[byte_range.start : end + 1]
+            got_start = byte_range.start
+        if got_start != byte_range.start or len(data) != byte_range.length:
+            raise StorageError(
+                f"cannot read {self._where(key)}: asked for {byte_range.length} bytes at "
+                f"{byte_range.start}, got {len(data)} at {got_start}"
+            )
+        return data
+
+    def size(self, key: str) -> int:
+        full = self._full_key(key)
+        response = self._retrying("stat", key, lambda: self._head(full))
+        if response is None:
+            raise KeyNotFoundError(f"no object {key!r} in {self.uri}")
+        return int(response["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        full = self._full_key(key)
+        return self._retrying("stat", key, lambda: self._head(full)) is not None
+
+    def _head(self, full: str):
+        try:
+            return self._client.head_object(Bucket=self._bucket, Key=full)
+        except bexc.ClientError as e:
+            if status(e) == 404 or error_code(e) in NOT_FOUND_CODES:
+                return None  # a HEAD cannot tell a missing key from a missing bucket
+            raise
+
+    def list(self, prefix: str = "") -> List[str]:
+        prefix = validate_prefix(prefix)
+        if self._closed:
+            raise StorageError(f"{self.uri} is closed")
+        base = f"{self._prefix}/" if self._prefix else ""
+        s3_prefix = f"{base}{prefix}/" if prefix else base
+
+        def listing() -> List[str]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            config = {"PageSize": self._list_page_size} if self._list_page_size else {}
+            keys = []
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=s3_prefix, PaginationConfig=config):
+                for obj in page.get("Contents", ()):
+                    name = obj["Key"][len(base):]
+                    if name and not name.endswith("/"):  # skip "folder" marker objects
+                        keys.append(name)
+            return sorted(keys)
+
+        return self._retrying("list", prefix or "", listing)
+
+    def delete(self, key: str) -> None:
+        full = self._full_key(key)
+
+        def remove() -> None:
+            try:
+                self._client.delete_object(Bucket=self._bucket, Key=full)
+            except bexc.ClientError as e:
+                if error_code(e) not in NOT_FOUND_CODES:  # S3 itself answers 204 for these
+                    raise
+
+        self._retrying("delete", key, remove)
+
+    def check_writable(self) -> None:
+        probe = f".cnr-write-probe-{uuid.uuid4().hex}"
+        try:
+            self.put(probe, b"probe")
+            self.delete(probe)
+        except StorageError as e:
+            raise StorageError(
+                f"storage {self.uri} is not writable: {e}; check that the bucket exists, the "
+                "endpoint and region are right and the credentials may put and delete objects"
+            ) from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._transfer.shutdown()
+        if self._owns_client:
+            self._client.close()
+
+    # -- retries and errors ----------------------------------------------------------------
+
+    def _retrying(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        return retrying(
+            fn,
+            op=op,
+            where=self._where(key),
+            client=self._client,
+            attempts=self._op_attempts,
+            backoff_base=self._backoff_base,
+            backoff_max=self._backoff_max,
+            fail=lambda e, attempts: self._error(op, key, e, attempts),
+        )
+
+    def _error(self, op: str, key: str, e: Exception, attempts: int) -> StorageError:
+        code = error_code(e)
+        where = self._where(key) if op != "list" else f"{self.uri} (list {key!r})"
+        if op in ("read", "stat") and code in NOT_FOUND_CODES:
+            return KeyNotFoundError(f"no object {key!r} in {self.uri}")
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        return StorageError(f"cannot {op} {where}{tries}: {describe(e, self._client)}")
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} {value!r} is not allowed: give an integer from {low} to {high}")
+

@@ -1,0 +1,141 @@
+"""Shared vocabulary of cnr: frozen dataclasses and enums, no logic.
+
+Data flows through these types stage by stage:
+touched rows -> host rows -> (quantized rows) -> encoded chunk -> chunk reference -> manifest.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+RNG_PREFIX = "rng/"
+"""Tensor-name prefix of per-rank generator state: stored, but not training state (no digest,
+no coverage, not counted in a checkpoint's full fp32 size)."""
+
+
+class CheckpointKind(str, enum.Enum):
+    """What a checkpoint holds."""
+
+    FULL = "full"
+    """Every row of every table, all optimizer state, dense state: restorable on its own."""
+    INCREMENTAL = "incremental"
+    """Only rows touched since its baseline; restore needs the baseline first."""
+
+
+class CheckpointStatus(str, enum.Enum):
+    """Lifecycle of a checkpoint as seen in storage."""
+
+    COMMITTED = "committed"
+    """Its manifest exists: every rank's data was durable before the commit."""
+    UNCOMMITTED = "uncommitted"
+    """Data without a manifest: still being written, abandoned, or its writer crashed."""
+    FAILED = "failed"
+    """Its writer recorded a failure marker; it is never used for restore."""
+
+
+class Encoding(str, enum.Enum):
+    """How the values of a chunk's payload are stored."""
+
+    RAW = "raw"
+    """Little-endian values of the declared dtype, unchanged."""
+    QUANTIZED = "quantized"
+    """Row-wise quantized codes, densely bit-packed, with per-row scale and bias."""
+
+
+class ShardingKind(str, enum.Enum):
+    """torchrec sharding types a table may be placed with (planner constraint values)."""
+
+    TABLE_WISE = "table_wise"
+    """The whole table on one rank."""
+    ROW_WISE = "row_wise"
+    """Contiguous row ranges on every rank."""
+    COLUMN_WISE = "column_wise"
+    """Column ranges of the table on different ranks."""
+    TABLE_ROW_WISE = "table_row_wise"
+    """Row ranges across the ranks of one host."""
+    DATA_PARALLEL = "data_parallel"
+    """Replicated on every rank; gradients all-reduced."""
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """A range of bytes in one stored object: ``length`` bytes starting at ``start`` (both >= 0)."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardRegion:
+    """Where a local shard (or a chunk) sits inside a global tensor.
+
+    ``offsets`` and ``sizes`` have one entry per tensor dimension; dimension 0 is rows.
+    """
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A chunk as recorded in a manifest: enough to fetch, verify and place it.
+
+    Rows are either the contiguous range ``[row_start, row_start + rows)`` (``row_ids`` is False)
+    or an explicit list of global row ids stored in the chunk payload (``row_ids`` is True).
+    ``col_offset``/``cols`` give its columns for 2-D tensors (``cols`` is 0 for 1-D ones).
+    ``crc32`` covers the chunk's payload, ``nbytes`` is the chunk's exact size in bytes.
+    ``bits``/``method``: the values' bit-width and, for quantized chunks, the quantizer ("" if raw).
+    ``offset``: where the chunk starts in the object ``key``; small chunks share one object
+    (bytes ``[offset, offset + nbytes)`` of it), a large one is an object of its own (offset 0).
+    """
+
+    key: str
+    tensor: str
+    rows: int
+    row_start: int
+    row_ids: bool
+    col_offset: int
+    cols: int
+    nbytes: int
+    crc32: int
+    encoding: Encoding = Encoding.RAW
+    bits: int = 32
+    method: str = ""
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named piece of training state in its unsharded (global) form."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: its name, rows, embedding dimension and the features it serves."""
+
+    name: str
+    rows: int
+    dim: int
+    features: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as listed by ``inspect``: identity, kind and size."""
+
+    id: str
+    step: int
+    kind: CheckpointKind
+    status: CheckpointStatus
+    bits: int
+    rows: int
+    bytes: int
+    base: Optional[str] = None
+    error: Optional[str] = None
+    method: str = ""

@@ -1,0 +1,426 @@
+"""Background writer: one process per trainer rank encodes and stores checkpoint chunks.
+
+The trainer hands a ``WriteJob`` (host pieces in shared memory) to its writer and goes back to
+training. The writer splits pieces into chunks of at most ``chunk_bytes``, encodes chunk k+1
+while upload threads store chunk k, then writes the rank's index. On rank 0 it then waits until
+every rank's index exists and commits the manifest (``cnr.commit``). Results go back on a queue;
+a failure writes a marker naming the error, and the trainer carries on.
+
+The writer dies with its trainer (PR_SET_PDEATHSIG), so a killed trainer is a killed job, and
+it never opens torchrec: it needs only storage, encoding and manifests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+from cnr.commit import commit_checkpoint
+from cnr.retention import retain_checkpoints
+from cnr.config import Config
+from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
+from cnr.errors import Cancelled, CnrError
+from cnr import faults
+from cnr.faults import maybe_crash
+from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.quantize import default_method, quantize_rows
+from cnr.snapshot import HostPiece
+from cnr.state import SPARSE_OPTIM
+from cnr.tracker import table_of
+from cnr.storage import open_storage
+from cnr.storage.base import Storage
+from cnr.types import CheckpointKind, ChunkRef
+
+logger = logging.getLogger(__name__)
+
+Retain = Callable[[Storage], Dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
+
+    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
+    quantize 2-D sparse optimizer state as well.
+    """
+
+    ckpt_id: str
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    rank: int
+    world_size: int
+    pieces: List[HostPiece]
+    manifest_fields: Optional[Dict[str, Any]] = None
+    bits: int = 32
+    method: str = ""
+    optimizer_bits: int = 32
+
+
+@dataclass
+class ObjectTimes:
+    """One stored object (a chunk, or small chunks packed together): its key and size (bytes),
+    and wall-clock seconds (``time.time()``) at which the encoding of its first chunk started,
+    of its last chunk ended, and its put started and ended (0: never started). ``encodes``: each
+    of its chunks' own (start, end) encoding: a packed object's chunks are encoded between other
+    objects' chunks, so the span from first start to last end is not time spent encoding it."""
+
+    key: str
+    nbytes: int
+    encode_start: float
+    encode_end: float
+    put_start: float = 0.0
+    put_end: float = 0.0
+    encodes: Tuple[Tuple[float, float], ...] = ()
+
+
+# What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
+STATUSES = ("committed", "written", "failed", "cancelled")
+
+
+@dataclass
+class WriteResult:
+    """What the writer reports for a job. ``status``: committed, written, failed or cancelled."""
+
+    ckpt_id: str
+    status: str
+    bytes_written: int = 0
+    full_fp32_bytes: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload.Packer).
+PACK_FRACTION = 8
+
+
+def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``chunk_bytes`` each (at least one row each); one (0, 0) when empty."""
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
+
+
+def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``chunk_bytes`` each; an empty increment has none."""
+    rows = piece.data.shape[0]
+    if rows == 0 and piece.row_ids is not None:
+        return []
+    return row_blocks(rows, piece.data[0:1].numel() * piece.data.element_size() if rows else 1, chunk_bytes)
+
+
+class Uploader:
+    """Puts blobs on a thread pool, at most ``threads + 1`` in flight, so encoding overlaps uploads.
+
+    A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
+    that refuses writes costs a few requests, not one per remaining chunk. ``timeline`` records,
+    per stored object, wall-clock seconds (``time.time()``, comparable across processes) of its
+    encoding and its put, for the upload benchmark.
+    """
+
+    def __init__(self, storage: Storage, threads: int) -> None:
+        self.storage = storage
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
+        self.slots = threading.Semaphore(threads + 1)
+        self.futures: List[Future] = []
+        self.timeline: List[ObjectTimes] = []
+        self._error: Optional[BaseException] = None
+
+    def put(self, key: str, blob: bytes, encodes: Sequence[Tuple[float, float]] = ()) -> None:
+        """Queue ``blob`` for ``key``; ``encodes``: its chunks' (start, end) encoding times."""
+        self._raise_error()
+        self.slots.acquire()
+        if self._error is not None:  # a put failed while this one waited for a slot
+            self.slots.release()
+            self._raise_error()
+        span = (encodes[0][0], encodes[-1][1]) if encodes else (0.0, 0.0)
+        times = ObjectTimes(key, len(blob), *span, encodes=tuple(encodes))
+        self.timeline.append(times)
+        future = self.pool.submit(self._timed_put, times, blob)
+        future.add_done_callback(self._done)
+        self.futures.append(future)
+
+    def _timed_put(self, times: ObjectTimes, blob: bytes) -> None:
+        times.put_start = time.time()
+        self.storage.put(times.key, blob)
+        times.put_end = time.time()
+
+    def _done(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None and self._error is None:
+            self._error = future.exception()
+        self.slots.release()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            self.wait()  # let the puts in flight end before the job reports its failure
+
+    def wait(self) -> None:
+        """Block until every submitted put ended; re-raise the first error, then forget it."""
+        futures, self.futures = self.futures, []
+        error, self._error = self._error, None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - the first error is re-raised below
+                error = error or e
+        if error is not None:
+            raise error
+
+    def take_timeline(self) -> List[ObjectTimes]:
+        timeline, self.timeline = self.timeline, []
+        return timeline
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
+    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, 2-D sparse optimizer
+    state at ``job.optimizer_bits``, everything else (dense state, 1-D momentum) at 32."""
+    if piece.data.dim() != 2 or piece.data.dtype != torch.float32 or table_of(piece.name) is None:
+        return 32
+    return job.optimizer_bits if piece.name.startswith(SPARSE_OPTIM) else job.bits
+
+
+def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
+    ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
+    start = row0 + lo if ids is None else 0
+    bits = quantized_bits(job, piece)
+    if bits == 32:
+        return encode_raw_chunk(key, piece.name, piece.data[lo:hi], start, col0, row_ids=ids)
+    method = job.method if bits == job.bits and job.method else None
+    q = quantize_rows(piece.data[lo:hi], bits, method=method or default_method(bits), name=piece.name)
+    return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
+
+
+class Packer:
+    """Names each encoded chunk's object: a chunk of at least ``limit // PACK_FRACTION`` bytes is
+    an object of its own; smaller ones go back to back into shared objects of up to ``limit``
+    bytes, so small tensors and tables cost one request per object, not one per chunk."""
+
+    def __init__(self, uploader: Uploader, ckpt_id: str, rank: int, limit: int) -> None:
+        self.uploader = uploader
+        self.ckpt_id, self.rank, self.limit = ckpt_id, rank, limit
+        self.objects = 0
+        self.parts: List[bytes] = []
+        self.size = 0
+        self.key = ""
+        self.encodes: List[Tuple[float, float]] = []
+
+    def _next_key(self) -> str:
+        self.objects += 1
+        return chunk_key(self.ckpt_id, self.rank, self.objects - 1)
+
+    def add(self, blob: bytes, ref: ChunkRef, encode_start: float, encode_end: float) -> ChunkRef:
+        """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""
+        if len(blob) * PACK_FRACTION >= self.limit:
+            key = self._next_key()
+            self.uploader.put(key, blob, [(encode_start, encode_end)])
+            return dataclasses.replace(ref, key=key, offset=0)
+        if self.parts and self.size + len(blob) > self.limit:
+            self.flush()
+        if not self.parts:
+            self.key = self._next_key()
+        placed = dataclasses.replace(ref, key=self.key, offset=self.size)
+        self.parts.append(blob)
+        self.size += len(blob)
+        self.encodes.append((encode_start, encode_end))
+        return placed
+
+    def flush(self) -> None:
+        """Put the shared object being filled, if any."""
+        if self.parts:
+            self.uploader.put(self.key, b"".join(self.parts), self.encodes)
+            self.parts, self.size, self.encodes = [], 0, []
+
+
+def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
+                    cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
+    """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
+    tensors: Dict[str, TensorEntry] = {}
+    written = 0
+    packer = Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
+    maybe_crash("before_data", job.step, job.rank, cancel)
+    for i, piece in enumerate(job.pieces):
+        refs: List[ChunkRef] = []
+        row0 = piece.region.offsets[0] if piece.region.offsets else 0
+        col0 = piece.region.offsets[1] if len(piece.region.offsets) >= 2 else 0
+        for lo, hi in _blocks(piece, chunk_bytes):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
+            encode_start = time.time()
+            blob, ref = _encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
+            refs.append(packer.add(blob, ref, encode_start, time.time()))
+            written += ref.nbytes
+        have = tensors.get(piece.name)
+        tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
+                                          (have.chunks if have else ()) + tuple(refs))
+        if i == 0:
+            packer.flush()
+            uploader.wait()
+            maybe_crash("mid_data", job.step, job.rank, cancel)
+    packer.flush()
+    uploader.wait()
+    index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors)
+    blob = rank_index_to_bytes(index)
+    storage.put(rank_index_key(job.ckpt_id, job.rank), blob)
+    maybe_crash("after_data", job.step, job.rank, cancel)
+    return index, written + len(blob)
+
+
+def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
+    """Write the failure marker; return ``error``, extended when even the marker cannot be written."""
+    key = failed_key(job.ckpt_id, None if job.rank == 0 else job.rank)
+    try:
+        storage.put(key, json.dumps({"error": error, "rank": job.rank, "step": job.step}).encode())
+        return error
+    except Exception as e:  # the storage may be what failed; the trainer still gets the error
+        reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
+        logger.error("could not write the failure marker %s/%s either: %s", storage.uri, key, reason)
+        return f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})"
+
+
+def _drain(uploader: Uploader) -> None:
+    """After a failed job: let its puts in flight end, so none leaks into the next job."""
+    try:
+        uploader.wait()
+    except Exception:  # noqa: BLE001 - the job already failed with its first error
+        pass
+
+
+def die_with_parent() -> None:
+    """Call first in a background process (writer, merge): it is killed when its trainer dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    # A trainer killed while this process was still importing is gone before prctl took effect:
+    # no signal will come, and the writer would wait for jobs forever.
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
+
+
+def _run_job(storage: Storage, uploader: Uploader, config: Config, job: WriteJob, cancel) -> WriteResult:
+    start = time.perf_counter()
+    try:
+        _index, written = write_rank_data(storage, uploader, job, config.checkpoint.chunk_bytes, cancel)
+        if job.rank != 0:
+            result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
+        else:
+            manifest, manifest_bytes = commit_checkpoint(storage, job, config, cancel)
+            # stored_at: wall clock of the commit, for the time from snapshot to commit
+            extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time()}
+            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, manifest.full_fp32_bytes,
+                                 time.perf_counter() - start, extra=extra)
+    except Cancelled as e:
+        _drain(uploader)
+        error = _mark_failed(storage, job, str(e))
+        result = WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=error)
+    except Exception as e:
+        _drain(uploader)
+        error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
+        error = _mark_failed(storage, job, error)
+        result = WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+    result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    return result
+
+
+def writer_main(storage_uri: str, config: Config, jobs, results, cancel, retain: Optional[Retain] = None) -> None:
+    """Entry point of the writer process: one storage client, jobs until a None sentinel."""
+    die_with_parent()
+    faults.KILL_PARENT = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    storage = open_storage(storage_uri)
+    uploader = Uploader(storage, config.checkpoint.upload_threads)
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            result = _run_job(storage, uploader, config, job, cancel)
+            results.put(result)
+            if result.status == "committed":
+                # after the result: the trainer's next boundary does not wait for the deletes
+                if retain is None:
+                    retain_checkpoints(storage, config.checkpoint.keep_last)
+                else:
+                    retain(storage)
+    finally:
+        uploader.close()
+        storage.close()
+
+
+class Writer:
+    """The trainer's handle on its writer process: submit, poll, wait, cancel, close.
+
+    ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
+    storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
+    """
+
+    def __init__(self, storage_uri: str, config: Config, retain: Optional[Retain] = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._jobs = ctx.Queue()
+        self._results = ctx.Queue()
+        self._cancel = ctx.Event()
+        self._process = ctx.Process(target=writer_main,
+                                    args=(storage_uri, config, self._jobs, self._results, self._cancel, retain),
+                                    name="cnr-writer", daemon=True)
+        self._process.start()
+        self.in_flight: Optional[WriteJob] = None
+
+    def submit(self, job: WriteJob) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError(f"checkpoint {self.in_flight.ckpt_id} is still in flight; one at a time")
+        self._cancel.clear()
+        self.in_flight = job
+        self._jobs.put(job)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
+        """The in-flight job's result (blocking up to ``timeout`` s; None if still running)."""
+        if self.in_flight is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                result = self._results.get(timeout=0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if not self._process.is_alive():
+                    result = WriteResult(self.in_flight.ckpt_id, "failed", error=f"writer process died (exit code {self._process.exitcode})")
+                elif deadline is not None and time.monotonic() >= deadline:
+                    return None
+                else:
+                    continue
+            self.in_flight = None
+            return result
+
+    def cancel(self) -> WriteResult:
+        """Abandon the in-flight job and wait for the writer to let go of the host buffers."""
+        self._cancel.set()
+        result = self.wait()
+        self._cancel.clear()
+        return result
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._jobs.put(None)
+            self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.kill()

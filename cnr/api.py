@@ -1,0 +1,219 @@
+"""The public API: checkpoint a torchrec job's ``app_state`` from its own training loop.
+
+```python
+ckpt = cnr.Checkpointer("s3://bucket/job", {"model": dmp, "optim": opt, "sched": sched, "loader": loader},
+                        cnr.CheckpointOptions(policy="intermittent", bits=4))
+info = ckpt.restore()          # collective; None when nothing is committed
+pending = ckpt.save(step)      # collective; returns once the snapshot is taken
+info = pending.wait()          # collective; CheckpointInfo, or raises CheckpointError
+ckpt.close()                   # waits for the in-flight checkpoint, stops the background writer
+```
+
+Every rank of the default process group constructs the Checkpointer with the same options and
+calls ``restore``, ``save``, ``PendingCheckpoint.wait`` and ``close`` in the same order. Only
+``save``'s snapshot (a copy into host buffers) blocks training; a background process per rank
+encodes and stores the chunks, and rank 0's commits the manifest once every rank's are durable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from cnr.app_restore import RestoredChain, _placement, restore_app
+from cnr.app_state import AppState, TableRef, whole_tables
+from cnr.bit_width import BitWidthPlanner
+from cnr.checkpoint import ChainState, CheckpointEngine
+from cnr.errors import CheckpointError
+from cnr.manifest import Manifest, newest_committed, read_manifest
+from cnr.options import CheckpointOptions
+from cnr.policy import failure_rate
+from cnr.storage import open_storage
+from cnr.tracker import DEFAULT_VIEWS, RowTracker
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, TableSpec
+from cnr.upload import Writer
+
+logger = logging.getLogger(__name__)
+
+
+def _rank_and_world() -> tuple:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cnr.Checkpointer needs torch.distributed's default process group "
+                           "(dist.init_process_group), as torchrec's DistributedModelParallel does")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _table_spec(table: TableRef) -> TableSpec:
+    value = table.module.state_dict()[table.local_key]
+    rows, dim = tuple(value.size())[:2]
+    features = tuple(table.module._table_name_to_config[table.name].feature_names)
+    return TableSpec(table.id, int(rows), int(dim), features, _placement(table) or "data_parallel")
+
+
+class PendingCheckpoint:
+    """A checkpoint whose snapshot is taken and whose data is being written in the background."""
+
+    def __init__(self, owner: "Checkpointer", ckpt_id: str, step: int) -> None:
+        self._owner = owner
+        self.id = ckpt_id
+        self.step = step
+
+    def wait(self) -> CheckpointInfo:
+        """Block until it committed (collective); raise CheckpointError naming why it did not."""
+        return self._owner._outcome(self.id)
+
+    def __repr__(self) -> str:
+        return f"PendingCheckpoint(id={self.id!r}, step={self.step})"
+
+
+class Checkpointer:
+    """Checkpoints ``app_state`` under ``uri`` (a local path, ``file://`` or ``s3://bucket/prefix``).
+
+    ``metadata``: the application's own JSON description of the job, stored in every manifest
+    (cnr never reads it). ``views``: extra tracker views (cnr.publish uses "publish").
+    ``writer``: a background writer already started with the same uri and options (cnr train
+    starts it before building its model, so the process's imports overlap the build).
+    """
+
+    def __init__(self, uri: str, app_state: Mapping[str, Any], options: Optional[CheckpointOptions] = None,
+                 metadata: Optional[Dict[str, Any]] = None, views: tuple = (), writer: Optional[Writer] = None) -> None:
+        self.options = options if options is not None else CheckpointOptions()
+        if not isinstance(self.options, CheckpointOptions):
+            raise TypeError(f"options must be a cnr.CheckpointOptions, got {type(self.options).__name__}")
+        self.rank, self.world_size = _rank_and_world()
+        self.app = AppState(app_state, self.rank)
+        self.metadata = dict(metadata or {})
+        self.storage = open_storage(uri)
+        self.uri = self.storage.uri
+        self.storage.check_writable()
+        self.tables = [_table_spec(t) for t in self.app.tables]
+        self.tracker: Optional[RowTracker] = None
+        if self.options.policy != "full" or views:
+            self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
+            self.tracker.install()
+        self.restores = 0
+        self._outcomes: Dict[str, CheckpointInfo] = {}
+        self._recorded_bits: Optional[Dict[str, Any]] = None
+        self._start_step = 0
+        self._planner: Optional[BitWidthPlanner] = None
+        self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
+                                       writer=writer or Writer(uri, self.options))
+        self._closed = False
+
+    # ---- restore -------------------------------------------------------------------------
+
+    def newest(self) -> Optional[Manifest]:
+        """The newest committed checkpoint's manifest (rank 0 reads, every rank gets the same)."""
+        newest = newest_committed(self.storage) if self.rank == 0 else None
+        found: List[Any] = [newest.id if newest is not None else None]
+        dist.broadcast_object_list(found, src=0)
+        return read_manifest(self.storage, found[0]) if found[0] else None
+
+    def restore(self, checkpoint: Optional[str] = None) -> Optional[CheckpointInfo]:
+        """Restore the newest committed checkpoint (or ``checkpoint``, an id) into app_state.
+
+        Collective; call before the first ``save``. Returns None when nothing is committed.
+        """
+        if self.engine.stats.ids:
+            raise RuntimeError("restore() must come before the first save()")
+        manifest = read_manifest(self.storage, checkpoint) if checkpoint else self.newest()
+        if manifest is None:
+            return None
+        restored = restore_app(self.storage, manifest, self.app, self.rank, self.world_size,
+                               self.options.restore_threads)
+        self._resume_from(restored)
+        return _info(manifest)
+
+    def _resume_from(self, restored: RestoredChain) -> None:
+        m = restored.manifest
+        if self.tracker is not None:
+            self.tracker.seed("baseline", restored.increment_rows)
+        history = list(m.chain_bytes) or [c.bytes for c in restored.chain]
+        self.engine.chain = ChainState(last_full=restored.chain[0].id, last_committed=m.id, chain_bytes=history,
+                                       increments=len(restored.chain) - 1)
+        self.restores = m.counters.get("restores", 0) + 1
+        self._recorded_bits = m.bit_width
+        self._start_step = m.step
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def _bits(self, step: int):
+        if self._planner is None:
+            self._planner = BitWidthPlanner(self.options, failure_rate(self.options), self.world_size, self.restores,
+                                            self._recorded_bits, self.rank, self._start_step)
+        return self._planner.for_checkpoint(step)
+
+    def save(self, step: int) -> PendingCheckpoint:
+        """Snapshot app_state at ``step`` and write it in the background (collective).
+
+        Raises TypeError naming the key path of state that cannot be stored, before anything is
+        written (on every rank, when any rank has such state).
+        """
+        if self._closed:
+            raise RuntimeError("save() after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not allowed; it must be an integer >= 0")
+        error: Optional[str] = None
+        try:
+            pieces, app_json = self.app.collect()
+        except TypeError as e:
+            error = str(e)
+        failed = torch.tensor([1 if error else 0], dtype=torch.int64)
+        dist.all_reduce(failed)
+        if error:
+            raise TypeError(error)
+        if int(failed[0]):
+            raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
+        self.engine.bits = self._bits(step)
+        fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
+        ckpt_id = self.engine.save(step, pieces, fields, app_json)
+        return PendingCheckpoint(self, ckpt_id, step)
+
+    def _outcome(self, ckpt_id: str) -> CheckpointInfo:
+        if self.engine.stats.ids and self.engine.stats.ids[-1] == ckpt_id and ckpt_id not in self.engine.outcomes:
+            self.engine.wait()
+        outcome = self.engine.outcomes.get(ckpt_id)
+        if outcome is None:
+            raise CheckpointError(f"checkpoint {ckpt_id} was not taken by this Checkpointer")
+        if outcome.status != CheckpointStatus.COMMITTED:
+            raise CheckpointError(f"checkpoint {ckpt_id} did not commit: {outcome.error}")
+        return outcome
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the in-flight checkpoint, stop the writer (collective). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.finish()
+        finally:
+            self.storage.close()
+
+    def abort(self) -> None:
+        """Stop the writer without collectives (on an error path, other ranks may be gone)."""
+        if not self._closed:
+            self._closed = True
+            self.engine.writer.close()
+            self.storage.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _info(m: Manifest) -> CheckpointInfo:
+    return CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
+                          method=m.method)
+
+
+

@@ -1,0 +1,180 @@
+"""Restore a committed checkpoint chain into an application's state (cnr.app_state.AppState).
+
+Collective. The order: check that the checkpoint fits the application (placements, per-rank
+state at another world size) before anything is written; create optimizer state the optimizers
+make lazily (Adam's); fill every tensor from the chain (cnr.restore); then give each optimizer
+its ``param_groups`` and each Stateful object its state; last, this rank's RNG state.
+
+Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
+restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
+naming the key (a data loader's position is per rank: drop it from app_state, or restore at the
+saved world size). RNG state is restored only at the same world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from cnr.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, sharded_modules, stateful_name
+from cnr.encode import DTYPES
+from cnr.errors import CheckpointError
+from cnr.manifest import Manifest, resolve_chain
+from cnr.restore import check_no_extra_tensors, restore_chain, restore_rng
+from cnr.state import StatePiece, global_names, whole_piece
+from cnr.storage.base import Storage
+from cnr.types import TABLE_ROLES, Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoredChain:
+    """What a restore applied: the manifest, its chain (full first), rows its increments held
+    per table id, and bytes this rank read."""
+
+    manifest: Manifest
+    chain: List[Manifest]
+    increment_rows: Dict[str, torch.Tensor]
+    bytes_read: int
+
+
+def _source_rank(manifest: Manifest, key: str, rank: int, world_size: int) -> int:
+    """Whose saved state of app_state[key] this rank takes (see the module docstring)."""
+    if manifest.world_size == world_size:
+        return rank
+    states = [a.get(key) for a in manifest.app_ranks]
+    tensors = [[manifest.tensors[stateful_name(key, r, i)].chunks for i in range((s or {}).get("tensors", 0))]
+               if s else [] for r, s in enumerate(states)]
+    crcs = [[[c.crc32 for c in chunks] for chunks in per_rank] for per_rank in tensors]
+    if any(s != states[0] for s in states) or any(c != crcs[0] for c in crcs):
+        raise CheckpointError(
+            f"app_state[{key!r}] saved a different state on each of {manifest.world_size} ranks in checkpoint "
+            f"{manifest.id}; it cannot be given to {world_size} ranks. Restore at world size {manifest.world_size}, "
+            f"or leave {key!r} out of app_state for this restore")
+    return 0
+
+
+def check_placements(manifest: Manifest, app: AppState) -> None:
+    """Fail before anything is written when a table moved between data-parallel and sharded
+    placements and its optimizer state cannot follow (dense optimizer state on one side, fused
+    table state on the other)."""
+    saved = {t.name: t.placement for t in manifest.tables}
+    now = {t.id: _placement(t) for t in app.tables}
+    for table, placement in now.items():
+        before = saved.get(table, "")
+        if not before or not placement or (before == "data_parallel") == (placement == "data_parallel"):
+            continue
+        had_fused = any(e.role == Role.TABLE_STATE and e.table == table for e in manifest.tensors.values())
+        param = table.replace("/", ".", 1)
+        had_dense = any(e.role == Role.OPTIMIZER and name.split("/")[1] == param for name, e in manifest.tensors.items())
+        if had_fused or had_dense:
+            raise CheckpointError(
+                f"table {table!r} was {before} in checkpoint {manifest.id} but is {placement} now, and its optimizer "
+                f"state ({'fused table state' if had_fused else 'dense optimizer state'}) cannot move to the other "
+                "placement's optimizer. Give the table the same placement as when it was saved, e.g. torchrec "
+                f"ParameterConstraints(sharding_types=['{before}']) for it in the planner")
+
+
+def _placement(table) -> str:
+    plan = getattr(table.module, "module_sharding_plan", None) or {}
+    sharding = plan.get(table.name)
+    return str(getattr(sharding, "sharding_type", "") or "")
+
+
+def _prepare_optimizers(manifest: Manifest, app: AppState) -> None:
+    """Create optimizer state tensors the checkpoint has and the optimizer has not made yet."""
+    for key, kind in app.kinds.items():
+        if kind != OPTIMIZER:
+            continue
+        opt = app.objects[key]
+        params = dict(app.optimizer_params(opt))
+        for name, entry in manifest.tensors.items():
+            if entry.role != Role.OPTIMIZER or not name.startswith(key + "/"):
+                continue
+            param_name, state_key = name[len(key) + 1:].rsplit("/", 1)
+            param = params.get(param_name)
+            if param is None:
+                raise CheckpointError(f"checkpoint {manifest.id} has state of app_state[{key!r}] for parameter "
+                                      f"{param_name!r}, which that optimizer does not hold now")
+            state = opt.state[param]
+            if state_key not in state:
+                shape = tuple(entry.shape)
+                state[state_key] = torch.zeros(shape, dtype=DTYPES[entry.dtype], device=param.device if shape else "cpu")
+
+
+def _stateful_targets(manifest: Manifest, app: AppState, rank: int, world_size: int) -> Dict[str, Tuple[int, List[StatePiece]]]:
+    """key -> (source rank, fresh tensors to restore its saved tensors into)."""
+    out = {}
+    for key, kind in app.kinds.items():
+        if kind != STATEFUL:
+            continue
+        if not manifest.app_ranks or key not in manifest.app_ranks[0]:
+            raise CheckpointError(f"checkpoint {manifest.id} holds no state of app_state[{key!r}] (it holds "
+                                  f"{sorted(manifest.app_ranks[0]) if manifest.app_ranks else []})")
+        src = _source_rank(manifest, key, rank, world_size)
+        pieces = []
+        for i in range(manifest.app_ranks[src][key].get("tensors", 0)):
+            name = stateful_name(key, src, i)
+            entry = manifest.tensors[name]
+            pieces.append(whole_piece(name, torch.empty(tuple(entry.shape), dtype=DTYPES[entry.dtype]), Role.STATEFUL,
+                                      replicated=False))
+        out[key] = (src, pieces)
+    return out
+
+
+def _set_groups(groups: List[Dict[str, Any]], saved: List[Any], where: str) -> None:
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{where} had {len(saved)} param_groups when saved, {len(groups)} now")
+    for group, values in zip(groups, saved):
+        group.update({k: v for k, v in decode_tree(values, []).items() if k != "params"})
+
+
+def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int, List[StatePiece]]],
+                rank: int, world_size: int) -> None:
+    for key, kind in app.kinds.items():
+        obj = app.objects[key]
+        if kind == STATEFUL:
+            src, pieces = targets[key]
+            obj.load_state_dict(decode_tree(manifest.app_ranks[src][key]["state"], [p.tensor for p in pieces]))
+            continue
+        saved = manifest.app_ranks[rank if manifest.world_size == world_size else 0].get(key) if manifest.app_ranks else None
+        if saved is None:
+            continue  # version 1 stored no param_groups
+        if kind == OPTIMIZER:
+            _set_groups(obj.param_groups, saved["param_groups"], f"app_state[{key!r}]")
+            params = dict(app.optimizer_params(obj))
+            for name, states in saved.get("state", {}).items():
+                if name in params:
+                    obj.state[params[name]].update({k: decode_tree(v, []) for k, v in states.items()})
+        elif kind == MODULE:
+            fused = saved.get("fused_param_groups", {})
+            for path, sharded in sharded_modules(obj):
+                if path in fused and getattr(sharded, "fused_optimizer", None) is not None:
+                    _set_groups(sharded.fused_optimizer.param_groups, fused[path], f"the fused optimizer of {path!r}")
+
+
+def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,
+                threads: int = 1) -> RestoredChain:
+    """Restore ``manifest`` (and the chain it needs) into ``app`` on this rank (collective)."""
+    chain = resolve_chain(storage, manifest)
+    check_placements(manifest, app)
+    targets = _stateful_targets(manifest, app, rank, world_size)
+    _prepare_optimizers(manifest, app)
+    pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
+    check_no_extra_tensors(manifest, global_names(pieces))
+    pieces += [p for _src, stateful in targets.values() for p in stateful]
+    nbytes, rows = restore_chain(storage, chain, pieces, threads)
+    _apply_json(manifest, app, targets, rank, world_size)
+    restore_rng(storage, manifest, rank, world_size)
+    logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank %d)",
+                manifest.id, manifest.step, len(chain), nbytes, rank)
+    return RestoredChain(manifest, chain, rows, nbytes)
+
+
+def table_roles_present(manifest: Manifest) -> bool:
+    """Whether the checkpoint stores any table (an increment needs a tracker to extend it)."""
+    return any(e.role in TABLE_ROLES for e in manifest.tensors.values())

@@ -1,0 +1,101 @@
+"""``CheckpointOptions``: every knob of a checkpoint engine, validated when constructed.
+
+The same rules as the ``checkpoint`` section of ``cnr train``'s config (cnr.config.validate);
+an error names the option as ``CheckpointOptions.<name>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Union
+
+from cnr.errors import ConfigError
+
+
+class OptionsError(ConfigError, ValueError):
+    """A CheckpointOptions value is not allowed (a ValueError too, as Python APIs raise)."""
+
+
+def _default_failures():
+    from cnr.config import FailureConfig
+
+    return FailureConfig()
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How checkpoints are taken, stored and kept. Times in seconds, sizes in bytes.
+
+    - ``policy``: "full", "one_shot", "consecutive" or "intermittent" (full baseline when the
+      history predictor expects it to pay off; cnr.policy).
+    - ``bits``: embedding rows stored at 2, 3, 4, 8 bits (row-wise quantized) or 32 (exact);
+      ``quant_method``: "adaptive", "naive", "symmetric" or "" (the width's default);
+      ``optimizer_bits``: 32, or 8 to quantize 2-D fused optimizer state too.
+    - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
+      ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
+    - ``keep_last``: committed checkpoints kept after each commit with what their chains need
+      (0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
+    - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``restore_threads``: concurrent
+      puts per writer / objects fetched at once per rank on restore.
+    - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
+      ``commit_timeout_s``: how long rank 0 waits for every rank's data.
+    """
+
+    policy: str = "intermittent"
+    bits: int = 32
+    quant_method: str = ""
+    optimizer_bits: int = 32
+    bit_policy: str = "fixed"
+    failures: Any = field(default_factory=_default_failures)
+    expected_steps: int = 0
+    keep_last: int = 2
+    merge_every: int = 0
+    chunk_bytes: int = 16 * 1024 * 1024
+    upload_threads: int = 2
+    restore_threads: int = 2
+    on_overlap: str = "wait"
+    commit_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        from cnr.config import CheckpointConfig, FailureConfig, _build, validate_checkpoint
+
+        if isinstance(self.failures, Mapping):
+            try:
+                object.__setattr__(self, "failures", _build(FailureConfig, dict(self.failures), "checkpoint.failures"))
+            except ConfigError as e:
+                raise OptionsError(_rename(str(e))) from None
+        if not isinstance(self.failures, FailureConfig):
+            raise OptionsError(f"CheckpointOptions.failures = {self.failures!r:.80} is not allowed; give a "
+                               "cnr.config.FailureConfig or a dict of its fields")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = {"int": int, "float": (int, float), "str": str}.get(str(f.type))
+            if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+                raise OptionsError(f"CheckpointOptions.{f.name} = {value!r:.80} is not allowed; it must be {f.type}")
+        if self.bit_policy == "failures" and self.expected_steps < 1:
+            raise OptionsError(f"CheckpointOptions.expected_steps = {self.expected_steps} is not allowed with "
+                               "bit_policy 'failures'; it must be the job's length in steps (>= 1)")
+        section = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "expected_steps"}
+        try:
+            validate_checkpoint(CheckpointConfig(**section))
+        except ConfigError as e:
+            raise OptionsError(_rename(str(e))) from None
+
+    @classmethod
+    def from_config(cls, section: Any, expected_steps: int = 0) -> "CheckpointOptions":
+        """The options of a ``cnr train`` config's checkpoint section (cnr.config.CheckpointConfig)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: Dict[str, Any] = {k: v for k, v in dataclasses.asdict(section).items() if k in names}
+        values["failures"] = section.failures
+        return cls(**values, expected_steps=expected_steps)
+
+    def to_dict(self) -> Dict[str, Union[str, int, float, Dict]]:
+        return dataclasses.asdict(self)
+
+
+def _rename(message: str) -> str:
+    """A config error's wording for the options: ``config key 'checkpoint.bits'`` -> ``CheckpointOptions.bits``."""
+    message = re.sub(r"config key 'checkpoint\.([\w.]+)'", r"CheckpointOptions.\1", message)
+    return re.sub(r"\bcheckpoint\.(\w+)", r"CheckpointOptions.\1", message)
