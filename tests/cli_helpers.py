@@ -58,3 +58,13 @@ def write_tsv(path, lines: int, seed: int) -> None:
             dense = [str(rng.randint(-2, 500)) if rng.random() > 0.1 else "" for _ in range(13)]
             cats = [format(rng.getrandbits(32), "08x") if rng.random() > 0.05 else "" for _ in range(5)]
             f.write("\t".join([str(int(rng.random() < 0.3))] + dense + cats) + "\n")
+
+
+def table_of(name: str):
+    """The table id (its weight's stored name) a stored tensor name belongs to, else None: the
+    weight ``model/...embedding_bags.<t>.weight`` itself, or its fused state ``<weight>/<key>``."""
+    weight = name.split("/")[0] + "/" + name.split("/")[1] if name.count("/") >= 1 else name
+    parts = weight.split(".")
+    if weight.endswith(".weight") and len(parts) >= 3 and parts[-3] in ("embedding_bags", "embeddings"):
+        return weight
+    return None

@@ -15,7 +15,7 @@ from cnr.merge import _encoding_of, merge_chain
 from cnr.restore import restore_chain
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
-from cnr.tracker import table_of
+from cli_helpers import table_of
 from cnr.types import ChunkRef, Encoding, ShardRegion
 
 CONSECUTIVE = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10",

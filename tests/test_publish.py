@@ -19,7 +19,7 @@ from cnr.restore import restore_chain
 from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.subscribe import Subscriber
-from cnr.tracker import table_of
+from cli_helpers import table_of
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, ShardRegion
 
 C, U = CheckpointStatus.COMMITTED, CheckpointStatus.UNCOMMITTED

@@ -31,10 +31,11 @@ from cnr.launch import launch
 from cnr.manifest import manifest_key, read_manifest
 from cnr.parallel import build_sharded_model
 from cnr.publish import make_publisher
-from cnr.state import MODEL, collect_state, gather_global
+from cnr.app_state import collect_state
+from cnr.state import gather_global
 from cnr.storage.local import LocalStorage
 from cnr.subscribe import Subscriber, committed_publishes
-from cnr.tracker import table_of
+from cli_helpers import table_of
 
 SETTINGS = ["checkpoint.enabled=false", "publish.enabled=true", "publish.bits=32", "publish.interval=10",
             "publish.full_every=3", "publish.dense_interval=20", "publish.keep_bases=0"]
@@ -60,7 +61,7 @@ def _watch(model: InferenceModel, uri: str, stop: threading.Event, seen: Dict[in
 
 
 def _make_history(rank: int, world_size: int, arg: Dict) -> Dict:
-    from cnr.train import _train_step
+    from cnr.parallel import train_step
 
     config = load_config(TINY, SETTINGS + [f"publish.storage={arg['store']}"])
     sharded = build_sharded_model(config, torch.device("cpu"))
@@ -75,14 +76,14 @@ def _make_history(rank: int, world_size: int, arg: Dict) -> Dict:
     state: Dict[str, torch.Tensor] = {}
     try:
         for step in range(1, config.train.steps + 1):
-            _train_step(sharded, reader.next_batch())
+            train_step(sharded, reader.next_batch())
             if publisher.due(step):
                 pieces = collect_state(sharded.model, sharded.dense_optimizer)
                 publisher.publish(step, pieces)
                 publisher.wait()
                 # what a subscriber should hold now: today's tables, the dense of the last dense publish
                 dense = publisher.stats.records[-1]["dense"]
-                names = sorted({p.name for p in pieces if p.name.startswith(MODEL)})
+                names = sorted({p.name for p in pieces if p.name.startswith("model/") and "/" not in p.name[6:]})
                 state.update({n: gather_global(pieces, n) for n in names if dense or table_of(n) is not None})
                 torch.save(state, os.path.join(arg["dir"], f"expected-{publisher.chain.seq}.pt"))
                 expected[publisher.chain.seq] = digest(state)

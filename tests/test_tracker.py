@@ -15,10 +15,11 @@ from cnr.config import load_config
 from cnr.data import make_reader
 from cnr.errors import ConfigError
 from cnr.launch import launch
-from cnr.parallel import build_sharded_model, check_incremental_safe
-from cnr.state import collect_state
-from cnr.tracker import RowTracker, set_bits, set_bits_torch, table_of
-from cnr.train import _train_step
+from cnr.parallel import build_sharded_model
+from cnr.app_state import collect_state
+from cnr.tracker import RowTracker, set_bits, set_bits_torch
+from cli_helpers import table_of
+from cnr.parallel import train_step
 
 TABLES = ("[{name: t0, rows: 4000, features: [f0], sharding_types: [row_wise]},"
           " {name: t1, rows: 2000, features: [f1, f2], sharding_types: [table_row_wise]},"
@@ -62,7 +63,7 @@ def _worker(rank, world_size, arg):
     before = [type(p)(p.name, p.global_shape, p.region, p.tensor.clone(), p.replicated) for p in before]
     reader = make_reader(config, rank, world_size, None, "train")
     for _ in range(STEPS):
-        _train_step(sharded, reader.next_batch())
+        train_step(sharded, reader.next_batch())
         mdt.step()
     tracker.fold()
     after = collect_state(sharded.model, sharded.dense_optimizer)
@@ -160,14 +161,6 @@ def test_set_bits_in_many_selection_blocks_against_a_python_set():
     ids = (16000 * rng.random(20000) ** 2).astype(np.int64)  # 5 blocks, many repeated bytes
     set_bits(bits, ids)
     assert np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist() == sorted(set(ids.tolist()))
-
-
-def test_incremental_refused_when_optimizer_changes_untouched_rows():
-    config = load_config(TINY, ["model.tables=" + TABLES, "train.dense_optimizer=adam"])
-    with pytest.raises(ConfigError, match="data_parallel.*adam"):
-        check_incremental_safe(config)
-    check_incremental_safe(load_config(TINY, ["model.tables=" + TABLES, "train.dense_optimizer=adam",
-                                              "checkpoint.policy=full"]))
 
 
 def _ec_worker(rank, world_size, arg):

@@ -23,7 +23,8 @@ from typing import Any, Dict, List
 import torch
 
 from cnr.bench.common import ROOT, argv_list, base_parser, load
-from cnr.checkpoint import Checkpointer
+from cnr.checkpoint import CheckpointEngine
+from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
 from cnr.evaluate import evaluate
@@ -31,9 +32,9 @@ from cnr.launch import launch
 from cnr.manifest import read_manifest, resolve_chain
 from cnr.parallel import build_sharded_model
 from cnr.restore import restore_chain
-from cnr.state import collect_state
+from cnr.app_state import collect_state
 from cnr.storage import open_storage
-from cnr.train import _train_step
+from cnr.parallel import train_step
 
 ACCURACY_CONFIG = os.path.join(ROOT, "configs", "accuracy.yaml")
 
@@ -53,13 +54,13 @@ def _run(config: Config, bits: int, failures: List[int], workdir: str) -> Dict[s
     sharded = build_sharded_model(cfg, torch.device("cpu"))
     reader = make_reader(cfg, 0, 1, None, "train")
     uri = os.path.join(workdir, f"seed{cfg.train.seed}-b{bits}-k{len(failures)}")  # one job, one location
-    ckpt = Checkpointer(uri, cfg, 0, 1) if failures else None
+    ckpt = CheckpointEngine(uri, CheckpointOptions.from_config(cfg.checkpoint), 0, 1) if failures else None
     storage = open_storage(uri)
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
-        _train_step(sharded, reader.next_batch())
+        train_step(sharded, reader.next_batch())
         if ckpt is not None and step in failures:
-            ckpt_id = ckpt.save(step, collect_state(sharded.model, sharded.dense_optimizer), reader.cursor(), {"step": step})
+            ckpt_id = ckpt.save(step, collect_state(sharded.model, sharded.dense_optimizer))
             ckpt.wait()
             manifest = read_manifest(storage, ckpt_id)
             # a failure right after this checkpoint: the state training resumes from is the stored one

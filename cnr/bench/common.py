@@ -33,13 +33,13 @@ def load(args: argparse.Namespace) -> Config:
 
 def trained_model(config: Config, rank: int, world_size: int, steps: int) -> ShardedModel:
     """A sharded model after ``steps`` training steps, so optimizer state is populated."""
-    from cnr.train import _train_step
+    from cnr.parallel import train_step
 
     device = torch.device("cpu")
     sharded = build_sharded_model(config, device)
     reader = make_reader(config, rank, world_size, None, split="train")
     for _ in range(steps):
-        _train_step(sharded, to_device(reader.next_batch(), device))
+        train_step(sharded, to_device(reader.next_batch(), device))
     return sharded
 
 

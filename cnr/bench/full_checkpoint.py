@@ -17,21 +17,22 @@ from typing import Any, Dict, List
 import torch.distributed.checkpoint as dcp
 
 from cnr.bench.common import argv_list, base_parser, dir_bytes, load, ratio, trained_model
-from cnr.checkpoint import Checkpointer
+from cnr.checkpoint import CheckpointEngine
+from cnr.options import CheckpointOptions
 from cnr.launch import launch
-from cnr.state import collect_state
+from cnr.app_state import collect_state
 
 
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     config, workdir = arg["config"], arg["workdir"]
     sharded = trained_model(config, rank, world_size, steps=arg["warmup_steps"])
     full = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, policy="full"))
-    ckpt = Checkpointer(os.path.join(workdir, "cnr"), full, rank, world_size)
+    ckpt = CheckpointEngine(os.path.join(workdir, "cnr"), CheckpointOptions.from_config(full.checkpoint), rank, world_size)
     cnr_stalls: List[float] = []
     snaps: List[float] = []
     for i in range(2):
         before = (ckpt.stats.stall_seconds, ckpt.stats.snapshot_seconds)
-        ckpt.save(100 + i, collect_state(sharded.model, sharded.dense_optimizer), {}, {"step": 100 + i})
+        ckpt.save(100 + i, collect_state(sharded.model, sharded.dense_optimizer))
         cnr_stalls.append(ckpt.stats.stall_seconds - before[0])
         snaps.append(ckpt.stats.snapshot_seconds - before[1])
         ckpt.wait()  # the next save must not count this one's background write as its stall

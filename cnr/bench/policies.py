@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from cnr.bench.common import argv_list, base_parser
-from cnr.checkpoint import Checkpointer
+from cnr.checkpoint import CheckpointEngine
+from cnr.options import CheckpointOptions
 from cnr.config import Config, FailureConfig, load_config
 from cnr.data import make_reader, to_device
 from cnr.errors import ConfigError
@@ -41,7 +42,7 @@ from cnr.parallel import build_sharded_model
 from cnr.policy import choose_bits
 from cnr.report import collect
 from cnr.snapshot import HostBuffers
-from cnr.state import collect_state
+from cnr.app_state import collect_state
 from cnr.storage import open_storage
 from cnr.tracker import Captured, RowTracker
 
@@ -69,6 +70,9 @@ class CellTracker:
     def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
         return self.shared.rows(bits, table)
 
+    def capture_rows(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
+        return self.shared.capture_rows(bits)
+
 
 def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
     return [(p, b) for p in policies for b in bits]
@@ -76,7 +80,7 @@ def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
 
 def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     """Train once; every cell checkpoints at every boundary. Returns per-cell summaries."""
-    from cnr.train import _train_step
+    from cnr.parallel import train_step
 
     config: Config = arg["config"]
     cells = [f"{p}-{b}" for p, b in arg["cells"]]
@@ -87,20 +91,20 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     ckpts = {}
     for (policy, bits), cell in zip(arg["cells"], cells):
         c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed")
-        ckpt = Checkpointer(os.path.join(arg["workdir"], cell), dataclasses.replace(config, checkpoint=c), rank,
-                            world_size, CellTracker(tracker, cell))
+        ckpt = CheckpointEngine(os.path.join(arg["workdir"], cell), CheckpointOptions.from_config(c), rank,
+                                world_size, CellTracker(tracker, cell))
         ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
         ckpts[cell] = ckpt
     reader = make_reader(config, rank, world_size, None, split="train")
     start, train_seconds = time.perf_counter(), 0.0
     for step in range(1, arg["steps"] + 1):
         t0 = time.perf_counter()
-        _train_step(sharded, to_device(reader.next_batch(), torch.device("cpu")))
+        train_step(sharded, to_device(reader.next_batch(), torch.device("cpu")))
         train_seconds += time.perf_counter() - t0
         if step % config.checkpoint.interval == 0:
             pieces = collect_state(sharded.model, sharded.dense_optimizer)
             for ckpt in ckpts.values():
-                ckpt.save(step, pieces, reader.cursor(), {"step": step, "samples": 0, "restores": 0})
+                ckpt.save(step, pieces)
                 ckpt.wait()
     for ckpt in ckpts.values():
         ckpt.finish()

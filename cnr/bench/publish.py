@@ -44,7 +44,7 @@ from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.parallel import build_sharded_model
 from cnr.publish import make_publisher
-from cnr.state import MODEL, collect_state
+from cnr.app_state import collect_state
 
 STORES = ("local", "s3")
 DEFAULTS = ["checkpoint.enabled=false", "publish.interval=25", "publish.full_every=4", "publish.dense_interval=100"]
@@ -52,12 +52,12 @@ DEFAULTS = ["checkpoint.enabled=false", "publish.interval=25", "publish.full_eve
 
 def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``arg['steps']`` steps, publishing when the config says so; time every publish call."""
-    from cnr.train import _train_step
+    from cnr.parallel import train_step
 
     config: Config = arg["config"]
     sharded = build_sharded_model(config, torch.device("cpu"))
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
-    model_bytes = sum(4 * p.tensor.numel() for p in pieces if p.name.startswith(MODEL))
+    model_bytes = sum(4 * p.tensor.numel() for p in pieces if p.name.startswith("model/") and "/" not in p.name[6:])
     publisher = make_publisher(arg["storage"], config, rank, world_size, sharded.model, None)
     reader = make_reader(config, rank, world_size, None, split="train")
     calls: List[Any] = []  # (seconds blocked, publish id or None when skipped) per publish call
@@ -66,7 +66,7 @@ def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     start = time.perf_counter()
     for step in range(1, arg["steps"] + 1):
         t0 = time.perf_counter()
-        _train_step(sharded, reader.next_batch())
+        train_step(sharded, reader.next_batch())
         step_seconds.append(time.perf_counter() - t0)
         if publisher is not None and publisher.due(step):
             t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from cnr.data import make_reader, open_source
 from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.parallel import build_sharded_model
-from cnr.train import _train_step
+from cnr.parallel import train_step
 
 
 def write_criteo_tsv(path: str, lines: int, num_dense: int, num_features: int, seed: int) -> None:
@@ -59,7 +59,7 @@ def _step_times(config: Config, processes: int, rounds: int, block: int, warmup:
         for mode, source in sources.items():  # warm-up: reader start-up and first steps
             source.grant(warmup)
             for _ in range(warmup):
-                _train_step(sharded, source.next_batch())
+                train_step(sharded, source.next_batch())
             source.collect()
         for _round in range(rounds):
             for mode, source in sources.items():
@@ -68,7 +68,7 @@ def _step_times(config: Config, processes: int, rounds: int, block: int, warmup:
                     start = time.perf_counter()
                     batch = source.next_batch()
                     got = time.perf_counter()
-                    _train_step(sharded, batch)
+                    train_step(sharded, batch)
                     times[mode].append(time.perf_counter() - start)
                     waits[mode].append(got - start)
                 source.collect()

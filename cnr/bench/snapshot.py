@@ -24,14 +24,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cnr.bench.common import argv_list, base_parser, load, ratio
-from cnr.checkpoint import Checkpointer
+from cnr.checkpoint import CheckpointEngine
+from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
 from cnr.launch import launch
 from cnr.parallel import build_sharded_model
-from cnr.state import collect_state
+from cnr.app_state import collect_state
 from cnr.tracker import RowTracker
-from cnr.train import _train_step
+from cnr.parallel import train_step
 
 
 def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
@@ -55,20 +56,21 @@ class _Run:
         self.tracker = RowTracker(self.sharded.model) if track else None
         if self.tracker is not None:
             self.tracker.install()
-        self.ckpt = Checkpointer(os.path.join(workdir, name), config, 0, 1, self.tracker)
+        self.ckpt = CheckpointEngine(os.path.join(workdir, name), CheckpointOptions.from_config(config.checkpoint), 0, 1,
+                                     self.tracker)
         self.step = 0
         self.interval = config.checkpoint.interval
 
     def train_interval(self) -> None:
         for _ in range(self.interval):
-            _train_step(self.sharded, self.reader.next_batch())
+            train_step(self.sharded, self.reader.next_batch())
         self.step += self.interval
 
     def checkpoint(self) -> Dict[str, Any]:
         """Save at the current step, wait for the commit, report that one checkpoint."""
         s = self.ckpt.stats
         before = s.stall_seconds
-        self.ckpt.save(self.step, collect_state(self.sharded.model, self.sharded.dense_optimizer), {}, {"step": self.step})
+        self.ckpt.save(self.step, collect_state(self.sharded.model, self.sharded.dense_optimizer))
         stall = s.stall_seconds - before
         written_before = s.bytes_written
         self.ckpt.wait()

@@ -22,7 +22,7 @@ from cnr.data import make_reader
 from cnr.launch import launch
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.tracker import RowTracker
-from cnr.train import _train_step
+from cnr.parallel import train_step
 from cnr.readers import SyntheticReader, TsvReader
 
 
@@ -51,7 +51,7 @@ def _continuous_hook_seconds(sharded: ShardedModel, reader: Union[SyntheticReade
     timed = _TimedTracker(tracker)
     _set_hook(modules, timed)
     for step in range(1, steps + 1):
-        _train_step(sharded, reader.next_batch())
+        train_step(sharded, reader.next_batch())
         if step % interval == 0:
             tracker.fold()
     _set_hook(modules, None)
@@ -74,7 +74,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     if not arg["mdt"]:
         del modes["mdt"]
     for _ in range(arg["warmup"]):
-        _train_step(sharded, reader.next_batch())
+        train_step(sharded, reader.next_batch())
     times: Dict[str, List[float]] = {m: [] for m in modes}
     cnr_steps = 0
     for _round in range(arg["rounds"]):
@@ -83,7 +83,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
             for _ in range(arg["block"]):
                 batch = reader.next_batch()
                 start = time.perf_counter()
-                _train_step(sharded, batch)
+                train_step(sharded, batch)
                 times[mode].append(time.perf_counter() - start)
                 if mode == "mdt":
                     mdt.step()

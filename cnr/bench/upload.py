@@ -34,7 +34,8 @@ import torch
 from cnr.bench.common import argv_list, base_parser, load, ratio
 from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
-from cnr.checkpoint import Checkpointer
+from cnr.checkpoint import CheckpointEngine
+from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
 from cnr.errors import ConfigError
@@ -42,11 +43,12 @@ from cnr.launch import launch
 from cnr.manifest import checkpoint_prefix, manifest_key, newest_committed, rank_index_key, resolve_chain
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.restore import restore_chain
-from cnr.state import StatePiece, collect_state
+from cnr.app_state import collect_state
+from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
-from cnr.train import _train_step
+from cnr.parallel import train_step
 from cnr.upload import Uploader
 
 BACKENDS = ("s3", "local")
@@ -65,16 +67,16 @@ class _Model:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            _train_step(self.sharded, self.reader.next_batch())
+            train_step(self.sharded, self.reader.next_batch())
         self.step += steps
 
     def state(self) -> List[StatePiece]:
         return collect_state(self.sharded.model, self.sharded.dense_optimizer)
 
-    def checkpoint(self, ckpt: Checkpointer) -> Dict[str, Any]:
+    def checkpoint(self, ckpt: CheckpointEngine) -> Dict[str, Any]:
         """Save at the current step and wait for the commit; report the writer's result."""
         self.step += 1  # ids are per step: every checkpoint gets its own
-        ckpt.save(self.step, self.state(), {}, {"step": self.step})
+        ckpt.save(self.step, self.state())
         snapshot_end = time.time()
         ckpt.wait()
         result = ckpt.last_result
@@ -113,7 +115,7 @@ def _raw_put_seconds(uri: str, sizes: List[int], threads: int) -> float:
 def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
     """Steady-state fp32 full checkpoints vs plain puts of the same objects, ``repeats`` times each."""
     config = _with_checkpoint(model.config, policy="full", bits=32, optimizer_bits=32)
-    ckpt = Checkpointer(f"{uri}/fp32", config, 0, 1)
+    ckpt = CheckpointEngine(f"{uri}/fp32", CheckpointOptions.from_config(config.checkpoint), 0, 1)
     storage = open_storage(f"{uri}/fp32")
     rows = []
     try:
@@ -145,7 +147,7 @@ def _train_until_touched(model: _Model, fraction: float, max_steps: int) -> int:
 def _chain(model: _Model, uri: str, bits: int, touched: float) -> Dict[str, Any]:
     """A ``bits``-bit full baseline, training until ``touched`` of the rows moved, its increment."""
     config = _with_checkpoint(model.config, policy="one_shot", bits=bits)
-    ckpt = Checkpointer(uri, config, 0, 1, model.tracker)
+    ckpt = CheckpointEngine(uri, CheckpointOptions.from_config(config.checkpoint), 0, 1, model.tracker)
     try:
         base = model.checkpoint(ckpt)
         steps = _train_until_touched(model, touched, 10 * model.config.checkpoint.interval)
