@@ -151,10 +151,21 @@ def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int,
                 if name in params:
                     obj.state[params[name]].update({k: decode_tree(v, []) for k, v in states.items()})
         elif kind == MODULE:
-            fused = saved.get("fused_param_groups", {})
             for path, sharded in sharded_modules(obj):
-                if path in fused and getattr(sharded, "fused_optimizer", None) is not None:
-                    _set_groups(sharded.fused_optimizer.param_groups, fused[path], f"the fused optimizer of {path!r}")
+                if getattr(sharded, "fused_optimizer", None) is not None:
+                    groups = _fused_groups(manifest, key, path, rank, world_size, len(sharded.fused_optimizer.param_groups))
+                    if groups is not None:
+                        _set_groups(sharded.fused_optimizer.param_groups, groups, f"the fused optimizer of {path!r}")
+
+
+def _fused_groups(manifest: Manifest, key: str, path: str, rank: int, world_size: int, count: int):
+    """The saved param_groups of a sharded module's fused optimizer for this rank. How many
+    groups a rank's fused optimizer has follows its shards, so at another world size the first
+    rank that saved as many groups as this one has now is taken."""
+    saved = [a.get(key, {}).get("fused_param_groups", {}).get(path) for a in manifest.app_ranks]
+    if manifest.world_size == world_size:
+        return saved[rank]
+    return next((g for g in saved if g is not None and len(g) == count), None)
 
 
 def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,

@@ -13,18 +13,20 @@ from cnr.manifest import (
     parse_manifest,
 )
 from cnr.storage.local import LocalStorage
-from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, TableSpec
+from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpec
 
 
 def _manifest(ckpt_id="0000000010-abcd1234", key=None, step=10) -> Manifest:
     key = key or f"checkpoints/{ckpt_id}/rank-00000/chunk-000000.bin"
     chunk = ChunkRef(key=key, tensor="model/x.embedding_bags.t0.weight", rows=4, row_start=0, row_ids=False,
                      col_offset=0, cols=2, nbytes=100, crc32=7)
+    weight = "model/x.embedding_bags.t0.weight"
     return Manifest(
-        id=ckpt_id, step=step, kind=CheckpointKind.FULL, base=None, world_size=2, created_unix=1.5, arch="dlrm",
-        tables=(TableSpec("t0", 4, 2, ("f0",)),), sparse_optimizer="rowwise_adagrad", dense_optimizer="adagrad",
-        tensors={"model/x.embedding_bags.t0.weight": TensorEntry((4, 2), "float32", False, (chunk,))},
-        reader={"kind": "synthetic", "next_batch": 20}, counters={"step": 10, "samples": 640, "restores": 0},
+        id=ckpt_id, step=step, kind=CheckpointKind.FULL, base=None, world_size=2, created_unix=1.5,
+        tables=(TableSpec(weight, 4, 2, ("f0",), "row_wise"),),
+        tensors={weight: TensorEntry((4, 2), "float32", False, (chunk,), Role.TABLE_ROWS, weight)},
+        counters={"step": step, "restores": 0}, metadata={"config": {"train": {"seed": 1}}},
+        app_ranks=({"reader": {"kind": "stateful", "state": {"next_batch": 20}, "tensors": 0}}, {}),
     )
 
 
@@ -54,8 +56,12 @@ def _mutate(fn):
     "mutation,message",
     [
         (lambda o: o.update(extra=1), "unknown fields \\['extra'\\]"),
-        (lambda o: o.pop("reader"), "missing fields \\['reader'\\]"),
-        (lambda o: o.update(version=2), "version 2"),
+        (lambda o: o.pop("metadata"), "missing fields \\['metadata'\\]"),
+        (lambda o: o.update(version=3), "version 3"),
+        (lambda o: o.update(app=[{}]), "one object per rank"),
+        (lambda o: o["counters"].update(step=11), "differs from its step"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(role="weights"), "role 'weights'"),
+        (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(table=None), "has role 'table_rows' but table None"),
         (lambda o: o.update(format="other"), "not a cnr.manifest"),
         (lambda o: o.update(kind="partial"), "kind 'partial'"),
         (lambda o: o.update(step="10"), "'step'"),
@@ -97,3 +103,21 @@ def test_manifest_naming_another_id_rejected(tmp_path):
     store.put(manifest_key("0000000010-aaaa"), manifest_to_bytes(_manifest("0000000010-bbbb")))
     with pytest.raises(CheckpointError, match="names checkpoint"):
         newest_committed(store)
+
+
+FIXTURE = __import__("os").path.join(__import__("os").path.dirname(__file__), "fixtures", "v1_consecutive")
+
+
+def test_version_1_manifests_read_with_roles_and_version_2_names():
+    storage = LocalStorage(f"{FIXTURE}/store")
+    m = newest_committed(storage)
+    assert m.version == 1 and m.kind == CheckpointKind.INCREMENTAL
+    roles = {name: e.role for name, e in m.tensors.items()}
+    weight = "model/sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+    assert roles[weight] == Role.TABLE_ROWS and m.tensors[weight].table == weight
+    assert roles[f"{weight}/t0.momentum1"] == Role.TABLE_STATE and m.tensors[f"{weight}/t0.momentum1"].table == weight
+    assert all(not n.startswith(("sparse_optim/", "dense_optim/")) for n in m.tensors)
+    assert any(n.startswith("optim/model.") and r == Role.OPTIMIZER for n, r in roles.items())
+    # chunks keep the names their headers carry
+    assert m.tensors[f"{weight}/t0.momentum1"].chunks[0].tensor == "sparse_optim/t0.momentum1"
+    assert m.app_ranks[0]["reader"]["state"]["next_batch"] == 30 and m.metadata["config"]["train"]["seed"] == 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cli_helpers import MIXED_SHARDING, committed_steps, inspect, train
@@ -69,3 +71,20 @@ def test_torchrun_matches_spawned_ranks(tmp_path, runs_ws2):
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1  # only rank 0 prints the summary
     assert json.loads(lines[0])["state_sha256"] == runs_ws2["at40"]["state_sha256"]
+
+
+def test_a_chain_written_by_manifest_version_1_resumes_bit_exact(tmp_path):
+    """tests/fixtures/v1_consecutive: a full + 2 increments chain written by the code before the
+    library API (manifest version 1). Resumed to step 40 it equals an uninterrupted run to 40."""
+    import shutil
+
+    from cli_helpers import ROOT
+
+    fixture = os.path.join(ROOT, "tests", "fixtures", "v1_consecutive")
+    shutil.copytree(os.path.join(fixture, "store"), tmp_path / "store")
+    config = os.path.join(fixture, "config.yaml")
+    resumed = train(str(tmp_path), "store", "--config", config, "--set", "train.steps=40", "--resume")
+    fresh = train(str(tmp_path), "fresh", "--config", config, "--set", "train.steps=40",
+                  "--set", "checkpoint.enabled=false")
+    assert resumed["steps"] == 40 and resumed["restores"] == 1 and resumed["samples"] == 640
+    assert resumed["state_sha256"] == fresh["state_sha256"]

@@ -1,0 +1,236 @@
+"""The public API on a model cnr did not design: two towers whose EBCs both name a table "t0",
+an EmbeddingCollection, a data-parallel table under a dense Adam, fused row-wise Adagrad, a StepLR
+scheduler and a Stateful loader holding a generator tensor. Real spawned gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cnr
+from cnr.app_state import AppState
+from cnr.launch import RankFailed, launch
+from cnr.state import gather_global
+
+ROWS = {"q": 40, "c": 56, "ec": 24, "dp": 12}
+
+
+class Loader:
+    """A Stateful data loader: its position and its generator's state (a tensor)."""
+
+    def __init__(self, rank: int) -> None:
+        self.position = 0
+        self.generator = torch.Generator().manual_seed(100 + rank)
+
+    def next(self, world_size: int):
+        self.position += 1
+        g = self.generator
+        kjt = torch.randint(0, 10_000, (8,), generator=g)
+        return kjt, torch.rand(8, generator=g)
+
+    def state_dict(self):
+        return {"position": self.position, "generator": self.generator.get_state(), "shape": (8, 2)}
+
+    def load_state_dict(self, state):
+        assert state["shape"] == (8, 2)  # tuples come back as tuples
+        self.position = state["position"]
+        self.generator.set_state(state["generator"])
+
+
+def _build(world_size: int):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    meta = torch.device("meta")
+
+    class Tower(torch.nn.Module):
+        def __init__(self, rows: int, feature: str, dp: bool) -> None:
+            super().__init__()
+            tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=rows, feature_names=[feature])]
+            if dp:
+                tables.append(EmbeddingBagConfig(name="dp", embedding_dim=8, num_embeddings=ROWS["dp"], feature_names=["fdp"]))
+            self.ebc = EmbeddingBagCollection(tables=tables, device=meta)
+            self.mlp = torch.nn.Linear(8 * len(tables), 4)
+
+    class TwoTower(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query, self.cand = Tower(ROWS["q"], "fq", True), Tower(ROWS["c"], "fc", False)
+            self.seq = EmbeddingCollection(tables=[EmbeddingConfig(name="t0", embedding_dim=8, num_embeddings=ROWS["ec"],
+                                                                   feature_names=["s0"])], device=meta)
+
+        def forward(self, kjt):
+            from torchrec import KeyedJaggedTensor
+
+            q = self.query.mlp(self.query.ebc(KeyedJaggedTensor.from_jt_dict({k: kjt[k] for k in ("fq", "fdp")})).values())
+            c = self.cand.mlp(self.cand.ebc(KeyedJaggedTensor.from_jt_dict({"fc": kjt["fc"]})).values())
+            s = self.seq(KeyedJaggedTensor.from_jt_dict({"s0": kjt["s0"]}))["s0"].values().sum()
+            return (q * c).sum(-1), s
+
+    torch.manual_seed(7)
+    model = TwoTower()
+    for module in (model.query.ebc, model.cand.ebc, model.seq):
+        apply_optimizer_in_backward(RowWiseAdagrad, [p for n, p in module.named_parameters() if ".dp." not in n],
+                                    {"lr": 0.1})
+    constraints = {"dp": ParameterConstraints(sharding_types=["data_parallel"]),
+                   "t0": ParameterConstraints(sharding_types=["table_wise"])}
+    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size)
+        plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+            model, sharders, dist.GroupMember.WORLD)
+        torch.manual_seed(8)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = [p for _n, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    adam = torch.optim.Adam(dense, lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
+    return dmp, adam, sched
+
+
+def _batch(loader: Loader, world_size: int):
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    ids, _ = loader.next(world_size)
+    jt = {k: JaggedTensor(values=ids[:4] % rows, lengths=torch.ones(4, dtype=torch.int32))
+          for k, rows in (("fq", ROWS["q"]), ("fc", ROWS["c"]), ("s0", ROWS["ec"]), ("fdp", ROWS["dp"]))}
+    return jt
+
+
+def _step(dmp, adam, sched, loader, world_size):
+    score, s = dmp(_batch(loader, world_size))
+    loss = (score ** 2).mean() + 0.01 * s
+    adam.zero_grad()
+    loss.backward()
+    adam.step()
+    sched.step()
+
+
+def _gathered(app_state) -> dict:
+    """Every tensor of app_state, unsharded, on rank 0 (collective); plus lrs and positions."""
+    pieces = [p for p in AppState(app_state, dist.get_rank()).pieces() if p.role.value != "stateful"]
+    names = sorted({p.name for p in pieces})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    out = {n: gather_global(pieces, n) for n in sorted({n for part in everyone for n in part})}
+    out["lr"] = torch.tensor([g["lr"] for g in app_state["optim"].param_groups])
+    out["fused_lr"] = torch.tensor([g["lr"] for g in app_state["model"].fused_optimizer.param_groups])
+    return out
+
+
+def _run(rank, world_size, arg):
+    dmp, adam, sched = _build(world_size)
+    loader = Loader(rank)
+    app_state = {"model": dmp, "optim": adam, "sched": sched}
+    if arg.get("loader", True):
+        app_state["loader"] = loader
+    options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0)
+    result = {}
+    with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
+        info = ckpt.restore()
+        start = info.step if info is not None else 0
+        if arg.get("snapshot_restored"):
+            state = _gathered(app_state)
+            if rank == 0:
+                torch.save(state, arg["snapshot_restored"])
+        for step in range(start + 1, arg["steps"] + 1):
+            for param_group in dmp.fused_optimizer.param_groups:  # a schedule on the fused optimizer too
+                param_group["lr"] = 0.1 / step
+            _step(dmp, adam, sched, loader, world_size)
+            if step in arg["saves"]:
+                info = ckpt.save(step).wait()
+                result[str(step)] = info.kind.value
+    state = _gathered(app_state)
+    if rank == 0:
+        state["loader"] = torch.tensor([loader.position])
+        torch.save(state, arg["out"])
+    return result
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_kill_and_resume_is_bit_exact_at_world_size_2(tmp_path, policy):
+    uri = str(tmp_path / "ck")
+    full = {"uri": str(tmp_path / "full"), "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "a.pt")}
+    kinds = launch(_run, 2, full)
+    assert kinds == {}
+    # a job that checkpoints at 2 and 4 and "dies" after step 5, then resumes to 6
+    first = launch(_run, 2, {"uri": uri, "policy": policy, "steps": 5, "saves": [2, 4], "out": str(tmp_path / "x.pt")})
+    assert first == {"2": "full", "4": "incremental"}
+    launch(_run, 2, {"uri": uri, "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "b.pt"),
+                     "snapshot_restored": str(tmp_path / "restored.pt")})
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    _assert_same(a, b)  # every tensor (two t0 tables, EC, DP table under Adam, fused state), lrs, loader
+    # two modules naming a table t0 are two tables
+    assert any("query.ebc.embedding_bags.t0.weight" in n for n in a) and any("cand.ebc.embedding_bags.t0.weight" in n for n in a)
+    # cnr.load_state_dict without a process group equals the restored, gathered state
+    restored = torch.load(tmp_path / "restored.pt")
+    loaded = cnr.load_state_dict(uri, "model")
+    assert sorted(loaded) == sorted(n[len("model/"):] for n in restored if n.startswith("model/") and n.count("/") == 1)
+    for key, tensor in loaded.items():
+        assert torch.equal(tensor, restored["model/" + key]), key
+    # 2 -> 1: the checkpoint restores at world size 1 (the per-rank loader state cannot, and says so)
+    with pytest.raises((RankFailed, cnr.CheckpointError), match=r"\['loader'\] saved a different state on each of 2 ranks"):
+        try:
+            launch(_run, 1, {"uri": uri, "policy": policy, "steps": 4, "saves": [], "out": str(tmp_path / "c.pt")})
+        finally:
+            if dist.is_initialized():  # an in-process rank that failed keeps its process group
+                dist.destroy_process_group()
+    launch(_run, 1, {"uri": uri, "policy": policy, "steps": 4, "saves": [], "out": str(tmp_path / "c.pt"),
+                     "loader": False, "snapshot_restored": str(tmp_path / "restored1.pt")})
+    one = torch.load(tmp_path / "restored1.pt")
+    _assert_same({k: v for k, v in one.items() if k != "fused_lr"}, {k: v for k, v in restored.items() if k != "fused_lr"})
+
+
+class _NotJson:
+    def state_dict(self):
+        return {"ok": 1, "nested": [{"bad": object()}]}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _bad_state(rank, world_size, arg):
+    dmp, adam, sched = _build(world_size)
+    with cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": adam, "thing": _NotJson()},
+                          cnr.CheckpointOptions(policy="full")) as ckpt:
+        try:
+            ckpt.save(1)
+        except TypeError as e:
+            return {"error": str(e)}
+    return {"error": None}
+
+
+def test_state_that_cannot_be_stored_raises_from_save_before_anything_is_written(tmp_path):
+    out = launch(_bad_state, 1, {"uri": str(tmp_path / "ck")})
+    assert "app_state['thing'].state_dict()['nested'][0]['bad'] holds a object" in out["error"]
+    assert not os.path.exists(tmp_path / "ck" / "checkpoints") or not os.listdir(tmp_path / "ck" / "checkpoints")
+
+
+def test_options_reject_bad_values_naming_them():
+    with pytest.raises(ValueError, match=r"CheckpointOptions.bits = 5 is not allowed; allowed: 2, 3, 4, 8, 32"):
+        cnr.CheckpointOptions(bits=5)
+    with pytest.raises(ValueError, match="CheckpointOptions.policy = 'sometimes' is not allowed"):
+        cnr.CheckpointOptions(policy="sometimes")
+    with pytest.raises(ValueError, match="expected_steps"):
+        cnr.CheckpointOptions(bit_policy="failures", failures={"rate_per_node_hour": 0.1})
+
+
+def test_public_names():
+    assert set(cnr.__all__) >= {"Checkpointer", "CheckpointOptions", "CheckpointInfo", "CheckpointError",
+                                "PendingCheckpoint", "load_state_dict"}
