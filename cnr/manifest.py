@@ -405,8 +405,8 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
         app_ranks = _v1_app(r["reader"], counters, r["world_size"])
     else:
         metadata, app_ranks = r["metadata"], tuple(r["app"])
-        if len(app_ranks) != r["world_size"] or any(not isinstance(a, dict) for a in app_ranks):
-            raise CheckpointError(f"{where}.app must hold one object per rank ({r['world_size']})")
+        if len(app_ranks) not in (0, r["world_size"]) or any(not isinstance(a, dict) for a in app_ranks):
+            raise CheckpointError(f"{where}.app must hold one object per rank ({r['world_size']}), or none")
     return Manifest(
         id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
         created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),

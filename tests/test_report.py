@@ -18,7 +18,7 @@ from cnr.manifest import (
 from cnr.report import FIGURES, MARKDOWN, Entry, ReportData, compute, render_markdown
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import CheckpointKind, ChunkRef, Encoding, TableSpec
+from cnr.types import CheckpointKind, ChunkRef, Encoding, TableSpec, Role
 
 TABLE = "model/sparse_arch.embedding_bags.t0.weight"
 DENSE = "model/dense_arch.weight"
@@ -139,9 +139,10 @@ def _write_checkpoint(store: Storage, step: int, kind: CheckpointKind, base: Opt
     """Chunks (junk payloads of the declared sizes), every rank's index, and the manifest."""
     ckpt_id = make_id(step, "feedbeef")
     tensors = {
-        TABLE: TensorEntry((100, 2), "float32", False, (_chunk(ckpt_id, 0, TABLE, 100, table_bytes, bits),)),
+        TABLE: TensorEntry((100, 2), "float32", False, (_chunk(ckpt_id, 0, TABLE, 100, table_bytes, bits),),
+                           Role.TABLE_ROWS, TABLE),
         DENSE: TensorEntry((50,), "float32", True, (_chunk(ckpt_id, 1, DENSE, 50, 200, 32),)),
-        RNG: TensorEntry((16,), "uint8", False, (_chunk(ckpt_id, 2, RNG, 16, 16, 32),)),
+        RNG: TensorEntry((16,), "uint8", False, (_chunk(ckpt_id, 2, RNG, 16, 16, 32),), Role.RNG),
     }
     for entry in tensors.values():
         store.put(entry.chunks[0].key, b"\0" * entry.chunks[0].nbytes)
@@ -150,9 +151,7 @@ def _write_checkpoint(store: Storage, step: int, kind: CheckpointKind, base: Opt
                   rank_index_to_bytes(RankIndex(ckpt_id, rank, world_size, tensors if rank == 0 else {})))
     if commit:
         store.put(manifest_key(ckpt_id), manifest_to_bytes(Manifest(
-            id=ckpt_id, step=step, kind=kind, base=base, world_size=world_size, created_unix=1.0, arch="dlrm",
-            tables=(TableSpec("t0", 100, 2, ("f0",)),), sparse_optimizer="rowwise_adagrad",
-            dense_optimizer="adagrad", tensors=tensors, reader={}, counters={"step": step})))
+            id=ckpt_id, step=step, kind=kind, base=base, world_size=world_size, created_unix=1.0, tables=(TableSpec("t0", 100, 2, ("f0",)),), tensors=tensors, counters={"step": step})))
     return ckpt_id
 
 

@@ -14,7 +14,7 @@ from cnr.restore import restore_chain, restore_pieces
 from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
-from cnr.types import CheckpointKind, ShardRegion
+from cnr.types import CheckpointKind, ShardRegion, Role
 from cnr.upload import WriteJob, Uploader, write_rank_data
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
@@ -25,7 +25,7 @@ def write_piece_chunks(store, ckpt_id, rank, piece, chunk_bytes, first_n=0, row_
     data = piece.tensor.reshape(1) if piece.tensor.dim() == 0 else piece.tensor
     if row_ids is not None:
         data = data[row_ids - piece.region.offsets[0]]
-    host = HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids)
+    host = HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids, piece.role, piece.table)
     job = WriteJob(ckpt_id, 1, CheckpointKind.FULL, None, rank + first_n, 1, [host])
     uploader = Uploader(store, 2)
     try:
@@ -43,7 +43,8 @@ def _split(full: torch.Tensor, row_cuts, col_cuts, replicated=False):
     for r0, r1 in zip(row_cuts[:-1], row_cuts[1:]):
         for c0, c1 in zip(col_cuts[:-1], col_cuts[1:]):
             view = full[r0:r1, c0:c1]
-            pieces.append(StatePiece(NAME, tuple(full.shape), ShardRegion((r0, c0), (r1 - r0, c1 - c0)), view, replicated))
+            pieces.append(StatePiece(NAME, tuple(full.shape), ShardRegion((r0, c0), (r1 - r0, c1 - c0)), view, replicated,
+                                     Role.TABLE_ROWS, NAME))
     return pieces
 
 
@@ -51,15 +52,14 @@ def _write(store, pieces, chunk_bytes):
     chunks = []
     for i, p in enumerate(pieces):
         chunks += write_piece_chunks(store, "0000000001-t", 0, p, chunk_bytes, first_n=i)
-    entry = TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))
+    entry = TensorEntry((ROWS, COLS), "float32", False, tuple(chunks), Role.TABLE_ROWS, NAME)
     check_coverage({NAME: entry}, CheckpointKind.FULL)
     return _manifest("0000000001-t", CheckpointKind.FULL, {NAME: entry})
 
 
 def _manifest(ckpt_id, kind, tensors, base=None):
     return Manifest(id=ckpt_id, step=int(ckpt_id[:10]), kind=kind, base=base, world_size=1, created_unix=0.0,
-                    arch="dlrm", tables=(), sparse_optimizer="sgd", dense_optimizer="sgd",
-                    tensors=tensors, reader={}, counters={})
+                    tables=(), tensors=tensors, counters={})
 
 
 LAYOUTS = {
@@ -115,9 +115,8 @@ def test_one_dimensional_and_scalar_state(tmp_path):
     chunks_v = write_piece_chunks(store, "0000000001-t", 0, StatePiece("v", (11,), ShardRegion((0,), (11,)), vec, True), 16, 0)
     chunks_s = write_piece_chunks(store, "0000000001-t", 0, StatePiece("s", (), ShardRegion((), ()), scalar, True), 16, 1)
     m = Manifest(id="0000000001-t", step=1, kind=CheckpointKind.FULL, base=None, world_size=1, created_unix=0.0,
-                 arch="dlrm", tables=(), sparse_optimizer="sgd", dense_optimizer="sgd",
-                 tensors={"v": TensorEntry((11,), "float32", True, tuple(chunks_v)),
-                          "s": TensorEntry((), "float32", True, tuple(chunks_s))}, reader={}, counters={})
+                 tables=(), tensors={"v": TensorEntry((11,), "float32", True, tuple(chunks_v)),
+                          "s": TensorEntry((), "float32", True, tuple(chunks_s))}, counters={})
     v2, s2 = torch.zeros(11), torch.tensor(0.0)
     restore_pieces(store, m, [StatePiece("v", (11,), ShardRegion((5,), (6,)), v2[5:], False),
                               StatePiece("s", (), ShardRegion((), ()), s2, True)])
@@ -130,9 +129,9 @@ def test_missing_chunk_coverage_is_an_error(tmp_path):
     manifest = _write(store, _split(full, [0, ROWS], [0, COLS]), 4096)
     entry = manifest.tensors[NAME]
     with pytest.raises(CheckpointError, match="cover"):
-        check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, entry.chunks[:0])}, CheckpointKind.FULL)
+        check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, entry.chunks[:0], Role.TABLE_ROWS, NAME)}, CheckpointKind.FULL)
     # an increment may list any subset of table rows, but dense state must still be whole
-    check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, ())}, CheckpointKind.INCREMENTAL)
+    check_coverage({NAME: TensorEntry(entry.shape, entry.dtype, False, (), Role.TABLE_ROWS, NAME)}, CheckpointKind.INCREMENTAL)
     with pytest.raises(CheckpointError, match="cover"):
         check_coverage({"model/dense.weight": TensorEntry((3,), "float32", True, ())}, CheckpointKind.INCREMENTAL)
 
@@ -142,7 +141,7 @@ def test_shape_mismatch_rejected(tmp_path, shape, message):
     store = LocalStorage(str(tmp_path))
     manifest = _write(store, _split(torch.randn(ROWS, COLS), [0, ROWS], [0, COLS]), 4096)
     target = torch.zeros(shape)
-    piece = StatePiece(NAME, shape, ShardRegion((0, 0), shape), target, False)
+    piece = StatePiece(NAME, shape, ShardRegion((0, 0), shape), target, False, Role.TABLE_ROWS, NAME)
     if message:
         with pytest.raises(CheckpointError, match=message):
             restore_pieces(store, manifest, [piece])
@@ -181,7 +180,7 @@ def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst, thr
     target = torch.zeros(ROWS, COLS)
     _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]), threads=threads)
     assert torch.equal(target, later)
-    assert applied["t"].tolist() == touched.tolist()
+    assert applied[NAME].tolist() == touched.tolist()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -191,7 +190,7 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     piece = _split(full, [0, ROWS], [0, COLS])[0]
-    host = HostPiece(piece.name, piece.global_shape, piece.region, False, piece.tensor, None)
+    host = HostPiece(piece.name, piece.global_shape, piece.region, False, piece.tensor, None, piece.role, piece.table)
     uploader = Uploader(store, 2)
     try:
         job = WriteJob("0000000001-q", 1, CheckpointKind.FULL, None, 0, 1, [host], bits=bits)
@@ -213,7 +212,7 @@ def test_small_chunks_share_objects_and_restore_reads_each_once(tmp_path):
     store = _CountingStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
     pieces = _split(full, *LAYOUTS["grid"])
-    hosts = [HostPiece(p.name, p.global_shape, p.region, False, p.tensor, None) for p in pieces]
+    hosts = [HostPiece(p.name, p.global_shape, p.region, False, p.tensor, None, p.role, p.table) for p in pieces]
     uploader = Uploader(store, 2)
     try:
         index, _ = write_rank_data(store, uploader, WriteJob("0000000001-p", 1, CheckpointKind.FULL, None, 0, 1, hosts),
@@ -235,5 +234,6 @@ def test_small_chunks_share_objects_and_restore_reads_each_once(tmp_path):
     assert sorted(store.gets) == objects and store.ranges == [None] * len(objects)
     store.gets, store.ranges = [], []
     part = torch.zeros(5, COLS)  # rows 0..4 only: the first grid row's chunks, part of their objects
-    restore_pieces(store, manifest, [StatePiece(NAME, (ROWS, COLS), ShardRegion((0, 0), (5, COLS)), part, False)])
+    restore_pieces(store, manifest, [StatePiece(NAME, (ROWS, COLS), ShardRegion((0, 0), (5, COLS)), part, False,
+                                                Role.TABLE_ROWS, NAME)])
     assert torch.equal(part, full[:5]) and any(r is not None for r in store.ranges)

@@ -6,16 +6,16 @@ import torch
 
 from cnr.snapshot import HostBuffers
 from cnr.state import StatePiece
-from cnr.types import ShardRegion
+from cnr.types import ShardRegion, Role
 
 W = "model/sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
-M = "sparse_optim/t0.momentum1"
+M = W + "/t0.momentum1"
 
 
 def _pieces(weight, momentum, row0=100):
     return [
-        StatePiece(W, (1000, weight.shape[1]), ShardRegion((row0, 0), tuple(weight.shape)), weight, False),
-        StatePiece(M, (1000,), ShardRegion((row0,), (momentum.shape[0],)), momentum, False),
+        StatePiece(W, (1000, weight.shape[1]), ShardRegion((row0, 0), tuple(weight.shape)), weight, False, Role.TABLE_ROWS, W),
+        StatePiece(M, (1000,), ShardRegion((row0,), (momentum.shape[0],)), momentum, False, Role.TABLE_STATE, W),
         StatePiece("model/dense.bias", (3,), ShardRegion((0,), (3,)), torch.arange(3.0), True),
         StatePiece("dense_optim/dense.bias/step", (), ShardRegion((), ()), torch.tensor(7.0), True),
     ]
@@ -39,7 +39,7 @@ def test_full_capture_copies_everything_into_shared_reused_buffers():
 
 def test_incremental_capture_gathers_rows_with_global_ids():
     weight, momentum = torch.randn(50, 4), torch.rand(50)
-    rows = {"t0": torch.tensor([7, 100, 103, 149, 200], dtype=torch.int64)}  # 7 and 200 are not held here
+    rows = {W: torch.tensor([7, 100, 103, 149, 200], dtype=torch.int64)}  # 7 and 200 are not held here
     host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=100), rows)
     by_name = {h.name: h for h in host}
     assert by_name[W].row_ids.tolist() == [100, 103, 149]
@@ -50,6 +50,6 @@ def test_incremental_capture_gathers_rows_with_global_ids():
 
 def test_empty_increment():
     weight, momentum = torch.randn(5, 2), torch.rand(5)
-    host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=0), {"t0": torch.empty(0, dtype=torch.int64)})
+    host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=0), {W: torch.empty(0, dtype=torch.int64)})
     by_name = {h.name: h for h in host}
     assert by_name[W].data.shape == (0, 2) and by_name[W].row_ids.numel() == 0
