@@ -71,7 +71,7 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[st
     return Manifest(
         id=job.ckpt_id, step=job.step, kind=job.kind, base=job.base, world_size=job.world_size,
         created_unix=time.time(), tables=tuple(fields.get("tables", ())), tensors=tensors,
-        counters={**fields.get("counters", {}), "step": job.step}, metadata=dict(fields.get("metadata", {})),
+        counters={"step": job.step, **fields.get("counters", {})}, metadata=dict(fields.get("metadata", {})),
         app_ranks=tuple(app_ranks), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
     )
 
