@@ -26,7 +26,7 @@ from cnr.manifest import Manifest, resolve_chain
 from cnr.restore import check_no_extra_tensors, restore_chain, restore_rng
 from cnr.state import StatePiece, global_names, whole_piece
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, Role
+from cnr.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,3 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
                 manifest.id, manifest.step, len(chain), nbytes, rank)
     return RestoredChain(manifest, chain, rows, nbytes)
 
-
-def table_roles_present(manifest: Manifest) -> bool:
-    """Whether the checkpoint stores any table (an increment needs a tracker to extend it)."""
-    return any(e.role in TABLE_ROLES for e in manifest.tensors.values())
