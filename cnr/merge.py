@@ -169,8 +169,7 @@ def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manife
         links = [base_chunks] + [link.get(columns, []) for link in per_link[1:]]
         rows = _merged_rows(storage, name, entries[0], links)
         refs += _write_rows(packer, name, rows, columns, chunk_bytes)
-    head = entries[-1]
-    return TensorEntry(head.shape, head.dtype, head.replicated, tuple(refs))
+    return dataclasses.replace(entries[-1], chunks=tuple(refs))
 
 
 def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int = 2) -> Manifest:
@@ -190,8 +189,7 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
         tensors: Dict[str, TensorEntry] = {}
         for name, entry in target.tensors.items():
             if entry.role not in TABLE_ROLES:
-                chunks = tuple(_copy_whole(storage, packer, entry))
-                tensors[name] = TensorEntry(entry.shape, entry.dtype, entry.replicated, chunks)
+                tensors[name] = dataclasses.replace(entry, chunks=tuple(_copy_whole(storage, packer, entry)))
             else:
                 tensors[name] = _merge_table(storage, packer, name, chain, chunk_bytes)
         packer.flush()

@@ -30,7 +30,8 @@ def _whole_pieces(manifest: Manifest) -> List[StatePiece]:
     for name, entry in sorted(manifest.tensors.items()):
         shape = tuple(entry.shape)
         tensor = torch.zeros(shape, dtype=DTYPES[entry.dtype])
-        pieces.append(StatePiece(name, shape, ShardRegion((0,) * len(shape), shape), tensor, True))
+        pieces.append(StatePiece(name, shape, ShardRegion((0,) * len(shape), shape), tensor, True, entry.role,
+                                 entry.table))
     return pieces
 
 
@@ -75,8 +76,10 @@ def test_merged_baseline_restores_exactly_what_the_chain_restores(quantized_chai
 
     merged = merge_chain(storage, target.id, chunk_bytes=4096)  # small chunks: many per tensor
     assert merged.id == merged_id(target.id) and merged.kind.value == "full" and merged.base is None
-    assert (merged.step, merged.reader, merged.counters) == (target.step, target.reader, target.counters)
+    assert (merged.step, merged.app_ranks, merged.counters) == (target.step, target.app_ranks, target.counters)
+    assert (merged.metadata, merged.tables) == (target.metadata, target.tables)
     assert merged.bits == 4 and len(merged.chain_bytes) == 1
+    assert {n: (e.role, e.table) for n, e in merged.tensors.items()} == {n: (e.role, e.table) for n, e in target.tensors.items()}
     # resolving the increment now stops at the merged baseline, which restores the same state
     assert [m.id for m in resolve_chain(storage, target)] == [merged.id]
     got = _restored(storage, [read_manifest(storage, merged.id)])
