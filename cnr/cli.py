@@ -1,4 +1,4 @@
-"""Command line: ``python -m cnr {train,inspect,report,subscribe,bench} ...``. Errors exit 2 with one clear line."""
+"""Command line: ``python -m cnr {train,inspect,report,subscribe,export,bench} ...``. Errors exit 2 with one clear line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from cnr.errors import CnrError
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
               "publish")  # cnr/bench/<name>.py, each with run(argv) -> dict
+EXPORT_FORMATS = ("dcp",)  # cnr/export.py
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -33,6 +34,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from cnr.storage import open_storage
 
     storage = open_storage(args.uri)
+    if args.tables:
+        return _inspect_tables(storage, args.checkpoint, args.json)
     infos = list_checkpoints(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
@@ -47,6 +50,28 @@ def _inspect(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
                   f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
+    return 0
+
+
+def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
+    """The embedding tables (every EBC and EC table of every module) a checkpoint holds."""
+    from cnr.errors import CheckpointError
+    from cnr.manifest import newest_committed, read_manifest
+
+    manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
+    if manifest is None:
+        raise CheckpointError(f"no committed checkpoint in {storage.uri}")
+    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features), "placement": t.placement}
+              for t in manifest.tables]
+    if as_json:
+        print(json.dumps({"uri": storage.uri, "checkpoint": manifest.id, "tables": tables}, sort_keys=True))
+        return 0
+    width = max([5] + [len(t["name"]) for t in tables])
+    print(f"checkpoint {manifest.id} (step {manifest.step}): {len(tables)} tables, "
+          f"{sum(t['rows'] for t in tables)} rows")
+    print(f"{'table':<{width}} {'rows':>10} {'dim':>5} {'placement':<18} features")
+    for t in tables:
+        print(f"{t['name']:<{width}} {t['rows']:>10} {t['dim']:>5} {t['placement'] or '-':<18} {','.join(t['features'])}")
     return 0
 
 
@@ -96,6 +121,13 @@ def _subscribe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from cnr.export import export_dcp
+
+    print(json.dumps(export_dcp(args.uri, args.out, args.checkpoint, args.key), sort_keys=True), flush=True)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"cnr.bench.{args.name}")
     result = module.run(args.args)
@@ -116,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
     i.add_argument("uri")
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--tables", action="store_true", help="list the embedding tables of a checkpoint instead")
+    i.add_argument("--checkpoint", default=None, metavar="ID", help="with --tables: this checkpoint (default: newest)")
     i.set_defaults(func=_inspect)
     r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
     r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
@@ -134,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
     s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
     s.set_defaults(func=_subscribe)
+    e = sub.add_parser("export", help="write a committed checkpoint's modules in another format; last stdout line "
+                       "is a JSON object")
+    e.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    e.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="dcp: a torch.distributed.checkpoint directory")
+    e.add_argument("out", help="new directory to write (must be missing or empty)")
+    e.add_argument("--checkpoint", default=None, metavar="ID", help="checkpoint id (default: the newest committed)")
+    e.add_argument("--key", action="append", default=None, metavar="KEY",
+                   help="app_state key of a module to export (repeatable; default: every module)")
+    e.set_defaults(func=_export)
     b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")

@@ -30,7 +30,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --no-deps "$FBGEMM" torchrec==1.8.0
 # torchrec's own requirements minus fbgemm-gpu (its metadata names the CUDA build).
 "${PIP[@]}" tensordict torchmetrics==1.0.3 tqdm pyre-extensions iopath typing-inspect
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,examples]"
 
 if ! "$VENV/bin/python" -c 'import torchrec, fbgemm_gpu, cnr' ; then
   echo "install.sh: 'import torchrec, fbgemm_gpu, cnr' failed after install" >&2

@@ -1,0 +1,126 @@
+"""The examples under torchrun at world size 2: a job killed with SIGKILL mid-run and resumed
+ends bit-exact with an uninterrupted run (every tensor of the final checkpoint by torch.equal,
+learning rates, scheduler and loader state)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from cnr.encode import DTYPES
+from cnr.manifest import Manifest, newest_committed, resolve_chain
+from cnr.restore import restore_chain
+from cnr.state import whole_piece
+from cnr.storage.local import LocalStorage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _torchrun(script: str, args: List[str], log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", script), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+
+
+def _run(script: str, args: List[str], tmp_path) -> List[str]:
+    with open(tmp_path / "stderr.log", "a") as log:
+        proc = _torchrun(script, args, log)
+        out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, (out, (tmp_path / "stderr.log").read_text()[-3000:])
+    return out.splitlines()
+
+
+def _run_and_kill(script: str, args: List[str], tmp_path, after: str) -> List[str]:
+    """Run until rank 0 prints ``after``, then SIGKILL the launcher and both ranks."""
+    with open(tmp_path / "stderr.log", "a") as log:
+        proc = _torchrun(script, args, log)
+        seen = []
+        try:
+            for line in proc.stdout:
+                seen.append(line.strip())
+                if line.startswith(after):
+                    break
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert any(s.startswith(after) for s in seen), (seen, (tmp_path / "stderr.log").read_text()[-3000:])
+    return seen
+
+
+def _cnr(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "cnr", *args], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()[-1]
+
+
+def final_state(uri: str) -> Tuple[Manifest, Dict[str, torch.Tensor]]:
+    """The newest committed checkpoint's manifest and every tensor it restores, whole."""
+    storage = LocalStorage(uri)
+    manifest = newest_committed(storage)
+    pieces = [whole_piece(name, torch.empty(tuple(e.shape), dtype=DTYPES[e.dtype]), e.role, table=e.table)
+              for name, e in sorted(manifest.tensors.items())]
+    restore_chain(storage, resolve_chain(storage, manifest), pieces)
+    return manifest, {p.name: p.tensor for p in pieces}
+
+
+def _assert_bit_exact(uninterrupted: str, resumed: str, steps: int) -> Manifest:
+    (ma, a), (mb, b) = final_state(uninterrupted), final_state(resumed)
+    assert ma.step == mb.step == steps
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert ma.app_ranks == mb.app_ranks  # learning rates, scheduler, each rank's loader position
+    assert mb.counters["restores"] == 1
+    return ma
+
+
+def _kill_and_resume(script: str, args: List[str], tmp_path, steps: int) -> Manifest:
+    _run(script, ["--storage", str(tmp_path / "a"), *args], tmp_path)
+    killed = _run_and_kill(script, ["--storage", str(tmp_path / "b"), *args, "--step-time", "0.25"], tmp_path,
+                           after="committed step 4")
+    assert newest_committed(LocalStorage(str(tmp_path / "b"))).step < steps, killed  # it died mid-run
+    resumed = _run(script, ["--storage", str(tmp_path / "b"), *args], tmp_path)
+    start = int(next(line for line in resumed if line.startswith("start step")).split()[-1])
+    assert 4 <= start < steps
+    return _assert_bit_exact(str(tmp_path / "a"), str(tmp_path / "b"), steps)
+
+
+def test_two_tower_killed_and_resumed_is_bit_exact(tmp_path):
+    manifest = _kill_and_resume("two_tower.py", ["--steps", "12", "--save-every", "2"], tmp_path, 12)
+    ids = {t.name for t in manifest.tables}
+    assert {"model/query.ebc.embedding_bags.t0.weight", "model/cand.ebc.embedding_bags.t0.weight",
+            "model/history.embeddings.t0.weight", "model/cand.webc.embedding_bags.tags.weight"} <= ids
+    loader = [rank["loader"]["state"]["_num_yielded"] for rank in manifest.app_ranks]
+    assert loader == [12, 12]
+    # inspect describes the real model: every EBC and EC table, and full checkpoints count all their rows
+    tables = json.loads(_cnr("inspect", str(tmp_path / "a"), "--tables", "--json"))["tables"]
+    rows = {t["name"]: (t["rows"], t["dim"]) for t in tables}
+    assert rows["model/history.embeddings.t0.weight"] == (240, 8) and len(rows) == 5
+    listed = json.loads(_cnr("inspect", str(tmp_path / "a"), "--json"))["checkpoints"]
+    assert listed[0]["kind"] == "full" and listed[0]["rows"] == sum(r for r, _ in rows.values()) == 1332
+
+
+def test_dlrm_criteo_pipeline_killed_and_resumed_is_bit_exact(tmp_path):
+    data = str(tmp_path / "day_0.tsv")
+    args = ["--data", data, "--synthesize", "2000", "--steps", "12", "--save-every", "2", "--batch-size", "16",
+            "--rows", "200"]
+    manifest = _kill_and_resume("dlrm_criteo.py", args, tmp_path, 12)
+    # the stored position is after the last trained batch (12 global batches of 2 ranks), not
+    # after the batches the pipeline had already pulled ahead
+    cursors = [rank["data"]["state"]["cursor"] for rank in manifest.app_ranks]
+    assert all(c == cursors[0] for c in cursors) and cursors[0]["next_batch"] == 12 * 2
+    assert len(manifest.tables) == 26
+
+
+@pytest.mark.parametrize("script", ["two_tower.py", "dlrm_criteo.py"])
+def test_examples_refuse_to_run_outside_torchrun(script):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    assert proc.returncode != 0 and "torchrun" in proc.stderr
