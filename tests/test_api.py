@@ -234,3 +234,22 @@ def test_options_reject_bad_values_naming_them():
 def test_public_names():
     assert set(cnr.__all__) >= {"Checkpointer", "CheckpointOptions", "CheckpointInfo", "CheckpointError",
                                 "PendingCheckpoint", "load_state_dict"}
+
+
+@pytest.mark.parametrize("policy", ["full", "one_shot"])
+def test_kill_and_resume_at_world_size_1_then_restore_at_2(tmp_path, policy):
+    uri = str(tmp_path / "ck")
+    launch(_run, 1, {"uri": str(tmp_path / "full"), "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "a.pt")})
+    first = launch(_run, 1, {"uri": uri, "policy": policy, "steps": 5, "saves": [2, 4], "out": str(tmp_path / "x.pt")})
+    assert first == {"2": "full", "4": "full" if policy == "full" else "incremental"}
+    launch(_run, 1, {"uri": uri, "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "b.pt"),
+                     "snapshot_restored": str(tmp_path / "restored1.pt")})
+    _assert_same(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
+    # 1 -> 2: the same checkpoint restores at world size 2 (one rank's loader state goes to both)
+    launch(_run, 2, {"uri": uri, "policy": policy, "steps": 4, "saves": [], "out": str(tmp_path / "c.pt"),
+                     "snapshot_restored": str(tmp_path / "restored2.pt")})
+    one, two = torch.load(tmp_path / "restored1.pt"), torch.load(tmp_path / "restored2.pt")
+    # the fused optimizer has a param group per table a rank holds: compare the lrs, not the groups
+    assert set(one.pop("fused_lr").tolist()) == set(two.pop("fused_lr").tolist()) == {torch.tensor(0.1 / 4).item()}
+    _assert_same(one, two)
+    assert torch.load(tmp_path / "c.pt")["loader"].item() == 4
