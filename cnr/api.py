@@ -9,6 +9,10 @@ info = pending.wait()          # collective; CheckpointInfo, or raises Checkpoin
 ckpt.close()                   # waits for the in-flight checkpoint, stops the background writer
 ```
 
+Online publishing to inference shares the Checkpointer's tracker: give
+``publish=cnr.PublishOptions(...)`` and call ``ckpt.publish(step)`` at publish boundaries; a
+``cnr.Subscriber`` applies the publishes to an unsharded model.
+
 Every rank of the default process group constructs the Checkpointer with the same options and
 calls ``restore``, ``save``, ``PendingCheckpoint.wait`` and ``close`` in the same order. Only
 ``save``'s snapshot (a copy into host buffers) blocks training; a background process per rank
@@ -29,7 +33,8 @@ from cnr.bit_width import BitWidthPlanner
 from cnr.checkpoint import ChainState, CheckpointEngine
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, newest_committed, read_manifest
-from cnr.options import CheckpointOptions
+from cnr.options import CheckpointOptions, PublishOptions
+from cnr.publish import VIEW as PUBLISH_VIEW, Publisher, check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
 from cnr.storage import open_storage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
@@ -76,13 +81,20 @@ class Checkpointer:
     (cnr never reads it). ``views``: extra tracker views (cnr.publish uses "publish").
     ``writer``: a background writer already started with the same uri and options (cnr train
     starts it before building its model, so the process's imports overlap the build).
+    ``publish``: publish the model's rows to inference with ``publish()`` (cnr.publish), through a
+    background writer of its own and the same row tracker.
     """
 
     def __init__(self, uri: str, app_state: Mapping[str, Any], options: Optional[CheckpointOptions] = None,
-                 metadata: Optional[Dict[str, Any]] = None, views: tuple = (), writer: Optional[Writer] = None) -> None:
+                 metadata: Optional[Dict[str, Any]] = None, views: tuple = (), writer: Optional[Writer] = None,
+                 publish: Optional[PublishOptions] = None) -> None:
         self.options = options if options is not None else CheckpointOptions()
         if not isinstance(self.options, CheckpointOptions):
             raise TypeError(f"options must be a cnr.CheckpointOptions, got {type(self.options).__name__}")
+        if publish is not None and not isinstance(publish, PublishOptions):
+            raise TypeError(f"publish must be a cnr.PublishOptions, got {type(publish).__name__}")
+        if publish is not None and PUBLISH_VIEW not in views:
+            views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
         self.app = AppState(app_state, self.rank)
         self.metadata = dict(metadata or {})
@@ -99,6 +111,11 @@ class Checkpointer:
         self._recorded_bits: Optional[Dict[str, Any]] = None
         self._start_step = 0
         self._planner: Optional[BitWidthPlanner] = None
+        self.publisher: Optional[Publisher] = None
+        if publish is not None:
+            publish_uri = publish.uri or default_publish_uri(self.uri)
+            check_publish_storage(publish_uri, self.uri)
+            self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker)
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options))
         self._closed = False
@@ -182,22 +199,46 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {ckpt_id} did not commit: {outcome.error}")
         return outcome
 
+    # ---- publishing ----------------------------------------------------------------------
+
+    def publish(self, step: int, wait: bool = False) -> Optional[str]:
+        """Publish the model's rows touched since the previous publish (collective); return the
+        publish id. Without ``wait`` it is skipped (None) while the previous publish is still
+        being written: its rows go with the next one. With ``wait`` it drains the in-flight
+        publish, then publishes whatever the last committed one lacks at ``step`` and waits for it
+        to commit (None when nothing was missing): use it for a job's last publish.
+        """
+        if self.publisher is None:
+            raise RuntimeError("publish() needs Checkpointer(..., publish=cnr.PublishOptions(...))")
+        if self._closed:
+            raise RuntimeError("publish() after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not allowed; it must be an integer >= 0")
+        pieces = self.app.pieces()
+        return self.publisher.flush(step, pieces) if wait else self.publisher.publish(step, pieces)
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the in-flight checkpoint, stop the writer (collective). Idempotent."""
+        """Wait for the in-flight checkpoint and publish, stop the writers (collective). Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.engine.finish()
+            if self.publisher is not None:
+                self.publisher.close()
         finally:
-            self.storage.close()
+            try:
+                self.engine.finish()
+            finally:
+                self.storage.close()
 
     def abort(self) -> None:
-        """Stop the writer without collectives (on an error path, other ranks may be gone)."""
+        """Stop the writers without collectives (on an error path, other ranks may be gone)."""
         if not self._closed:
             self._closed = True
+            if self.publisher is not None:
+                self.publisher.abort()
             self.engine.writer.close()
             self.storage.close()
 

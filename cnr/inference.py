@@ -13,7 +13,6 @@ them on the trainer), which for this unsharded model are the same keys.
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -23,11 +22,10 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from torchrec.quant.embedding_modules import quant_prep_enable_quant_state_dict_split_scale_bias
 
 from cnr.config import Config
-from cnr.encode import DecodedChunk
-from cnr.errors import CheckpointError
 from cnr.evaluate import evaluate
 from cnr.manifest import V1_MODEL as MODEL  # cnr train keeps its model under app_state["model"]
 from cnr.models.dlrm import build_dlrm
+from cnr.module_target import ModuleTarget
 
 _INT8_SCALE_BIAS_BYTES = 4  # fbgemm's fused int8 rows end with an fp16 scale and an fp16 bias
 
@@ -45,8 +43,8 @@ def _table_name(tensor: str) -> Optional[str]:
     return None
 
 
-class InferenceModel:
-    """A DLRM for serving, updated in place by a subscriber.
+class InferenceModel(ModuleTarget):
+    """cnr's DLRM for serving, updated in place by a subscriber (a ModuleTarget of its model).
 
     ``tensors``: published name -> live tensor (table weights and dense parameters).
     ``lock``: held while a publish is applied and while ``evaluate`` runs, so a reader in
@@ -62,8 +60,7 @@ class InferenceModel:
             for p in self.ebc.parameters():
                 p.zero_()
         self.model.eval()
-        self.tensors: Dict[str, torch.Tensor] = {MODEL + k: v for k, v in self.model.state_dict().items()}
-        self.lock = threading.Lock()
+        super().__init__(self.model, MODEL.rstrip("/"))
         self.qebc: Optional[QuantEmbeddingBagCollection] = None
         self.quant_model: Optional[torch.nn.Module] = None
         if quantized:
@@ -82,35 +79,14 @@ class InferenceModel:
         """The fp32 weight of table ``name`` (live)."""
         return self.ebc.embedding_bags[name].weight.data
 
-    def check_tensor(self, name: str, shape: tuple, dtype: str) -> None:
-        """Raise CheckpointError unless the model has tensor ``name`` of ``shape`` (published float32)."""
-        live = self.tensors.get(name)
-        if live is None:
-            raise CheckpointError(f"the publish has tensor {name!r}, which the inference model (config) lacks")
-        if tuple(live.shape) != tuple(shape) or dtype != "float32":
-            raise CheckpointError(f"published tensor {name!r} is {dtype} {list(shape)}, the inference model has "
-                                  f"float32 {list(live.shape)}: the config does not match the trainer's")
-
-    def apply(self, chunks: List[DecodedChunk]) -> None:
-        """Write verified chunks into the live tensors (no I/O, cannot fail half-way on valid input)
-        and refresh the quantized tables' rows they wrote."""
-        touched: Dict[str, List[torch.Tensor]] = {}
-        whole: set = set()
-        with self.lock, torch.no_grad():
-            for chunk in chunks:
-                table = _table_name(chunk.ref.tensor)
-                ids = _write(self.tensors[chunk.ref.tensor], chunk)
-                if table is not None:
-                    if ids is None:
-                        whole.add(table)
-                    else:
-                        touched.setdefault(table, []).append(ids)
-            if self.qebc is not None:
-                for t in whole:
-                    self._requantize(t, None)
-                for t, parts in touched.items():
-                    if t not in whole:
-                        self._requantize(t, torch.unique(torch.cat(parts)))
+    def _written(self, written: Dict[str, Optional[List[torch.Tensor]]]) -> None:
+        """Refresh the quantized tables' rows a publish wrote."""
+        if self.qebc is None:
+            return
+        for name, parts in written.items():
+            table = _table_name(name)
+            if table is not None:
+                self._requantize(table, None if parts is None else torch.unique(torch.cat(parts)))
 
     def _requantize(self, table: str, ids: Optional[torch.Tensor]) -> None:
         """Quantize rows ``ids`` (None: all) of the fp32 table into the int8 EBC, as torchrec's
@@ -143,42 +119,7 @@ class InferenceModel:
         with self.lock:
             return evaluate(self.config, model, 0, 1, torch.device("cpu"))
 
-    def snapshot(self) -> Dict[str, torch.Tensor]:
-        """A copy of every published tensor (for saving the subscriber's state)."""
-        with self.lock:
-            return {k: v.detach().clone() for k, v in self.tensors.items()}
-
-    def load(self, tensors: Dict[str, torch.Tensor]) -> None:
-        """Set every tensor from ``tensors`` (a ``snapshot``); names and shapes must match."""
-        if set(tensors) != set(self.tensors):
-            raise CheckpointError(f"saved subscriber tensors {sorted(set(tensors) ^ set(self.tensors))[:5]} do not "
-                                  "match the inference model")
-        for name, t in tensors.items():
-            live = self.tensors[name]
-            if t.shape != live.shape or t.dtype != live.dtype:
-                raise CheckpointError(f"saved tensor {name!r} is {t.dtype} {list(t.shape)}, the inference model has "
-                                      f"{live.dtype} {list(live.shape)}")
-        with self.lock, torch.no_grad():
-            for name, t in tensors.items():
-                self.tensors[name].copy_(t)
-            if self.qebc is not None:
-                for table in self.ebc.embedding_bags:
-                    self._requantize(table, None)
-
-
-def _write(target: torch.Tensor, chunk: DecodedChunk) -> Optional[torch.Tensor]:
-    """Copy one chunk into the unsharded ``target``; return its row ids (None: a contiguous range)."""
-    ref = chunk.ref
-    view = target.reshape(1) if target.dim() == 0 else target
-    if view.dim() >= 2:
-        cols = slice(ref.col_offset, ref.col_offset + ref.cols)
-        if ref.row_ids:
-            view[chunk.row_ids, cols] = chunk.data
-            return chunk.row_ids
-        view[ref.row_start:ref.row_start + ref.rows, cols] = chunk.data
-        return None
-    if ref.row_ids:
-        view[chunk.row_ids] = chunk.data
-        return chunk.row_ids
-    view[ref.row_start:ref.row_start + ref.rows] = chunk.data
-    return None
+    def _loaded(self) -> None:
+        if self.qebc is not None:
+            for table in self.ebc.embedding_bags:
+                self._requantize(table, None)

@@ -95,6 +95,50 @@ class CheckpointOptions:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class PublishOptions:
+    """How ``Checkpointer.publish`` sends fresh rows to inference (cnr.publish). Steps are training steps.
+
+    - ``uri``: the publish store; "" means ``<checkpoint uri>/publish``. It must not overlap the
+      checkpoint store's ``checkpoints/`` layout.
+    - ``full_every``: every N-th publish (and the first of every run) is a full base, the others
+      hold the rows touched since the previous publish.
+    - ``dense_interval``: dense parameters go with every base and with the first publish at or
+      after each multiple of this many steps.
+    - ``bits``: 4, 8 (row-wise quantized) or 32 (exact); ``quant_method`` as in CheckpointOptions.
+    - ``keep_bases``: after each commit keep the newest N bases and the publishes after the
+      oldest of them (0: keep all).
+    """
+
+    uri: str = ""
+    full_every: int = 10
+    dense_interval: int = 100
+    bits: int = 8
+    quant_method: str = ""
+    keep_bases: int = 2
+
+    def __post_init__(self) -> None:
+        from cnr.config import PublishConfig, _validate_publish
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = {"int": int, "str": str}[str(f.type)]
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise OptionsError(f"PublishOptions.{f.name} = {value!r:.80} is not allowed; it must be {f.type}")
+        try:  # publish.interval is the caller's business here: 1 makes any dense_interval a multiple
+            _validate_publish(PublishConfig(True, self.uri, 1, self.full_every, self.dense_interval, self.bits,
+                                            self.quant_method, self.keep_bases))
+        except ConfigError as e:
+            raise OptionsError(re.sub(r"config key 'publish\.(\w+)'", r"PublishOptions.\1", str(e))) from None
+
+    @classmethod
+    def from_config(cls, section: Any, uri: str) -> "PublishOptions":
+        """The options of a ``cnr train`` config's publish section (cnr.config.PublishConfig),
+        publishing to ``uri``."""
+        return cls(uri, section.full_every, section.dense_interval, section.bits, section.quant_method,
+                   section.keep_bases)
+
+
 def _rename(message: str) -> str:
     """A config error's wording for the options: ``config key 'checkpoint.bits'`` -> ``CheckpointOptions.bits``."""
     message = re.sub(r"config key 'checkpoint\.([\w.]+)'", r"CheckpointOptions.\1", message)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from cnr.checkpoint import pieces_to_write
 from cnr.app_state import AppState, whole_tables
 from cnr.config import Config
-from cnr.options import CheckpointOptions
+from cnr.options import CheckpointOptions, PublishOptions
 from cnr.errors import ConfigError
 from cnr.manifest import make_id, newest_committed
 from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
@@ -61,25 +61,30 @@ _NONE = -1  # nothing in flight
 
 
 def publish_uri(storage_uri: str, config: Config) -> str:
-    """Where publishes go: ``publish.storage``, or ``<storage_uri>/publish``."""
-    return config.publish.storage or storage_uri.rstrip("/") + "/publish"
+    """Where ``cnr train`` publishes: ``publish.storage``, or ``<storage_uri>/publish``."""
+    return config.publish.storage or default_publish_uri(storage_uri)
 
 
-def check_publish_storage(storage_uri: str, config: Config) -> None:
-    """Reject a publish store that overlaps the checkpoint layout or cannot be written.
+def default_publish_uri(checkpoint_uri: str) -> str:
+    return checkpoint_uri.rstrip("/") + "/publish"
+
+
+def check_publish_storage(uri: str, checkpoint_uri: Optional[str], name: str = "PublishOptions.uri") -> None:
+    """Reject a publish store ``uri`` (the setting ``name``) that overlaps the checkpoint store
+    (None: no checkpoints) or cannot be written.
 
     Both stores use the ``checkpoints/`` layout, so one inside the other's ``checkpoints/``
     prefix (or the same root) would have each side's retention delete the other's objects.
     """
-    pub = open_storage(publish_uri(storage_uri, config))
+    pub = open_storage(uri)
     try:
-        if config.checkpoint.enabled:
-            ckpt = open_storage(storage_uri)
+        if checkpoint_uri is not None:
+            ckpt = open_storage(checkpoint_uri)
             a, b = pub.uri.rstrip("/"), ckpt.uri.rstrip("/")
             ckpt.close()
             if a == b or a.startswith(b + "/checkpoints") or b.startswith(a + "/checkpoints"):
-                raise ConfigError(f"publish.storage {a!r} overlaps the checkpoint storage {b!r}; give publishing "
-                                  "its own location (default: <--storage>/publish)")
+                raise ConfigError(f"{name} {a!r} overlaps the checkpoint storage {b!r}; give publishing "
+                                  "its own location (default: <checkpoint storage>/publish)")
         pub.check_writable()
     finally:
         pub.close()
@@ -158,31 +163,34 @@ class _Chain:
 class Publisher:
     """Publishes one rank's table rows (and dense parameters) at publish boundaries.
 
-    Collective on ``publish`` and ``finish``. ``tracker`` must have the ``"publish"`` view; it may
-    be the Checkpointer's (one hook slot per module), whose views it leaves alone.
+    Collective on ``publish``, ``wait`` and ``finish``. ``tracker`` must have the ``"publish"``
+    view; it may be the Checkpointer's (one hook slot per module), whose views it leaves alone.
+    ``writer_options``: the chunking, threads and commit timeout of its own background writer.
+    ``interval``: the boundaries ``due`` reports (0: the caller decides when to publish).
     """
 
-    def __init__(self, uri: str, config: Config, rank: int, world_size: int, tracker: RowTracker) -> None:
+    def __init__(self, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
+                 world_size: int, tracker: RowTracker, interval: int = 0) -> None:
         if VIEW not in tracker.views:
             raise ValueError(f"the tracker has no {VIEW!r} view (it has {sorted(tracker.views)})")
         self.uri = uri
-        self.config = config
+        self.options = options
+        self.interval = interval
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
         self.buffers = HostBuffers()
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
-        retain = functools.partial(retain_publishes, keep_bases=config.publish.keep_bases)
-        # its own writer settings: the checkpoint section's chunking, threads and timeout, its own retention
-        self.writer = Writer(uri, CheckpointOptions.from_config(config.checkpoint), retain=retain)
+        retain = functools.partial(retain_publishes, keep_bases=options.keep_bases)
+        self.writer = Writer(uri, writer_options, retain=retain)  # its own retention
         self._captured: List[Captured] = []
         self._in_flight: Optional[_Plan] = None
         self._result: Optional[WriteResult] = None
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is a publish boundary."""
-        return step % self.config.publish.interval == 0
+        """Whether ``step`` is a publish boundary (every ``interval`` steps)."""
+        return self.interval > 0 and step % self.interval == 0
 
     def publish(self, step: int, pieces: List[StatePiece]) -> Optional[str]:
         """Publish at ``step`` unless the previous publish is still being written; return the id."""
@@ -208,22 +216,35 @@ class Publisher:
         """Block until the in-flight publish has committed or failed (collective)."""
         self._drain()
 
-    def finish(self, step: int, pieces: List[StatePiece]) -> None:
+    def flush(self, step: int, pieces: List[StatePiece]) -> Optional[str]:
         """Drain the in-flight publish; then publish whatever the last committed publish lacks
-        (rows or dense parameters of the final ``step``) and drain that too. Not counted as stall."""
+        (rows or dense parameters of ``step``) and drain that too (collective). Return that
+        publish's id (None when nothing was missing). Not counted as stall."""
         start = time.perf_counter()
-        try:
+        self._drain()
+        plan = None
+        if self.rank == 0 and (self.chain.step != step or self.chain.dense_step != step):
+            plan = self._decide(step, force_dense=True)
+        (plan,) = _broadcast((plan,))
+        if plan is not None:
+            self._submit(pieces, plan)
             self._drain()
-            plan = None
-            if self.rank == 0 and (self.chain.step != step or self.chain.dense_step != step):
-                plan = self._decide(step, force_dense=True)
-            (plan,) = _broadcast((plan,))
-            if plan is not None:
-                self._submit(pieces, plan)
-                self._drain()
+        self.stats.drain_seconds += time.perf_counter() - start
+        return plan.pub_id if plan is not None else None
+
+    def finish(self, step: int, pieces: List[StatePiece]) -> None:
+        """``flush`` at the final ``step``, then stop the writer."""
+        try:
+            self.flush(step, pieces)
         finally:
             self.writer.close()
-        self.stats.drain_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Drain the in-flight publish and stop the writer (collective)."""
+        try:
+            self._drain()
+        finally:
+            self.writer.close()
 
     def abort(self) -> None:
         """Stop the writer without collectives (on an error path, other ranks may be gone)."""
@@ -246,7 +267,7 @@ class Publisher:
 
     def _decide(self, step: int, force_dense: bool) -> _Plan:
         """Rank 0: the next publish's id, sequence number, kind, base and whether dense rides along."""
-        c, p = self.chain, self.config.publish
+        c, p = self.chain, self.options
         full = c.last_id is None or c.since_base + 1 >= p.full_every
         # dense goes out at multiples of dense_interval; one crossed during a skipped boundary goes now
         dense = full or force_dense or step // p.dense_interval > c.dense_step // p.dense_interval
@@ -269,7 +290,7 @@ class Publisher:
         if self.rank == 0:
             counters = {"step": plan.step, "seq": plan.seq, "trigger_unix_us": plan.trigger_unix_us}
             fields = {"reader": {}, "counters": counters, "chain_bytes": [], "bit_width": {}}
-        p = self.config.publish
+        p = self.options
         self.writer.submit(WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host,
                                     fields, bits=p.bits, method=p.quant_method))
         self._in_flight = plan
@@ -350,19 +371,15 @@ def _newest_seq(uri: str) -> int:
     return newest.step if newest is not None else 0
 
 
-def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int, model: torch.nn.Module,
-                   tracker: Optional[RowTracker]) -> Optional[Publisher]:
-    """The job's Publisher (None unless ``publish.enabled``). It shares ``tracker`` (the
-    Checkpointer's, created with ``tracker_views``) or installs a tracker of its own."""
+def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int,
+                   model: torch.nn.Module) -> Optional[Publisher]:
+    """The Publisher of a ``cnr train`` job that publishes without a Checkpointer (None unless
+    ``publish.enabled``), with a tracker of its own."""
     if not config.publish.enabled:
         return None
-    if tracker is None:
-        # no optimizer is known here: data-parallel tables are published whole (cnr.app_state.whole_tables)
-        tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
-        tracker.install()
-    return Publisher(publish_uri(storage_uri, config), config, rank, world_size, tracker)
-
-
-def publish_views(config: Config) -> Tuple[str, ...]:
-    """Tracker views publishing adds to the Checkpointer's shared tracker."""
-    return (VIEW,) if config.publish.enabled else ()
+    # no optimizer is known here: data-parallel tables are published whole (cnr.app_state.whole_tables)
+    tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
+    tracker.install()
+    uri = publish_uri(storage_uri, config)
+    return Publisher(uri, PublishOptions.from_config(config.publish, uri), CheckpointOptions.from_config(config.checkpoint),
+                     rank, world_size, tracker, interval=config.publish.interval)

@@ -1,4 +1,4 @@
-"""The subscriber: follow a publish store and apply its publishes, in order, to an InferenceModel.
+"""The subscriber: follow a publish store and apply its publishes, in order, to an unsharded model.
 
 A publish is visible only once its manifest is committed (cnr.publish reuses the checkpoint
 commit protocol), so the subscriber reads committed manifests only and never sees a partial one.
@@ -34,7 +34,7 @@ import torch
 from cnr.commit import check_coverage
 from cnr.encode import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
-from cnr.inference import InferenceModel
+from cnr.module_target import ModuleTarget
 from cnr.manifest import ROOT, Manifest, read_manifest, resolve_chain
 from cnr.restore import fetch_chunk
 from cnr.storage import open_storage
@@ -97,11 +97,18 @@ def committed_publishes(storage: Storage) -> List[Tuple[int, str]]:
 
 
 class Subscriber:
-    """Applies publishes from ``storage`` (a URI or an open Storage) to ``model``."""
+    """Applies publishes from ``storage`` (a URI or an open Storage) to ``model``.
 
-    def __init__(self, storage: Union[str, Storage], model: InferenceModel, state_path: Optional[str] = None) -> None:
+    ``model``: any unsharded module whose ``state_dict()`` keys are those of app_state[``key``]
+    on the trainer (the same architecture built without DMP), or a ModuleTarget such as cnr's
+    InferenceModel. Its tensors are written in place; hold ``subscriber.model.lock`` to read
+    them while another thread polls.
+    """
+
+    def __init__(self, storage: Union[str, Storage], model: Union[ModuleTarget, torch.nn.Module],
+                 state_path: Optional[str] = None, key: str = "model") -> None:
+        self.model = model if isinstance(model, ModuleTarget) else ModuleTarget(model, key)
         self.storage = open_storage(storage) if isinstance(storage, str) else storage
-        self.model = model
         self.state_path = state_path
         self.applied: Optional[Applied] = None
         self.stats = SubscriberStats()
@@ -218,7 +225,7 @@ class Subscriber:
         names = set(manifest.tensors)
         if manifest.kind == CheckpointKind.FULL and not set(self.model.tensors) <= names:
             missing = sorted(set(self.model.tensors) - names)
-            raise CheckpointError(f"base {manifest.id} lacks tensors the inference model needs: {missing[:5]}")
+            raise CheckpointError(f"base {manifest.id} lacks tensors the subscribed module needs: {missing[:5]}")
         for name, entry in manifest.tensors.items():
             self.model.check_tensor(name, entry.shape, entry.dtype)
         check_coverage(manifest.tensors, manifest.kind)

@@ -26,10 +26,10 @@ from cnr.evaluate import evaluate
 from cnr.faults import maybe_crash
 from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed
-from cnr.options import CheckpointOptions
+from cnr.options import CheckpointOptions, PublishOptions
 from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, train_step
 from cnr.policy import failure_rate
-from cnr.publish import Publisher, check_publish_storage, make_publisher, publish_views
+from cnr.publish import Publisher, check_publish_storage, make_publisher, publish_uri
 from cnr.state import global_names, state_digest
 from cnr.storage import open_storage
 from cnr.trace import SampleTrace, reset_trace
@@ -94,7 +94,8 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist or is not a file")
     if config.publish.enabled:
-        check_publish_storage(storage_uri, config)
+        check_publish_storage(publish_uri(storage_uri, config), storage_uri if config.checkpoint.enabled else None,
+                              "publish.storage")
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
         storage = open_storage(storage_uri)
@@ -197,6 +198,12 @@ def _options(config: Config) -> CheckpointOptions:
     return CheckpointOptions.from_config(config.checkpoint, expected_steps=config.train.steps)
 
 
+def _publish_options(storage_uri: str, config: Config) -> Optional[PublishOptions]:
+    if not config.publish.enabled:
+        return None
+    return PublishOptions.from_config(config.publish, publish_uri(storage_uri, config))
+
+
 def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest], source: BatchSource,
                 position: ReaderPosition) -> Optional[Dict[str, Any]]:
     config = job.config
@@ -213,7 +220,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         ckpt = None
         if writer is not None:
             ckpt = Checkpointer(job.storage_uri, app_state, _options(config), metadata={"config": config.to_dict()},
-                                views=publish_views(config), writer=writer)
+                                writer=writer, publish=_publish_options(job.storage_uri, config))
             if manifest is not None:
                 ckpt.restore(manifest.id)
         step = manifest.step if manifest is not None else 0
@@ -222,8 +229,11 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         if writer is not None:
             writer.close()
         raise
-    publisher = make_publisher(job.storage_uri, config, rank, world_size, sharded.model,
-                               ckpt.tracker if ckpt is not None else None)
+    # publishing shares the Checkpointer's tracker; a job that only publishes gets a tracker of its own
+    publisher = ckpt.publisher if ckpt is not None else make_publisher(job.storage_uri, config, rank, world_size,
+                                                                       sharded.model)
+    if publisher is not None:
+        publisher.interval = config.publish.interval
     saving = ckpt if config.checkpoint.enabled else None
     try:
         step, train_seconds = _loop(config, sharded, source, _Boundaries(saving, position, progress), trace, step,
@@ -236,10 +246,10 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     finally:
         if trace is not None:
             trace.close()
-    if ckpt is not None:
-        ckpt.close()
     if publisher is not None:
         publisher.finish(step, collect_state(sharded.model, sharded.dense_optimizer))
+    if ckpt is not None:
+        ckpt.close()
     metrics = evaluate(config, sharded.model, rank, world_size, device)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     digest = state_digest(pieces, global_names(pieces))

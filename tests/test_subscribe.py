@@ -65,7 +65,7 @@ def _make_history(rank: int, world_size: int, arg: Dict) -> Dict:
 
     config = load_config(TINY, SETTINGS + [f"publish.storage={arg['store']}"])
     sharded = build_sharded_model(config, torch.device("cpu"))
-    publisher = make_publisher("unused", config, rank, world_size, sharded.model, None)
+    publisher = make_publisher("unused", config, rank, world_size, sharded.model)
     seen: Dict[int, str] = {}
     errors: list = []
     stop = threading.Event()

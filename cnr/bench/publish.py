@@ -58,7 +58,7 @@ def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     sharded = build_sharded_model(config, torch.device("cpu"))
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     model_bytes = sum(4 * p.tensor.numel() for p in pieces if p.name.startswith("model/") and "/" not in p.name[6:])
-    publisher = make_publisher(arg["storage"], config, rank, world_size, sharded.model, None)
+    publisher = make_publisher(arg["storage"], config, rank, world_size, sharded.model)
     reader = make_reader(config, rank, world_size, None, split="train")
     calls: List[Any] = []  # (seconds blocked, publish id or None when skipped) per publish call
     step_seconds: List[float] = []

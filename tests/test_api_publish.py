@@ -1,0 +1,70 @@
+"""Publishing from the library (Checkpointer(publish=...).publish) and cnr.Subscriber applying the
+publishes to the example's two-tower model built without DMP: the subscribed model equals the
+trainer's model, tensor for tensor, at 32 bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cnr
+from cnr.launch import launch
+from examples.two_tower import TwoTower, build, make_loader
+
+
+def _train(rank, world_size, arg):
+    dmp, adam, sched = build(world_size)
+    loader = make_loader(rank, 8)
+    app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": loader}
+    publish = cnr.PublishOptions(bits=32, full_every=3, dense_interval=2)
+    published = []
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive"), publish=publish) as ckpt:
+        batches = iter(loader)
+        for step in range(1, arg["steps"] + 1):
+            loss = dmp(next(batches))
+            adam.zero_grad()
+            loss.backward()
+            adam.step()
+            sched.step()
+            published.append(ckpt.publish(step))
+            ckpt.publisher.wait()  # every boundary publishes: nothing is skipped, so the chain is known
+        final = ckpt.publish(arg["steps"], wait=True)  # nothing is missing: the last publish holds step 7
+        ckpt.save(arg["steps"]).wait()
+        stats = ckpt.publisher.stats
+    return {"published": published, "final": final, "committed": stats.published, "skipped": stats.skipped,
+            "world_size": dist.get_world_size()}
+
+
+def test_publishes_from_the_library_reach_an_unsharded_model(tmp_path):
+    uri = str(tmp_path / "ck")
+    out = launch(_train, 2, {"uri": uri, "steps": 7})
+    assert out["committed"] == 7 and out["skipped"] == 0
+    assert all(out["published"]) and out["final"] is None
+
+    plain = TwoTower(torch.device("cpu"))
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    subscriber = cnr.Subscriber(uri + "/publish", plain)
+    applied = subscriber.poll()
+    assert applied and subscriber.applied.seq == 7 and subscriber.applied.id == applied[-1]
+    assert subscriber.stats.errors == []
+    trained = cnr.load_state_dict(uri, "model")
+    assert sorted(trained) == sorted(plain.state_dict())
+    for key, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, trained[key]), key
+        assert not torch.equal(tensor, before[key]), key  # the publish wrote it
+    # a module of another architecture is refused before anything is written, and says why
+    other = torch.nn.Linear(3, 3)
+    weights = other.weight.clone()
+    refused = cnr.Subscriber(uri + "/publish", other)
+    assert refused.poll() == [] and refused.applied is None
+    assert any("lacks tensors the subscribed module needs: ['model/bias', 'model/weight']" in e
+               for e in refused.stats.errors), refused.stats.errors
+    assert torch.equal(other.weight, weights)
+
+
+def test_publish_options_reject_bad_values_and_publish_needs_them():
+    with pytest.raises(ValueError, match="PublishOptions.bits = 5 is not allowed; allowed: 4, 8, 32"):
+        cnr.PublishOptions(bits=5)
+    with pytest.raises(ValueError, match="PublishOptions.full_every = 0 is not allowed"):
+        cnr.PublishOptions(full_every=0)
