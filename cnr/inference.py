@@ -23,7 +23,6 @@ from torchrec.quant.embedding_modules import quant_prep_enable_quant_state_dict_
 
 from cnr.config import Config
 from cnr.evaluate import evaluate
-from cnr.manifest import V1_MODEL as MODEL  # cnr train keeps its model under app_state["model"]
 from cnr.models.dlrm import build_dlrm
 from cnr.module_target import ModuleTarget
 
@@ -60,7 +59,7 @@ class InferenceModel(ModuleTarget):
             for p in self.ebc.parameters():
                 p.zero_()
         self.model.eval()
-        super().__init__(self.model, MODEL.rstrip("/"))
+        super().__init__(self.model, "model")  # cnr train's app_state key of its model
         self.qebc: Optional[QuantEmbeddingBagCollection] = None
         self.quant_model: Optional[torch.nn.Module] = None
         if quantized:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.manifest_v1 import v1_app, v1_role, v1_upgrade
 from cnr.storage.base import Storage, validate_key
 from cnr.types import (
     RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, Role, TableSpec,
@@ -171,10 +172,6 @@ class Manifest:
         return ",".join(m for m in methods if m)
 
 
-def _is_table_weight(name: str) -> bool:
-    return name.startswith("model/") and ".embedding_bags." in name and name.endswith(".weight")
-
-
 # ---- serialisation ---------------------------------------------------------------------------
 
 def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
@@ -281,7 +278,7 @@ def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in r["shape"]):
             raise CheckpointError(f"{where}[{name!r}] shape {r['shape']!r} must list non-negative integers")
         chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name) for i, c in enumerate(r["chunks"]))
-        role, table = _v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
+        role, table = v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
         if (role in TABLE_ROLES) != (table is not None):
             raise CheckpointError(f"{where}[{name!r}] has role {role.value!r} but table {table!r}")
         out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks, role, table)
@@ -293,54 +290,6 @@ def _parse_role(value: str, where: str) -> Role:
         return Role(value)
     except ValueError as e:
         raise CheckpointError(f"{where} role {value!r} is not one of {[r.value for r in Role]}") from e
-
-
-# ---- version 1: names said what a tensor was ---------------------------------------------------
-
-V1_MODEL, V1_SPARSE_OPTIM, V1_DENSE_OPTIM = "model/", "sparse_optim/", "dense_optim/"
-V1_MODULE_KEY, V1_OPTIMIZER_KEY = "model", "optim"
-"""Version 1 was written by ``cnr train`` only: its model and dense optimizer are app_state's
-"model" and "optim" (the keys cnr train uses), its reader cursor and counters "reader" and
-"progress"."""
-
-
-def _v1_role(name: str) -> Tuple[Role, Optional[str]]:
-    """Role and table of a version 1 tensor name (tables keyed by bare table name until renamed)."""
-    if name.startswith(RNG_PREFIX):
-        return Role.RNG, None
-    if name.startswith(V1_SPARSE_OPTIM):
-        return Role.TABLE_STATE, name[len(V1_SPARSE_OPTIM):].split(".")[0]
-    if name.startswith(V1_DENSE_OPTIM):
-        return Role.OPTIMIZER, None
-    parts = name.split(".")
-    if name.startswith(V1_MODEL) and name.endswith(".weight") and len(parts) >= 3 \
-            and parts[-3] in ("embedding_bags", "embeddings"):
-        return Role.TABLE_ROWS, name
-    return Role.DENSE, None
-
-
-def _v1_upgrade(tensors: Dict[str, TensorEntry], where: str) -> Dict[str, TensorEntry]:
-    """Version 1 names -> version 2 names (chunks keep the name their headers carry)."""
-    weights = {name.split(".")[-2]: name for name, t in tensors.items() if t.role == Role.TABLE_ROWS}
-    out: Dict[str, TensorEntry] = {}
-    for name, t in tensors.items():
-        if t.role == Role.TABLE_STATE:
-            weight = weights.get(t.table or "")
-            if weight is None:
-                raise CheckpointError(f"{where}: optimizer state {name!r} names no table of the checkpoint")
-            out[f"{weight}/{name[len(V1_SPARSE_OPTIM):]}"] = dataclasses.replace(t, table=weight)
-        elif t.role == Role.OPTIMIZER:
-            out[f"{V1_OPTIMIZER_KEY}/{V1_MODULE_KEY}.{name[len(V1_DENSE_OPTIM):]}"] = t
-        else:
-            out[name] = t
-    return out
-
-
-def _v1_app(reader: Dict[str, Any], counters: Dict[str, int], world_size: int) -> Tuple[Dict[str, Any], ...]:
-    """The per-rank app state cnr train's Stateful objects hold, from version 1's fields."""
-    state = {"reader": {"kind": "stateful", "state": reader},
-             "progress": {"kind": "stateful", "state": {k: counters[k] for k in ("samples", "restores") if k in counters}}}
-    return tuple(state for _ in range(world_size))
 
 
 def _parse_json(blob: bytes, where: str) -> Any:
@@ -397,10 +346,10 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
         raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
     tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
     if version == 1:
-        tensors = _v1_upgrade(tensors, where)
+        tensors = v1_upgrade(tensors, where)
         metadata = {"config": r["config"], "arch": r["arch"], "sparse_optimizer": r["sparse_optimizer"],
                     "dense_optimizer": r["dense_optimizer"]}
-        app_ranks = _v1_app(r["reader"], counters, r["world_size"])
+        app_ranks = v1_app(r["reader"], counters, r["world_size"])
     else:
         metadata, app_ranks = r["metadata"], tuple(r["app"])
         if len(app_ranks) not in (0, r["world_size"]) or any(not isinstance(a, dict) for a in app_ranks):
