@@ -155,6 +155,17 @@ def build(world_size: int):
     return dmp, adam, sched
 
 
+def train_step(dmp, adam, sched, batch: Dict[str, object]) -> float:
+    """One step: forward and backward (the fused Adagrad updates the sharded tables in backward),
+    then the dense Adam and the schedule."""
+    loss = dmp(batch)
+    adam.zero_grad()
+    loss.backward()
+    adam.step()
+    sched.step()
+    return float(loss)
+
+
 def train(storage: str, steps: int, save_every: int, policy: str, bits: int, batch_size: int,
           step_time: float) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -170,11 +181,7 @@ def train(storage: str, steps: int, save_every: int, policy: str, bits: int, bat
         batches: Iterator[Dict[str, object]] = iter(loader)  # after restore: the loader resumes mid-epoch
         pending = None
         while step < steps:
-            loss = dmp(next(batches))
-            adam.zero_grad()
-            loss.backward()
-            adam.step()
-            sched.step()
+            train_step(dmp, adam, sched, next(batches))
             step += 1
             time.sleep(step_time)  # stands for a longer step (the tests kill the job mid-run)
             if step % save_every == 0 or step == steps:

@@ -93,7 +93,9 @@ def _kill_and_resume(script: str, args: List[str], tmp_path, steps: int) -> Mani
 
 
 def test_two_tower_killed_and_resumed_is_bit_exact(tmp_path):
-    manifest = _kill_and_resume("two_tower.py", ["--steps", "12", "--save-every", "2"], tmp_path, 12)
+    manifest = _kill_and_resume("two_tower.py", ["--steps", "12", "--save-every", "2", "--policy", "consecutive"],
+                                tmp_path, 12)
+    assert manifest.kind.value == "incremental" and manifest.base is not None
     ids = {t.name for t in manifest.tables}
     assert {"model/query.ebc.embedding_bags.t0.weight", "model/cand.ebc.embedding_bags.t0.weight",
             "model/history.embeddings.t0.weight", "model/cand.webc.embedding_bags.tags.weight"} <= ids

@@ -15,7 +15,8 @@ import torch
 
 import cnr
 from cnr.launch import launch
-from test_api import ROWS, Loader, _build, _gathered, _step
+from examples.two_tower import TwoTower, build, make_loader, train_step
+from test_api import _gathered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,12 +27,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _train_and_save(rank, world_size, arg):
-    dmp, adam, sched = _build(world_size)
-    loader = Loader(rank)
+    dmp, adam, sched = build(world_size)
+    batches = iter(make_loader(rank, 8))
     app_state = {"model": dmp, "optim": adam, "sched": sched}
     with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="full", keep_last=0)) as ckpt:
         for _ in range(3):
-            _step(dmp, adam, sched, loader, world_size)
+            train_step(dmp, adam, sched, next(batches))
         info = ckpt.save(3).wait()
     state = _gathered(app_state)
     if rank == 0:
@@ -46,7 +47,7 @@ def _module_tensors(state: dict) -> dict:
 def _load_into_dmp(rank, world_size, arg):
     import torch.distributed.checkpoint as dcp
 
-    dmp, adam, _sched = _build(world_size)
+    dmp, adam, _sched = build(world_size)
     before = _module_tensors(_gathered({"model": dmp, "optim": adam}))
     sd = {"model": dmp.state_dict()}
     dcp.load(sd, checkpoint_id=arg["out"])
@@ -55,26 +56,6 @@ def _load_into_dmp(rank, world_size, arg):
     if rank == 0:
         torch.save({"before": before, "after": state}, arg["loaded"])
     return {"keys": sorted(dmp.state_dict())}
-
-
-def _plain_model() -> torch.nn.Module:
-    """test_api's two-tower architecture without DMP, on the CPU (its own random init)."""
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-
-    def tower(rows: int, feature: str, dp: bool) -> torch.nn.Module:
-        tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=rows, feature_names=[feature])]
-        if dp:
-            tables.append(EmbeddingBagConfig(name="dp", embedding_dim=8, num_embeddings=ROWS["dp"], feature_names=["fdp"]))
-        t = torch.nn.Module()
-        t.ebc = EmbeddingBagCollection(tables=tables)
-        t.mlp = torch.nn.Linear(8 * len(tables), 4)
-        return t
-
-    model = torch.nn.Module()
-    model.query, model.cand = tower(ROWS["q"], "fq", True), tower(ROWS["c"], "fc", False)
-    model.seq = EmbeddingCollection(tables=[EmbeddingConfig(name="t0", embedding_dim=8, num_embeddings=ROWS["ec"],
-                                                            feature_names=["s0"])])
-    return model
 
 
 def test_export_dcp_loads_into_dmp_at_another_world_size_and_into_the_plain_model(tmp_path):
@@ -104,7 +85,7 @@ def test_export_dcp_loads_into_dmp_at_another_world_size_and_into_the_plain_mode
 
     # (b) the same architecture without DMP, in this process with no process group
     assert not dist.is_initialized()
-    model = _plain_model()
+    model = TwoTower(torch.device("cpu"))  # the example's architecture, built without DMP
     sd = {"model": model.state_dict()}
     assert sorted(sd["model"]) == sorted(saved)
     assert not any(torch.equal(sd["model"][n], saved[n]) for n in saved)
