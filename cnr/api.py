@@ -184,7 +184,7 @@ class Checkpointer:
             raise TypeError(error)
         if int(failed[0]):
             raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
-        self.engine.bits = self._bits(step)
+        self.engine.bit_width = self._bits(step)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
         ckpt_id = self.engine.save(step, pieces, fields, app_json)
         return PendingCheckpoint(self, ckpt_id, step)

@@ -25,7 +25,7 @@ from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role, WriteStatus
 from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class CheckpointEngine:
         self.world_size = world_size
         self.tracker = tracker
         self.chain = chain or ChainState()
-        self.bits = bits or fixed_bits(options.bits)
+        self.bit_width = bits or fixed_bits(options.bits)
         self.buffers = HostBuffers()
         self.stats = SaveStats()
         self.writer = writer or Writer(storage_uri, options)
@@ -120,12 +120,12 @@ class CheckpointEngine:
         manifest_fields = None
         if self.rank == 0:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
-                               "bit_width": self.bits.to_dict()}
+                               "bit_width": self.bit_width.to_dict()}
         c = self.options
         self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields,
-                                    bits=self.bits.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits,
+                                    bits=self.bit_width.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits,
                                     app=dict(app or {})))
-        self._in_flight = (ckpt_id, step, kind, self.bits.bits, base)
+        self._in_flight = (ckpt_id, step, kind, self.bit_width.bits, base)
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
@@ -176,7 +176,7 @@ class CheckpointEngine:
         since_last = self.tracker.capture("checkpoint", clear=True)
         self._captured = [since_last, since_base]
         stored = since_last if self.options.policy == "consecutive" else since_base
-        return self.tracker.capture_rows(stored.bits)
+        return self.tracker.capture_rows(stored.bitmap)
 
     def _maybe_merge(self, ckpt_id: str) -> None:
         """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
@@ -199,7 +199,7 @@ class CheckpointEngine:
         dist.broadcast(outcome, src=0)  # rank 0's writer commits, so its status is the outcome
         if int(outcome[0]) < 0:
             return
-        committed = STATUSES[int(outcome[0])] == "committed"
+        committed = STATUSES[int(outcome[0])] == WriteStatus.COMMITTED
         self._record_outcome(committed, int(outcome[1]), int(outcome[2]), result)
         if self.tracker is not None:
             self.tracker.release(self._captured, committed)
@@ -227,7 +227,7 @@ class CheckpointEngine:
             error = result.error if result is not None and result.error else "another rank's writer failed"
             self.stats.errors[ckpt_id] = error
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
-                         "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])], error)
+                         "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])].value, error)
         self._in_flight = None
 
     def _record_outcome(self, committed: bool, rows: int, nbytes: int, result: Optional[WriteResult]) -> None:

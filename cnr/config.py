@@ -16,7 +16,7 @@ import yaml
 
 from cnr.errors import ConfigError
 from cnr.policy import POLICIES
-from cnr.types import ShardingKind, TableSpec
+from cnr.types import STORED_QUANT_METHODS, ShardingKind, TableSpec
 
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
 DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
@@ -132,7 +132,7 @@ class CheckpointConfig:
     ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process; ``restore_threads``: chunks a rank fetches and decodes at once on restore.
+    writer process; ``restore_threads``: objects a rank fetches, verifies and decodes at once on restore.
     ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
@@ -308,7 +308,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
-    _require(value in allowed, f"config key {key!r} = {value!r} is not allowed; allowed: {', '.join(allowed)}")
+    shown = ", ".join(a if a else "'' (the default)" for a in allowed)
+    _require(value in allowed, f"config key {key!r} = {value!r} is not allowed; allowed: {shown}")
 
 
 def _positive(key: str, value: float) -> None:
@@ -369,7 +370,7 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
     _positive("checkpoint.restore_threads", c.restore_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
-    _one_of("checkpoint.quant_method", c.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _one_of("checkpoint.quant_method", c.quant_method, ("",) + STORED_QUANT_METHODS)
     _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
@@ -389,7 +390,7 @@ def _validate_publish(p: PublishConfig) -> None:
              f"multiple of publish.interval = {p.interval}")
     _require(p.bits in PUBLISH_BITS, f"config key 'publish.bits' = {p.bits} is not allowed; allowed: "
              + ", ".join(str(b) for b in PUBLISH_BITS))
-    _one_of("publish.quant_method", p.quant_method, ("", "adaptive", "naive", "symmetric"))
+    _one_of("publish.quant_method", p.quant_method, ("",) + STORED_QUANT_METHODS)
     _require(p.keep_bases >= 0, f"config key 'publish.keep_bases' = {p.keep_bases} is not allowed; "
              "it must be >= 0 (0 keeps everything)")
 

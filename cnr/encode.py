@@ -30,7 +30,7 @@ import torch
 from cnr.bitpack import packed_bytes_per_row
 from cnr.errors import CorruptChunkError
 from cnr.quantize import QuantizedRows, dequantize_rows
-from cnr.types import ChunkRef, Encoding
+from cnr.types import STORED_QUANT_METHODS, ChunkRef, Encoding
 
 MAGIC = b"CNRC"
 FORMAT_VERSION = 2  # 2 added the header's "ids"; version 1 chunks (int64 ids) are still read
@@ -55,7 +55,6 @@ _HEADER_FIELDS = {
 }
 _V1_HEADER_FIELDS = {k: v for k, v in _HEADER_FIELDS.items() if k != "ids"}
 _QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
-_QUANT_METHODS = ("naive", "symmetric", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -180,8 +179,8 @@ def encode_quantized_chunk(
     row_ids: Optional[torch.Tensor] = None,
 ) -> Tuple[bytes, ChunkRef]:
     """Encode float32 rows quantized by cnr.quantize (a uniform method) as one chunk."""
-    if q.method not in _QUANT_METHODS or q.scale is None or q.bias is None:
-        raise ValueError(f"method {q.method!r} cannot be checkpointed; allowed: {', '.join(_QUANT_METHODS)}")
+    if q.method not in STORED_QUANT_METHODS or q.scale is None or q.bias is None:
+        raise ValueError(f"method {q.method!r} cannot be checkpointed; allowed: {', '.join(STORED_QUANT_METHODS)}")
     quant = {"method": q.method, "scale_dtype": dtype_name(q.scale.dtype), "bias_dtype": dtype_name(q.bias.dtype)}
     ids_format, ids = _encode_ids(row_ids, q.rows)
     layout = _Layout(tensor, "float32", Encoding.QUANTIZED, q.bits, q.rows, row_start, row_ids is not None,
@@ -265,7 +264,7 @@ def _parse_quant(header: dict, where: str) -> None:
     quant = header["quant"]
     if set(quant) != set(_QUANT_FIELDS) or any(not isinstance(quant[k], str) for k in _QUANT_FIELDS):
         raise CorruptChunkError(f"{where} quant fields {sorted(quant)} differ from the expected {sorted(_QUANT_FIELDS)}")
-    if quant["method"] not in _QUANT_METHODS or header["bits"] not in (2, 3, 4, 8):
+    if quant["method"] not in STORED_QUANT_METHODS or header["bits"] not in (2, 3, 4, 8):
         raise CorruptChunkError(f"{where} quantization {quant['method']!r} at {header['bits']} bits is not supported")
     for key in ("scale_dtype", "bias_dtype"):
         if quant[key] not in ("float16", "float32"):

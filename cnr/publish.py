@@ -50,7 +50,7 @@ from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import Captured, RowTracker
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role, WriteStatus
 from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class Publisher:
         self._captured = [captured]
         rows = None
         if plan.kind == CheckpointKind.INCREMENTAL:
-            rows = self.tracker.capture_rows(captured.bits)
+            rows = self.tracker.capture_rows(captured.bitmap)
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
         host, seconds = self.buffers.capture(chosen, rows)
         fields = None
@@ -317,7 +317,7 @@ class Publisher:
         """Every rank: end the previous publish the way rank 0 (whose writer commits) saw it end."""
         if code < 0:
             return
-        committed = STATUSES[code] == "committed"
+        committed = STATUSES[code] == WriteStatus.COMMITTED
         if self.rank != 0 and self.writer.in_flight is not None:
             # rank 0 committed: this rank's part is stored already, its writer is only reporting
             result = self.writer.wait(timeout=0.0)
@@ -348,7 +348,7 @@ class Publisher:
         if self.rank == 0:
             self.stats.records.append({
                 "id": plan.pub_id, "seq": plan.seq, "step": plan.step, "kind": plan.kind.value, "dense": plan.dense,
-                "status": "committed" if committed else (result.status if result is not None else "failed"),
+                "status": "committed" if committed else (result.status.value if result is not None else "failed"),
                 "bytes": result.bytes_written if result is not None else 0,
                 "background_seconds": round(result.seconds, 6) if result is not None else None,
                 "trigger_unix_us": plan.trigger_unix_us})

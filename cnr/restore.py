@@ -2,8 +2,10 @@
 
 Each rank reads only the chunks that overlap the pieces it holds now -- one GET per object, ranged
 when it needs only some of the chunks packed in it -- verifies them, and copies the overlapping
-rows and columns into its live tensors. Coverage is checked: every element of
-every piece must be written exactly once, or the restore fails before training resumes.
+rows and columns into its live tensors. Coverage is checked: the manifest's chunks must be
+disjoint and cover each tensor (cnr.commit.check_coverage), and the elements written into each
+piece must add up to its size, so every element is written exactly once, or the restore fails
+before training resumes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from cnr.commit import check_coverage
 from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry
@@ -209,6 +212,7 @@ def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
+    check_coverage(manifest.tensors, manifest.kind)  # disjoint chunks: a piece's total then means exactly once
     plan, sizes = _plan(manifest, pieces, overlay)
     with _intra_op_threads(1 if threads > 1 else None):
         with ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:

@@ -50,7 +50,7 @@ class Captured:
     """Bits a snapshot took from a view: given back unless that checkpoint commits."""
 
     view: str
-    bits: np.ndarray
+    bitmap: np.ndarray
     cleared: bool
 
 
@@ -265,7 +265,7 @@ class RowTracker:
             return
         for c in captured:
             if c.cleared:
-                self.views[c.view] |= c.bits
+                self.views[c.view] |= c.bitmap
 
     def seed(self, view: str, rows: Dict[str, torch.Tensor]) -> None:
         """Set ``view``'s bits for global ``rows`` per table (those in this rank's row ranges).

@@ -262,7 +262,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         "steps": step, "samples": progress.samples, "eval_logloss": metrics["logloss"],
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": ckpt.restores if ckpt is not None else 0,
         "world_size": world_size, "skipped_lines": source.skipped_lines, **stats,
-        "checkpoint_bits": saving.engine.bits.bits if saving is not None else None,
+        "checkpoint_bits": saving.engine.bit_width.bits if saving is not None else None,
     }
 
 

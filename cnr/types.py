@@ -1,7 +1,8 @@
-"""Shared vocabulary of cnr: frozen dataclasses and enums, no logic.
+"""The enums and frozen records that several of cnr's stages share; no logic.
 
-Data flows through these types stage by stage:
-touched rows -> host rows -> (quantized rows) -> encoded chunk -> chunk reference -> manifest.
+A chunk's way from a snapshot to storage uses these (ChunkRef, Encoding, ByteRange, Role) and
+types kept beside their one producer: touched rows (cnr.tracker.Captured) -> host rows
+(cnr.snapshot.HostPiece) -> encoded chunk (cnr.encode) -> ChunkRef -> manifest (cnr.manifest).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from typing import Optional, Tuple
 RNG_PREFIX = "rng/"
 """Tensor-name prefix of per-rank generator state: stored, but not training state (no digest,
 no coverage, not counted in a checkpoint's full fp32 size)."""
+
+
+STORED_QUANT_METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive")
+"""Row-wise quantization methods a stored chunk may use (cnr.quantize has "kmeans" too, which
+only the quantize benchmark runs: its codebooks have no chunk encoding)."""
 
 
 class CheckpointKind(str, enum.Enum):
@@ -54,6 +60,19 @@ class CheckpointStatus(str, enum.Enum):
     """Data without a manifest: still being written, abandoned, or its writer crashed."""
     FAILED = "failed"
     """Its writer recorded a failure marker; it is never used for restore."""
+
+
+class WriteStatus(str, enum.Enum):
+    """How a background writer ended one job (a checkpoint or a publish) on its rank."""
+
+    COMMITTED = "committed"
+    """Rank 0 only: every rank's data was durable and it wrote the manifest."""
+    WRITTEN = "written"
+    """Ranks other than 0: this rank's chunks and index are durable; rank 0 commits."""
+    FAILED = "failed"
+    """Writing failed; a failure marker names the error, and nothing is committed."""
+    CANCELLED = "cancelled"
+    """The trainer cancelled the job (overlap "abandon", or another rank failed)."""
 
 
 class Encoding(str, enum.Enum):

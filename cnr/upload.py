@@ -41,7 +41,7 @@ from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Role
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Role, WriteStatus
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +88,15 @@ class ObjectTimes:
 
 
 # What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
-STATUSES = ("committed", "written", "failed", "cancelled")
+STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
 
 
 @dataclass
 class WriteResult:
-    """What the writer reports for a job. ``status``: committed, written, failed or cancelled."""
+    """What the writer reports for a job."""
 
     ckpt_id: str
-    status: str
+    status: WriteStatus
     bytes_written: int = 0
     full_fp32_bytes: int = 0
     seconds: float = 0.0
@@ -207,7 +207,7 @@ def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, r
 
 
 class Packer:
-    """Names each encoded chunk's object: a chunk of at least ``limit // PACK_FRACTION`` bytes is
+    """Names each encoded chunk's object: a chunk of at least ``limit / PACK_FRACTION`` bytes is
     an object of its own; smaller ones go back to back into shared objects of up to ``limit``
     bytes, so small tensors and tables cost one request per object, not one per chunk."""
 
@@ -320,23 +320,23 @@ def _run_job(storage: Storage, uploader: Uploader, options: CheckpointOptions, j
     try:
         _index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel)
         if job.rank != 0:
-            result = WriteResult(job.ckpt_id, "written", written, seconds=time.perf_counter() - start)
+            result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
             manifest, manifest_bytes = commit_checkpoint(storage, job, options.commit_timeout_s, cancel)
             # stored_at: wall clock of the commit, for the time from snapshot to commit
             extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
                      "bytes": manifest.bytes}
-            result = WriteResult(job.ckpt_id, "committed", written + manifest_bytes, manifest.full_fp32_bytes,
+            result = WriteResult(job.ckpt_id, WriteStatus.COMMITTED, written + manifest_bytes, manifest.full_fp32_bytes,
                                  time.perf_counter() - start, extra=extra)
     except Cancelled as e:
         _drain(uploader)
         error = _mark_failed(storage, job, str(e))
-        result = WriteResult(job.ckpt_id, "cancelled", seconds=time.perf_counter() - start, error=error)
+        result = WriteResult(job.ckpt_id, WriteStatus.CANCELLED, seconds=time.perf_counter() - start, error=error)
     except Exception as e:
         _drain(uploader)
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
         error = _mark_failed(storage, job, error)
-        result = WriteResult(job.ckpt_id, "failed", seconds=time.perf_counter() - start, error=error)
+        result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
     result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
     return result
 
@@ -358,7 +358,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
                 return
             result = _run_job(storage, uploader, options, job, cancel)
             results.put(result)
-            if result.status == "committed":
+            if result.status == WriteStatus.COMMITTED:
                 # after the result: the trainer's next boundary does not wait for the deletes
                 if retain is None:
                     retain_checkpoints(storage, options.keep_last)
@@ -370,7 +370,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
 
 
 class Writer:
-    """The trainer's handle on its writer process: submit, poll, wait, cancel, close.
+    """The trainer's handle on its writer process: submit, wait (with a timeout of 0: a poll), cancel, close.
 
     ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.

@@ -136,6 +136,26 @@ def test_missing_chunk_coverage_is_an_error(tmp_path):
         check_coverage({"model/dense.weight": TensorEntry((3,), "float32", True, ())}, CheckpointKind.INCREMENTAL)
 
 
+
+def test_coverage_is_exactly_once_not_only_a_total(tmp_path):
+    """Two chunks over the same rows, and none over others, add up to the tensor's size: refused."""
+    import dataclasses
+
+    store = LocalStorage(str(tmp_path))
+    manifest = _write(store, _split(torch.randn(ROWS, COLS), [0, 10, ROWS], [0, COLS]), 1 << 20)
+    entry = manifest.tensors[NAME]
+    first, second = sorted(entry.chunks, key=lambda c: c.row_start)[:2]
+    assert (first.row_start, second.row_start) == (0, 10)
+    shifted = dataclasses.replace(second, row_start=second.row_start - 5)  # rows 5..ROWS-5: 5..10 twice, the end never
+    with pytest.raises(CheckpointError, match=r"overlap at \(5, 0\)"):
+        check_coverage({NAME: dataclasses.replace(entry, chunks=(first, shifted))}, CheckpointKind.FULL)
+    columns = _write(store, _split(torch.randn(ROWS, COLS), [0, ROWS], [0, 2, 6]), 1 << 20).tensors[NAME]
+    a, b = sorted(columns.chunks, key=lambda c: c.col_offset)[:2]
+    with pytest.raises(CheckpointError, match="overlap"):  # columns 0..2 and 1..5: 1 twice
+        check_coverage({NAME: dataclasses.replace(columns, chunks=(a, dataclasses.replace(b, col_offset=1)))},
+                       CheckpointKind.FULL)
+
+
 @pytest.mark.parametrize("shape,message", [((ROWS + 1, COLS), "has shape"), ((ROWS, COLS), None)])
 def test_shape_mismatch_rejected(tmp_path, shape, message):
     store = LocalStorage(str(tmp_path))
@@ -175,7 +195,7 @@ def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst, thr
         r0, n = p.region.offsets[0], p.region.sizes[0]
         mine = touched[(touched >= r0) & (touched < r0 + n)]
         chunks += write_piece_chunks(store, "0000000002-u", 0, p, 48, first_n=i, row_ids=mine)
-    inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {NAME: TensorEntry((ROWS, COLS), "float32", False, tuple(chunks))},
+    inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {NAME: TensorEntry((ROWS, COLS), "float32", False, tuple(chunks), Role.TABLE_ROWS, NAME)},
                     base=base.id)
     target = torch.zeros(ROWS, COLS)
     _nbytes, applied = restore_chain(store, [base, inc], _split(target, *LAYOUTS[dst]), threads=threads)
