@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from cnr.options import CheckpointOptions
+from cnr.handoff import HandOff, SettleMode, rank0_decides
 from cnr.manifest import make_id
+from cnr.options import CheckpointOptions
 from cnr.merge import Merger
 from cnr.policy import BitDecision, fixed_bits, next_kind
-from cnr.snapshot import HostBuffers
+from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role, WriteStatus
-from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role
+from cnr.upload import WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +73,11 @@ class ChainState:
 class CheckpointEngine:
     """Takes checkpoints of one rank's state; collective on ``save``, ``wait`` and ``finish``.
 
-    ``bits``: the bit-width decision in force (cnr.policy); the owner may replace it between
+    ``bit_width``: the bit-width decision in force (cnr.policy); the owner may replace it between
     checkpoints, and every rank must hold the same one. ``writer``: this rank's background
     writer if already started (so that its process imports while the model is built); the
-    engine owns it from then on.
+    engine owns it from then on. The snapshot, hand-off and settling are cnr.handoff's, shared
+    with the publisher.
     """
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, rank: int, world_size: int,
@@ -88,16 +89,25 @@ class CheckpointEngine:
         self.tracker = tracker
         self.chain = chain or ChainState()
         self.bit_width = bits or fixed_bits(options.bits)
-        self.buffers = HostBuffers()
+        self.handoff = HandOff(writer or Writer(storage_uri, options), tracker, rank)
         self.stats = SaveStats()
-        self.writer = writer or Writer(storage_uri, options)
         c = options
         # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
         self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
-        self._captured: List[Captured] = []
-        self._in_flight: Optional[Tuple[str, int, CheckpointKind, int, Optional[str]]] = None  # id, step, kind, bits, base
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
+
+    @property
+    def writer(self) -> Writer:
+        return self.handoff.writer
+
+    @property
+    def buffers(self) -> HostBuffers:
+        return self.handoff.buffers
+
+    @buffers.setter
+    def buffers(self, buffers: HostBuffers) -> None:
+        self.handoff.buffers = buffers  # engines that take turns may share one set (cnr.bench.policies)
 
     # ---- the boundary --------------------------------------------------------------------
 
@@ -111,26 +121,26 @@ class CheckpointEngine:
         start = time.perf_counter()
         self._settle(abandon=self.options.on_overlap == "abandon")
         # rank 0 decides (it alone saw the stored sizes) and every rank follows
-        plan: List[Any] = [(uuid.uuid4().hex[:8],) + self._decide() if self.rank == 0 else None]
-        dist.broadcast_object_list(plan, src=0)
-        nonce, kind, base = plan[0]
+        nonce, kind, base = rank0_decides(lambda: (uuid.uuid4().hex[:8],) + self._decide(), self.rank)
         ckpt_id = make_id(step, nonce)
-        rows = self._capture_rows(kind)
-        host, snap_seconds = self.buffers.capture(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows)
+        rows, captured = self._capture_rows(kind)
         manifest_fields = None
         if self.rank == 0:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
                                "bit_width": self.bit_width.to_dict()}
-        c = self.options
-        self.writer.submit(WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields,
-                                    bits=self.bit_width.bits, method=c.quant_method, optimizer_bits=c.optimizer_bits,
-                                    app=dict(app or {})))
-        self._in_flight = (ckpt_id, step, kind, self.bit_width.bits, base)
+        c, bits = self.options, self.bit_width.bits
+
+        def make_job(host: List[HostPiece]) -> WriteJob:
+            self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
+            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
+                            method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}))
+
+        snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows, captured,
+                                           make_job, (ckpt_id, step, kind, bits, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
         self.stats.kinds.append(kind.value)
-        self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
         logger.info("checkpoint %s (%s) snapshot in %.3f s; writing in the background", ckpt_id, kind.value, snap_seconds)
         return ckpt_id
 
@@ -145,7 +155,7 @@ class CheckpointEngine:
         try:
             self._settle(abandon=False)
         finally:
-            self.writer.close()
+            self.handoff.close()
             if self.merger is not None:
                 self.merger.wait()
         self.stats.drain_seconds += time.perf_counter() - start
@@ -162,21 +172,20 @@ class CheckpointEngine:
         # a consecutive increment builds on the checkpoint before it, the others on the baseline
         return kind, self.chain.last_committed if policy == "consecutive" else self.chain.last_full
 
-    def _capture_rows(self, kind: CheckpointKind) -> Optional[Dict[str, torch.Tensor]]:
-        """Rows the checkpoint stores per table (None: all). The "checkpoint" view holds rows
-        touched since the last committed checkpoint, "baseline" since the last full one."""
+    def _capture_rows(self, kind: CheckpointKind) -> Tuple[Optional[Dict[str, torch.Tensor]], List[Captured]]:
+        """Rows the checkpoint stores per table (None: all), and the tracker bits it takes. The
+        "checkpoint" view holds rows touched since the last committed checkpoint, "baseline"
+        since the last full one."""
         if self.tracker is None:
-            return None
+            return None, []
         self.tracker.fold()
         if kind == CheckpointKind.FULL:
             # a full checkpoint holds every row: both views start afresh from it
-            self._captured = [self.tracker.capture("checkpoint", clear=True), self.tracker.capture("baseline", clear=True)]
-            return None
+            return None, [self.tracker.capture("checkpoint", clear=True), self.tracker.capture("baseline", clear=True)]
         since_base = self.tracker.capture("baseline", clear=False)
         since_last = self.tracker.capture("checkpoint", clear=True)
-        self._captured = [since_last, since_base]
         stored = since_last if self.options.policy == "consecutive" else since_base
-        return self.tracker.capture_rows(stored.bitmap)
+        return self.tracker.capture_rows(stored.bitmap), [since_last, since_base]
 
     def _maybe_merge(self, ckpt_id: str) -> None:
         """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
@@ -188,55 +197,34 @@ class CheckpointEngine:
 
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
-        result: Optional[WriteResult] = None
-        if self.writer.in_flight is not None:
-            result = self.writer.wait(timeout=0.0) if abandon else None
-            if result is None:
-                result = self.writer.cancel() if abandon else self.writer.wait()
-        local = STATUSES.index(result.status) if result is not None else -1
-        extra = result.extra if result is not None else {}
-        outcome = torch.tensor([local, extra.get("rows", 0), extra.get("bytes", 0)], dtype=torch.int64)
-        dist.broadcast(outcome, src=0)  # rank 0's writer commits, so its status is the outcome
-        if int(outcome[0]) < 0:
+        settled = self.handoff.settle(SettleMode.ABANDON if abandon else SettleMode.WAIT)
+        if settled is None:
             return
-        committed = STATUSES[int(outcome[0])] == WriteStatus.COMMITTED
-        self._record_outcome(committed, int(outcome[1]), int(outcome[2]), result)
-        if self.tracker is not None:
-            self.tracker.release(self._captured, committed)
-        self._captured = []
+        ckpt_id, step, kind, bits, base = settled.token
+        result = settled.result
         if result is not None:
             self.last_result = result
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
             self.stats.background_seconds.append(result.seconds)
-        ckpt_id = self.stats.ids[-1]
-        if committed:
-            self.stats.checkpoints += 1
-            self.chain.last_committed = ckpt_id
-            if self._in_flight is not None and self._in_flight[2] == CheckpointKind.FULL:
-                self.chain.last_full = ckpt_id
-                self.chain.increments = 0
-            else:
-                self.chain.increments += 1
-            if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
-                self.chain.chain_bytes = list(result.extra["chain_bytes"])
-            logger.info("checkpoint %s committed", ckpt_id)
-            self._maybe_merge(ckpt_id)
-        else:
+        error = None if settled.committed else settled.error
+        status = CheckpointStatus.COMMITTED if settled.committed else CheckpointStatus.FAILED
+        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, settled.rows, settled.nbytes, base,
+                                                error, self.options.quant_method if bits < 32 else "")
+        if not settled.committed:
             self.stats.failed += 1
-            error = result.error if result is not None and result.error else "another rank's writer failed"
-            self.stats.errors[ckpt_id] = error
+            self.stats.errors[ckpt_id] = settled.error
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
-                         "checkpoint stays valid: %s", ckpt_id, STATUSES[int(outcome[0])].value, error)
-        self._in_flight = None
-
-    def _record_outcome(self, committed: bool, rows: int, nbytes: int, result: Optional[WriteResult]) -> None:
-        if self._in_flight is None:
+                         "checkpoint stays valid: %s", ckpt_id, settled.status.value, settled.error)
             return
-        ckpt_id, step, kind, bits, base = self._in_flight
-        error = None
-        if not committed:
-            error = result.error if result is not None and result.error else "another rank's writer failed"
-        status = CheckpointStatus.COMMITTED if committed else CheckpointStatus.FAILED
-        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, rows, nbytes, base, error,
-                                                self.options.quant_method if bits < 32 else "")
+        self.stats.checkpoints += 1
+        self.chain.last_committed = ckpt_id
+        if kind == CheckpointKind.FULL:
+            self.chain.last_full = ckpt_id
+            self.chain.increments = 0
+        else:
+            self.chain.increments += 1
+        if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
+            self.chain.chain_bytes = list(result.extra["chain_bytes"])
+        logger.info("checkpoint %s committed", ckpt_id)
+        self._maybe_merge(ckpt_id)

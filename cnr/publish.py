@@ -33,31 +33,29 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from cnr.checkpoint import pieces_to_write
+from cnr.handoff import RUNNING, HandOff, SettleMode, Settled, rank0_decides
 from cnr.app_state import AppState, whole_tables
 from cnr.config import Config
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.errors import ConfigError
 from cnr.manifest import make_id, newest_committed
 from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
-from cnr.snapshot import HostBuffers
 from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.tracker import Captured, RowTracker
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role, WriteStatus
-from cnr.upload import STATUSES, WriteJob, WriteResult, Writer
+from cnr.tracker import RowTracker
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
+from cnr.upload import WriteJob, Writer
 
 logger = logging.getLogger(__name__)
 
 VIEW = "publish"
-_RUNNING = -2  # rank 0's writer is still busy with the previous publish
-_NONE = -1  # nothing in flight
 
 
 def publish_uri(storage_uri: str, config: Config) -> str:
@@ -163,10 +161,12 @@ class _Chain:
 class Publisher:
     """Publishes one rank's table rows (and dense parameters) at publish boundaries.
 
-    Collective on ``publish``, ``wait`` and ``finish``. ``tracker`` must have the ``"publish"``
-    view; it may be the Checkpointer's (one hook slot per module), whose views it leaves alone.
-    ``writer_options``: the chunking, threads and commit timeout of its own background writer.
-    ``interval``: the boundaries ``due`` reports (0: the caller decides when to publish).
+    Collective on ``publish``, ``wait``, ``flush``, ``finish`` and ``close``. ``tracker`` must
+    have the ``"publish"`` view; it may be the Checkpointer's (one hook slot per module), whose
+    views it leaves alone. ``writer_options``: the chunking, threads and commit timeout of its
+    own background writer. ``interval``: the boundaries ``due`` reports (0: the caller decides
+    when to publish). The snapshot, hand-off and settling are cnr.handoff's, shared with the
+    checkpoint engine.
     """
 
     def __init__(self, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
@@ -179,14 +179,14 @@ class Publisher:
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
-        self.buffers = HostBuffers()
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
         retain = functools.partial(retain_publishes, keep_bases=options.keep_bases)
-        self.writer = Writer(uri, writer_options, retain=retain)  # its own retention
-        self._captured: List[Captured] = []
-        self._in_flight: Optional[_Plan] = None
-        self._result: Optional[WriteResult] = None
+        self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank)  # its own retention
+
+    @property
+    def writer(self) -> Writer:
+        return self.handoff.writer
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a publish boundary (every ``interval`` steps)."""
@@ -195,40 +195,34 @@ class Publisher:
     def publish(self, step: int, pieces: List[StatePiece]) -> Optional[str]:
         """Publish at ``step`` unless the previous publish is still being written; return the id."""
         start = time.perf_counter()
-        plan = None
-        if self.rank == 0:  # its writer commits: it settles first, then decides on the new chain state
-            code = self._outcome(blocking=False)
-            self._settle(code)
-            plan = self._decide(step, force_dense=False) if code != _RUNNING else None
-        code, plan = _broadcast((code if self.rank == 0 else None, plan))
-        if self.rank != 0:
-            self._settle(code)
-        if plan is None:
+        settled = self.handoff.settle(SettleMode.POLL)
+        if settled is RUNNING:
             self.stats.skipped += 1
             logger.info("publish at step %d skipped: publish %s is still being written", step,
-                        self._in_flight.pub_id if self._in_flight else "?")
+                        self.handoff.in_flight.pub_id if self.handoff.in_flight else "?")
+            plan = None
         else:
+            self._record(settled)
+            plan = rank0_decides(lambda: self._decide(step, force_dense=False), self.rank)
             self._submit(pieces, plan)
         self.stats.stall_seconds += time.perf_counter() - start
         return plan.pub_id if plan is not None else None
 
     def wait(self) -> None:
         """Block until the in-flight publish has committed or failed (collective)."""
-        self._drain()
+        self._record(self.handoff.settle(SettleMode.WAIT))
 
     def flush(self, step: int, pieces: List[StatePiece]) -> Optional[str]:
         """Drain the in-flight publish; then publish whatever the last committed publish lacks
         (rows or dense parameters of ``step``) and drain that too (collective). Return that
         publish's id (None when nothing was missing). Not counted as stall."""
         start = time.perf_counter()
-        self._drain()
-        plan = None
-        if self.rank == 0 and (self.chain.step != step or self.chain.dense_step != step):
-            plan = self._decide(step, force_dense=True)
-        (plan,) = _broadcast((plan,))
+        self.wait()
+        lacks = self.chain.step != step or self.chain.dense_step != step
+        plan = rank0_decides(lambda: self._decide(step, force_dense=True) if lacks else None, self.rank)
         if plan is not None:
             self._submit(pieces, plan)
-            self._drain()
+            self.wait()
         self.stats.drain_seconds += time.perf_counter() - start
         return plan.pub_id if plan is not None else None
 
@@ -237,18 +231,18 @@ class Publisher:
         try:
             self.flush(step, pieces)
         finally:
-            self.writer.close()
+            self.handoff.close()
 
     def close(self) -> None:
         """Drain the in-flight publish and stop the writer (collective)."""
         try:
-            self._drain()
+            self.wait()
         finally:
-            self.writer.close()
+            self.handoff.close()
 
     def abort(self) -> None:
         """Stop the writer without collectives (on an error path, other ranks may be gone)."""
-        self.writer.close()
+        self.handoff.close()
 
     def summary(self) -> Dict[str, Any]:
         """Totals over ranks (collective): bytes summed, stall the maximum; rank 0's counts."""
@@ -280,61 +274,32 @@ class Publisher:
         """The snapshot (this publish's share of the stall) and the hand-off to the writer."""
         self.tracker.fold()
         captured = self.tracker.capture(VIEW, clear=True)
-        self._captured = [captured]
-        rows = None
-        if plan.kind == CheckpointKind.INCREMENTAL:
-            rows = self.tracker.capture_rows(captured.bitmap)
-        chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
-        host, seconds = self.buffers.capture(chosen, rows)
+        rows = self.tracker.capture_rows(captured.bitmap) if plan.kind == CheckpointKind.INCREMENTAL else None
         fields = None
         if self.rank == 0:
             counters = {"step": plan.step, "seq": plan.seq, "trigger_unix_us": plan.trigger_unix_us}
             fields = {"reader": {}, "counters": counters, "chain_bytes": [], "bit_width": {}}
         p = self.options
-        self.writer.submit(WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host,
-                                    fields, bits=p.bits, method=p.quant_method))
-        self._in_flight = plan
+
+        def make_job(host) -> WriteJob:
+            return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
+                            bits=p.bits, method=p.quant_method)
+
+        chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
+        seconds = self.handoff.submit(chosen, rows, [captured], make_job, plan)
         self.stats.snapshot_seconds += seconds
         logger.info("publish %s (seq %d, %s%s) snapshot in %.3f s", plan.pub_id, plan.seq, plan.kind.value,
                     ", dense" if plan.dense else "", seconds)
 
-    def _outcome(self, blocking: bool) -> int:
-        """Rank 0: the previous publish's status (index in STATUSES), _NONE or _RUNNING."""
-        if self.writer.in_flight is None:
-            return _NONE
-        result = self.writer.wait(timeout=None if blocking else 0.0)
-        if result is None:
-            return _RUNNING
-        self._result = result
-        return STATUSES.index(result.status)
-
-    def _drain(self) -> None:
-        code = self._outcome(blocking=True) if self.rank == 0 else _NONE
-        (code,) = _broadcast((code,))
-        self._settle(code)
-
-    def _settle(self, code: int) -> None:
-        """Every rank: end the previous publish the way rank 0 (whose writer commits) saw it end."""
-        if code < 0:
+    def _record(self, settled: Optional[Settled]) -> None:
+        """Every rank: account for a settled publish the way rank 0 (whose writer commits) saw it end."""
+        if settled is None:
             return
-        committed = STATUSES[code] == WriteStatus.COMMITTED
-        if self.rank != 0 and self.writer.in_flight is not None:
-            # rank 0 committed: this rank's part is stored already, its writer is only reporting
-            result = self.writer.wait(timeout=0.0)
-            self._result = result or (self.writer.wait() if committed else self.writer.cancel())
-        self.tracker.release(self._captured, committed)
-        self._captured = []
-        plan, result = self._in_flight, self._result
-        self._in_flight, self._result = None, None
+        plan, result = settled.token, settled.result
         if result is not None:
             self.stats.bytes_written += result.bytes_written
-        if plan is None:
-            return
-        self._record(plan, committed, result)
-
-    def _record(self, plan: _Plan, committed: bool, result: Optional[WriteResult]) -> None:
         c = self.chain
-        if committed:
+        if settled.committed:
             self.stats.published += 1
             c.last_id, c.seq, c.step = plan.pub_id, plan.seq, plan.step
             c.since_base = 0 if plan.kind == CheckpointKind.FULL else c.since_base + 1
@@ -342,23 +307,14 @@ class Publisher:
                 c.dense_step = plan.step
         else:
             self.stats.failed += 1
-            error = result.error if result is not None and result.error else "another rank's writer failed"
             logger.error("publish %s (seq %d) did not commit; its rows go out with the next publish: %s",
-                         plan.pub_id, plan.seq, error)
+                         plan.pub_id, plan.seq, settled.error)
         if self.rank == 0:
             self.stats.records.append({
                 "id": plan.pub_id, "seq": plan.seq, "step": plan.step, "kind": plan.kind.value, "dense": plan.dense,
-                "status": "committed" if committed else (result.status.value if result is not None else "failed"),
-                "bytes": result.bytes_written if result is not None else 0,
+                "status": settled.status.value, "bytes": result.bytes_written if result is not None else 0,
                 "background_seconds": round(result.seconds, 6) if result is not None else None,
                 "trigger_unix_us": plan.trigger_unix_us})
-
-
-def _broadcast(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """Rank 0's ``values`` on every rank."""
-    box: List[Any] = [values]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _newest_seq(uri: str) -> int:

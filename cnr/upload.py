@@ -404,7 +404,7 @@ class Writer:
                 result = self._results.get(timeout=0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 if not self._process.is_alive():
-                    result = WriteResult(self.in_flight.ckpt_id, "failed", error=f"writer process died (exit code {self._process.exitcode})")
+                    result = WriteResult(self.in_flight.ckpt_id, WriteStatus.FAILED, error=f"writer process died (exit code {self._process.exitcode})")
                 elif deadline is not None and time.monotonic() >= deadline:
                     return None
                 else:

@@ -163,7 +163,7 @@ def train_step(dmp, adam, sched, batch: Dict[str, object]) -> float:
     loss.backward()
     adam.step()
     sched.step()
-    return float(loss)
+    return loss.item()
 
 
 def train(storage: str, steps: int, save_every: int, policy: str, bits: int, batch_size: int,
