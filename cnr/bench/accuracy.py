@@ -22,19 +22,14 @@ from typing import Any, Dict, List
 
 import torch
 
+import cnr
 from cnr.bench.common import ROOT, argv_list, base_parser, load
-from cnr.checkpoint import CheckpointEngine
-from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
 from cnr.evaluate import evaluate
 from cnr.launch import launch
-from cnr.manifest import read_manifest, resolve_chain
-from cnr.parallel import build_sharded_model
-from cnr.restore import restore_chain
-from cnr.app_state import collect_state
-from cnr.storage import open_storage
-from cnr.parallel import train_step
+from cnr.options import CheckpointOptions
+from cnr.parallel import build_sharded_model, train_step
 
 ACCURACY_CONFIG = os.path.join(ROOT, "configs", "accuracy.yaml")
 
@@ -54,20 +49,20 @@ def _run(config: Config, bits: int, failures: List[int], workdir: str) -> Dict[s
     sharded = build_sharded_model(cfg, torch.device("cpu"))
     reader = make_reader(cfg, 0, 1, None, "train")
     uri = os.path.join(workdir, f"seed{cfg.train.seed}-b{bits}-k{len(failures)}")  # one job, one location
-    ckpt = CheckpointEngine(uri, CheckpointOptions.from_config(cfg.checkpoint), 0, 1) if failures else None
-    storage = open_storage(uri)
+    options = CheckpointOptions.from_config(cfg.checkpoint)
+    app_state = {"model": sharded.model, "optim": sharded.dense_optimizer}
+    ckpt = cnr.Checkpointer(uri, app_state, options) if failures else None
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
         train_step(sharded, reader.next_batch())
         if ckpt is not None and step in failures:
-            ckpt_id = ckpt.save(step, collect_state(sharded.model, sharded.dense_optimizer))
-            ckpt.wait()
-            manifest = read_manifest(storage, ckpt_id)
-            # a failure right after this checkpoint: the state training resumes from is the stored one
-            restore_chain(storage, resolve_chain(storage, manifest), collect_state(sharded.model, sharded.dense_optimizer))
+            ckpt.save(step).wait()
+            # a failure right after this checkpoint: the restarted job resumes from the stored state
+            ckpt.close()
+            ckpt = cnr.Checkpointer(uri, app_state, options)
+            ckpt.restore()
     if ckpt is not None:
-        ckpt.finish()
-    storage.close()
+        ckpt.close()
     metrics = evaluate(cfg, sharded.model, 0, 1, torch.device("cpu"))
     return {"bits": bits, "failures": len(failures), "eval_logloss": metrics["logloss"], "eval_auc": metrics["auc"],
             "seconds": round(time.perf_counter() - start, 2)}

@@ -16,30 +16,31 @@ from typing import Any, Dict, List
 
 import torch.distributed.checkpoint as dcp
 
+import cnr
 from cnr.bench.common import argv_list, base_parser, dir_bytes, load, ratio, trained_model
-from cnr.checkpoint import CheckpointEngine
-from cnr.options import CheckpointOptions
 from cnr.launch import launch
-from cnr.app_state import collect_state
+from cnr.options import CheckpointOptions
 
 
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     config, workdir = arg["config"], arg["workdir"]
     sharded = trained_model(config, rank, world_size, steps=arg["warmup_steps"])
     full = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, policy="full"))
-    ckpt = CheckpointEngine(os.path.join(workdir, "cnr"), CheckpointOptions.from_config(full.checkpoint), rank, world_size)
+    ckpt = cnr.Checkpointer(os.path.join(workdir, "cnr"), {"model": sharded.model, "optim": sharded.dense_optimizer},
+                            CheckpointOptions.from_config(full.checkpoint))
+    stats = ckpt.engine.stats
     cnr_stalls: List[float] = []
     snaps: List[float] = []
     for i in range(2):
-        before = (ckpt.stats.stall_seconds, ckpt.stats.snapshot_seconds)
-        ckpt.save(100 + i, collect_state(sharded.model, sharded.dense_optimizer))
-        cnr_stalls.append(ckpt.stats.stall_seconds - before[0])
-        snaps.append(ckpt.stats.snapshot_seconds - before[1])
-        ckpt.wait()  # the next save must not count this one's background write as its stall
-    ckpt.finish()
-    cnr_bytes = ckpt.stats.bytes_written // 2
+        before = (stats.stall_seconds, stats.snapshot_seconds)
+        pending = ckpt.save(100 + i)
+        cnr_stalls.append(stats.stall_seconds - before[0])
+        snaps.append(stats.snapshot_seconds - before[1])
+        pending.wait()  # the next save must not count this one's background write as its stall
+    ckpt.close()
+    cnr_bytes = stats.bytes_written // 2
     state = {"model": sharded.model.state_dict(), "sparse_optim": sharded.model.fused_optimizer.state_dict(),
-             "dense_optim": sharded.dense_optimizer.optimizer.state_dict()}
+             "dense_optim": sharded.dense_optimizer.state_dict()}
     dcp_times = []
     for i in range(2):
         path = os.path.join(workdir, f"dcp-{i}")
@@ -48,11 +49,11 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         dcp_times.append(time.perf_counter() - start)
     return {
         "cnr_stall_s": round(cnr_stalls[1], 4), "cnr_first_stall_s": round(cnr_stalls[0], 4),
-        "cnr_snapshot_s": round(snaps[1], 4), "cnr_background_s": round(ckpt.stats.background_seconds[1], 4),
+        "cnr_snapshot_s": round(snaps[1], 4), "cnr_background_s": round(stats.background_seconds[1], 4),
         "dcp_save_s": round(dcp_times[1], 4),
         "dcp_first_save_s": round(dcp_times[0], 4), "ratio": ratio(cnr_stalls[1], dcp_times[1]),
         "bytes": cnr_bytes, "dcp_bytes": dir_bytes(os.path.join(workdir, "dcp-1")),
-        "world_size": world_size, "full_fp32_bytes": ckpt.stats.full_fp32_bytes // 2,
+        "world_size": world_size, "full_fp32_bytes": stats.full_fp32_bytes // 2,
     }
 
 

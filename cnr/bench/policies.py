@@ -3,9 +3,11 @@ policy at every bit-width, relative to a full fp32 checkpoint every interval.
 
 One training run of ``configs/bench.yaml`` (about a quarter of the rows touched per 100-step
 interval) over ``--intervals`` intervals feeds every (policy, bit-width) cell: at each boundary
-each cell's own ``Checkpointer`` (the trainer's, with its own storage directory and its own
-views of one shared row tracker) takes its checkpoint through the real writer, one cell after
-the other (they share one set of host buffers). Training does not depend on checkpointing, so
+each cell's own checkpoint engine (``cnr.checkpoint.CheckpointEngine``, the one behind
+``cnr.Checkpointer``, with its own storage directory and its own views of one shared row
+tracker) takes its checkpoint through the real writer, one cell after the other (they share one
+set of host buffers). It stays on the engine because a Checkpointer brings a tracker of its
+own, and a dozen trackers on one model's single hook slot per module cannot coexist. Training does not depend on checkpointing, so
 every cell sees exactly the state and touched rows its own ``cnr train`` run would; retention is
 off so that every checkpoint stays to be counted.
 

@@ -5,7 +5,8 @@ One bench run trains the same config from the same seed several times: once with
 server on 127.0.0.1 in its own process, started by the bench). While a publishing run trains, a
 subscriber process (one torch thread, like a sidecar) follows the store, polling every
 ``--poll-s`` seconds, and applies every publish to an InferenceModel. Checkpointing is off, so
-publishing is the only background work.
+publishing is the only background work; that is why it uses ``cnr train``'s publisher without a
+Checkpointer (cnr.publish.make_publisher), as a publish-only ``cnr train`` job does.
 
 Reported per store:
 - ``bytes``: stored bytes of each publish (chunks + index + manifest) over the fp32 bytes of

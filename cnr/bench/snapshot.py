@@ -23,16 +23,13 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed.checkpoint as dcp
 
+import cnr
 from cnr.bench.common import argv_list, base_parser, load, ratio
-from cnr.checkpoint import CheckpointEngine
-from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
 from cnr.launch import launch
-from cnr.parallel import build_sharded_model
-from cnr.app_state import collect_state
-from cnr.tracker import RowTracker
-from cnr.parallel import train_step
+from cnr.options import CheckpointOptions
+from cnr.parallel import build_sharded_model, train_step
 
 
 def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
@@ -48,16 +45,15 @@ def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 
 class _Run:
-    """A sharded model, its reader, and a Checkpointer writing under ``workdir``."""
+    """A sharded model, its reader, and a cnr.Checkpointer writing under ``workdir`` (tracked
+    unless the policy is "full": the Checkpointer installs its own tracker then)."""
 
-    def __init__(self, config: Config, workdir: str, name: str, track: bool) -> None:
+    def __init__(self, config: Config, workdir: str, name: str) -> None:
         self.sharded = build_sharded_model(config, torch.device("cpu"))
         self.reader = make_reader(config, 0, 1, None, "train")
-        self.tracker = RowTracker(self.sharded.model) if track else None
-        if self.tracker is not None:
-            self.tracker.install()
-        self.ckpt = CheckpointEngine(os.path.join(workdir, name), CheckpointOptions.from_config(config.checkpoint), 0, 1,
-                                     self.tracker)
+        app_state = {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}
+        self.ckpt = cnr.Checkpointer(os.path.join(workdir, name), app_state,
+                                     CheckpointOptions.from_config(config.checkpoint))
         self.step = 0
         self.interval = config.checkpoint.interval
 
@@ -67,30 +63,37 @@ class _Run:
         self.step += self.interval
 
     def checkpoint(self) -> Dict[str, Any]:
-        """Save at the current step, wait for the commit, report that one checkpoint."""
-        s = self.ckpt.stats
+        """Save at the current step, wait for the commit, report that one checkpoint.
+
+        ``stall_s``: the engine's stall (settle, decide, snapshot, hand-off), as before the
+        public API; ``save_s``: the whole ``Checkpointer.save`` call, which adds collecting
+        app_state and one all-reduce (that every rank can store it)."""
+        s = self.ckpt.engine.stats
         before = s.stall_seconds
-        self.ckpt.save(self.step, collect_state(self.sharded.model, self.sharded.dense_optimizer))
+        start = time.perf_counter()
+        pending = self.ckpt.save(self.step)
+        save_s = time.perf_counter() - start
         stall = s.stall_seconds - before
         written_before = s.bytes_written
-        self.ckpt.wait()
-        return {"kind": s.kinds[-1], "stall_s": round(stall, 4), "background_s": round(s.background_seconds[-1], 3),
-                "snapshot_bytes": s.snapshot_bytes[-1], "bytes_written": s.bytes_written - written_before}
+        pending.wait()
+        return {"kind": s.kinds[-1], "stall_s": round(stall, 4), "save_s": round(save_s, 4),
+                "background_s": round(s.background_seconds[-1], 3), "snapshot_bytes": s.snapshot_bytes[-1],
+                "bytes_written": s.bytes_written - written_before}
 
     def close(self) -> None:
-        self.ckpt.finish()
+        self.ckpt.close()
 
 
 def _full_and_incremental(config: Config, workdir: str, repeats: int) -> Dict[str, Any]:
     full_run = _Run(dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, policy="full")),
-                    workdir, "full", track=False)
+                    workdir, "full")
     fulls = []
     for _ in range(repeats + 1):  # the first allocates the host buffers; steady state after it
         full_run.train_interval()
         fulls.append(full_run.checkpoint())
     sharded = full_run.sharded
     state = {"model": sharded.model.state_dict(), "sparse_optim": sharded.model.fused_optimizer.state_dict(),
-             "dense_optim": sharded.dense_optimizer.optimizer.state_dict()}
+             "dense_optim": sharded.dense_optimizer.state_dict()}
     dcp_seconds = []
     for i in range(2):
         start = time.perf_counter()
@@ -98,7 +101,7 @@ def _full_and_incremental(config: Config, workdir: str, repeats: int) -> Dict[st
         dcp_seconds.append(time.perf_counter() - start)
     full_run.close()
     del full_run, state, sharded
-    inc_run = _Run(config, workdir, "incremental", track=True)
+    inc_run = _Run(config, workdir, "incremental")
     inc_run.train_interval()
     inc_run.checkpoint()
     increments = []
@@ -121,12 +124,12 @@ def _scaled(config: Config, factor: float) -> Config:
 def _scaling(config: Config, workdir: str, factors: List[float]) -> List[Dict[str, Any]]:
     out = []
     for f in factors:
-        run = _Run(_scaled(config, f), os.path.join(workdir, f"scale-{f}"), "ck", track=True)
+        run = _Run(_scaled(config, f), os.path.join(workdir, f"scale-{f}"), "ck")
         run.train_interval()
         run.checkpoint()
         run.train_interval()
         inc = run.checkpoint()
-        rows = sum(t.rows for t in run.tracker.tables.values())
+        rows = sum(t.rows for t in run.ckpt.tracker.tables.values())
         run.close()
         out.append({"scale": f, "rows": rows, **inc})
     return out
@@ -141,10 +144,12 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     main = _full_and_incremental(config, workdir, arg["repeats"])
     fulls, incs = main["fulls"], main["increments"]
     stall_full, stall_inc = _median(fulls, "stall_s"), _median(incs, "stall_s")
+    save_full, save_inc = _median(fulls, "save_s"), _median(incs, "save_s")
     bytes_full, bytes_inc = _median(fulls, "bytes_written"), _median(incs, "bytes_written")
     scaling = _scaling(config, workdir, arg["scales"]) if arg["scales"] else []
     return {
         "stall_full_s": stall_full, "stall_incremental_s": stall_inc,
+        "save_call_full_s": save_full, "save_call_incremental_s": save_inc,
         "stall_over_memcpy": ratio(stall_full, main["memcpy_full_s"]),
         "stall_over_memcpy_incremental": _median(incs, "stall_over_memcpy"),
         "stall_over_dcp": ratio(stall_full, main["dcp_save_s"]),

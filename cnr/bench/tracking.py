@@ -11,19 +11,21 @@ memory per row.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from typing import Any, Dict, List, Union
 
 import torch
 
+import cnr
 from cnr.bench.common import argv_list, base_parser, load
 from cnr.data import make_reader
 from cnr.launch import launch
-from cnr.parallel import ShardedModel, build_sharded_model
-from cnr.tracker import RowTracker
-from cnr.parallel import train_step
+from cnr.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.readers import SyntheticReader, TsvReader
+from cnr.tracker import RowTracker
 
 
 class _TimedTracker:
@@ -65,10 +67,15 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     config = arg["config"]
     sharded = build_sharded_model(config, torch.device("cpu"))
     reader = make_reader(config, 0, 1, None, "train")
-    tracker = RowTracker(sharded.model)
+    # the tracker a user's Checkpointer installs (an incremental policy); no checkpoint is taken
+    ckpt = cnr.Checkpointer(arg["workdir"], {"model": sharded.model, "optim": sharded.dense_optimizer},
+                            cnr.CheckpointOptions(policy="consecutive"))
+    tracker = ckpt.tracker
     timed = _TimedTracker(tracker)
     mdt = ModelDeltaTrackerTrec(sharded.model, mode=TrackingMode.ID_ONLY)
-    modules = tracker._modules
+    # the hook slot of each sharded module, which the timing wrapper, torchrec's tracker or
+    # nothing take in turn (the Checkpointer registered tracker.record there)
+    modules = list(tracker._modules.values())
     # "control" is a second no-hook block per round: its gap to "none" is the noise floor
     modes = {"none": None, "cnr": timed, "control": None, "mdt": mdt.record_lookup}
     if not arg["mdt"]:
@@ -92,6 +99,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     med = {m: statistics.median(v) for m, v in times.items()}
     tracker.fold()
     continuous = _continuous_hook_seconds(sharded, reader, tracker, modules, arg["continuous"], config.checkpoint.interval)
+    ckpt.close()
     return {
         "step_s_none": round(med["none"], 5), "step_s_cnr": round(med["cnr"], 5), "step_s_mdt": round(med["mdt"], 5) if "mdt" in med else None,
         "tracking_overhead_pct": round(100 * (med["cnr"] / med["none"] - 1), 3),
@@ -122,6 +130,11 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--no-mdt", action="store_true", help="leave torchrec's ModelDeltaTracker out")
     args = parser.parse_args(argv_list(argv))
     config = load(args)
-    result = launch(_bench, 1, {"config": config, "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
-                                  "mdt": not args.no_mdt, "continuous": args.continuous})
+    workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-")
+    try:
+        result = launch(_bench, 1, {"config": config, "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
+                                      "mdt": not args.no_mdt, "continuous": args.continuous, "workdir": workdir})
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     return {"bench": "tracking", "config": os.path.basename(args.config), **result}

@@ -31,10 +31,10 @@ from typing import Any, Dict, List
 
 import torch
 
+import cnr
 from cnr.bench.common import argv_list, base_parser, load, ratio
 from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
-from cnr.checkpoint import CheckpointEngine
 from cnr.options import CheckpointOptions
 from cnr.config import Config
 from cnr.data import make_reader
@@ -48,6 +48,7 @@ from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
+from cnr.types import WriteStatus
 from cnr.parallel import train_step
 from cnr.upload import Uploader
 
@@ -55,14 +56,13 @@ BACKENDS = ("s3", "local")
 
 
 class _Model:
-    """The trained model, its reader and tracker, shared by every measurement of the run."""
+    """The trained model and its reader, shared by every measurement of the run (each
+    checkpoint chain's cnr.Checkpointer brings its own tracker)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.sharded: ShardedModel = build_sharded_model(config, torch.device("cpu"))
         self.reader = make_reader(config, 0, 1, None, "train")
-        self.tracker = RowTracker(self.sharded.model)
-        self.tracker.install()
         self.step = 0
 
     def train(self, steps: int) -> None:
@@ -73,14 +73,17 @@ class _Model:
     def state(self) -> List[StatePiece]:
         return collect_state(self.sharded.model, self.sharded.dense_optimizer)
 
-    def checkpoint(self, ckpt: CheckpointEngine) -> Dict[str, Any]:
+    def checkpointer(self, uri: str, options: CheckpointOptions) -> cnr.Checkpointer:
+        return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options)
+
+    def checkpoint(self, ckpt: cnr.Checkpointer) -> Dict[str, Any]:
         """Save at the current step and wait for the commit; report the writer's result."""
         self.step += 1  # ids are per step: every checkpoint gets its own
-        ckpt.save(self.step, self.state())
+        pending = ckpt.save(self.step)
         snapshot_end = time.time()
-        ckpt.wait()
-        result = ckpt.last_result
-        if result is None or result.status != "committed":
+        pending.wait()
+        result = ckpt.engine.last_result
+        if result is None or result.status != WriteStatus.COMMITTED:
             raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
         return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end,
                 "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}
@@ -115,7 +118,7 @@ def _raw_put_seconds(uri: str, sizes: List[int], threads: int) -> float:
 def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
     """Steady-state fp32 full checkpoints vs plain puts of the same objects, ``repeats`` times each."""
     config = _with_checkpoint(model.config, policy="full", bits=32, optimizer_bits=32)
-    ckpt = CheckpointEngine(f"{uri}/fp32", CheckpointOptions.from_config(config.checkpoint), 0, 1)
+    ckpt = model.checkpointer(f"{uri}/fp32", CheckpointOptions.from_config(config.checkpoint))
     storage = open_storage(f"{uri}/fp32")
     rows = []
     try:
@@ -128,18 +131,18 @@ def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
             rows.append({**pipeline_stats(c["objects"]), "commit_s": c["commit_s"], "raw_put_s": raw_s,
                          "bytes": sum(sizes), "commit_over_raw_put": ratio(c["commit_s"], raw_s)})
     finally:
-        ckpt.finish()
+        ckpt.close()
         storage.close()
     return _medians(rows)
 
 
-def _train_until_touched(model: _Model, fraction: float, max_steps: int) -> int:
+def _train_until_touched(model: _Model, tracker: RowTracker, fraction: float, max_steps: int) -> int:
     """Train until ``fraction`` of all rows were touched since the baseline; return the steps."""
     total_rows = sum(t.rows for t in model.config.model.tables)
     for steps in range(1, max_steps + 1):
         model.train(1)
-        model.tracker.fold()  # what a snapshot does first; the views only accumulate
-        if model.tracker.count(model.tracker.views["baseline"]) >= fraction * total_rows:
+        tracker.fold()  # what a snapshot does first; the views only accumulate
+        if tracker.count(tracker.views["baseline"]) >= fraction * total_rows:
             return steps
     return max_steps
 
@@ -147,13 +150,13 @@ def _train_until_touched(model: _Model, fraction: float, max_steps: int) -> int:
 def _chain(model: _Model, uri: str, bits: int, touched: float) -> Dict[str, Any]:
     """A ``bits``-bit full baseline, training until ``touched`` of the rows moved, its increment."""
     config = _with_checkpoint(model.config, policy="one_shot", bits=bits)
-    ckpt = CheckpointEngine(uri, CheckpointOptions.from_config(config.checkpoint), 0, 1, model.tracker)
+    ckpt = model.checkpointer(uri, CheckpointOptions.from_config(config.checkpoint))
     try:
         base = model.checkpoint(ckpt)
-        steps = _train_until_touched(model, touched, 10 * model.config.checkpoint.interval)
+        steps = _train_until_touched(model, ckpt.tracker, touched, 10 * model.config.checkpoint.interval)
         inc = model.checkpoint(ckpt)
     finally:
-        ckpt.finish()
+        ckpt.close()
     storage = open_storage(uri)
     try:
         chain = resolve_chain(storage, newest_committed(storage))
