@@ -7,9 +7,9 @@ each cell's own checkpoint engine (``cnr.checkpoint.CheckpointEngine``, the one 
 ``cnr.Checkpointer``, with its own storage directory and its own views of one shared row
 tracker) takes its checkpoint through the real writer, one cell after the other (they share one
 set of host buffers). It stays on the engine because a Checkpointer brings a tracker of its
-own, and a dozen trackers on one model's single hook slot per module cannot coexist. Training does not depend on checkpointing, so
-every cell sees exactly the state and touched rows its own ``cnr train`` run would; retention is
-off so that every checkpoint stays to be counted.
+own, and a dozen trackers cannot share one model's single hook slot per module. Training does
+not depend on checkpointing, so every cell sees exactly the state and touched rows its own
+``cnr train`` run would; retention is off so that every checkpoint stays to be counted.
 
 The figures come from the manifests, as ``cnr report`` computes them (cnr.report): average
 bytes written per interval (chunks + metadata), and peak storage: the largest chain (a

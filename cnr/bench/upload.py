@@ -15,6 +15,10 @@ On each backend, in one process at world size 1 (medians over ``--repeats``):
 
 The default is configs/bench.yaml (772 MB of fp32 embeddings); ``--rows-scale`` shrinks every
 table for a quicker run. moto keeps the objects (in temporary files) in its own process.
+
+Checkpoints are written through ``cnr.Checkpointer``; restores read through
+``cnr.restore.restore_chain`` instead of ``Checkpointer.restore``, because the emulated link
+wraps the storage client, which a Checkpointer opens for itself.
 """
 
 from __future__ import annotations
