@@ -74,6 +74,18 @@ def _run(rank, world_size, arg):
     return result
 
 
+def cnr_manifests(uri: str):
+    """The committed manifests under ``uri``, oldest first."""
+    from cnr.manifest import list_checkpoints, read_manifest
+    from cnr.storage import open_storage
+
+    storage = open_storage(uri)
+    try:
+        return [read_manifest(storage, i.id) for i in list_checkpoints(storage) if i.status.value == "committed"]
+    finally:
+        storage.close()
+
+
 def _assert_same(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
@@ -157,8 +169,12 @@ def test_public_names():
 def test_kill_and_resume_at_world_size_1_then_restore_at_2(tmp_path, policy):
     uri = str(tmp_path / "ck")
     launch(_run, 1, {"uri": str(tmp_path / "full"), "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "a.pt")})
-    first = launch(_run, 1, {"uri": uri, "policy": policy, "steps": 5, "saves": [2, 4], "out": str(tmp_path / "x.pt")})
-    assert first == {"2": "full", "4": "full" if policy == "full" else "incremental"}
+    first = launch(_run, 1, {"uri": uri, "policy": policy, "steps": 5, "saves": [2, 3, 4], "out": str(tmp_path / "x.pt")})
+    later = "full" if policy == "full" else "incremental"
+    assert first == {"2": "full", "3": later, "4": later}
+    ids = [m.id for m in cnr_manifests(uri)]
+    newest = cnr_manifests(uri)[-1]
+    assert newest.base == (None if policy == "full" else ids[0])  # one-shot: every increment on the first baseline
     launch(_run, 1, {"uri": uri, "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "b.pt"),
                      "snapshot_restored": str(tmp_path / "restored1.pt")})
     _assert_same(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
