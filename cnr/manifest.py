@@ -48,7 +48,8 @@ def rank_index_key(ckpt_id: str, rank: int) -> str:
     return f"{ROOT}/{ckpt_id}/rank-{rank:05d}.json"
 
 
-def chunk_key(ckpt_id: str, rank: int, n: int) -> str:
+def object_key(ckpt_id: str, rank: int, n: int) -> str:
+    """Rank ``rank``'s ``n``-th data object: one large chunk, or small chunks back to back."""
     return f"{ROOT}/{ckpt_id}/rank-{rank:05d}/chunk-{n:06d}.bin"
 
 

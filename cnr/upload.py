@@ -36,7 +36,7 @@ from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import Cancelled, CnrError
 from cnr import faults
 from cnr.faults import maybe_crash
-from cnr.manifest import RankIndex, TensorEntry, chunk_key, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.manifest import RankIndex, TensorEntry, object_key, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
@@ -222,7 +222,7 @@ class Packer:
 
     def _next_key(self) -> str:
         self.objects += 1
-        return chunk_key(self.ckpt_id, self.rank, self.objects - 1)
+        return object_key(self.ckpt_id, self.rank, self.objects - 1)
 
     def add(self, blob: bytes, ref: ChunkRef, encode_start: float, encode_end: float) -> ChunkRef:
         """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""

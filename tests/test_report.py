@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from cnr.cli import main
 from cnr.manifest import (
-    Manifest, RankIndex, TensorEntry, chunk_key, failed_key, make_id, manifest_key, manifest_to_bytes,
+    Manifest, RankIndex, TensorEntry, object_key, failed_key, make_id, manifest_key, manifest_to_bytes,
     rank_index_key, rank_index_to_bytes,
 )
 from cnr.report import FIGURES, MARKDOWN, Entry, ReportData, compute, render_markdown
@@ -128,7 +128,7 @@ def test_a_merged_baseline_is_written_bytes_but_no_interval():
 
 def _chunk(ckpt_id: str, n: int, tensor: str, rows: int, nbytes: int, bits: int) -> ChunkRef:
     quantized = bits < 32
-    return ChunkRef(key=chunk_key(ckpt_id, 0, n), tensor=tensor, rows=rows, row_start=0, row_ids=False,
+    return ChunkRef(key=object_key(ckpt_id, 0, n), tensor=tensor, rows=rows, row_start=0, row_ids=False,
                     col_offset=0, cols=2 if tensor == TABLE else 0, nbytes=nbytes, crc32=0,
                     encoding=Encoding.QUANTIZED if quantized else Encoding.RAW, bits=bits,
                     method="adaptive" if quantized else "")
