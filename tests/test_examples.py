@@ -13,8 +13,12 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+import torch.distributed as dist
+
+import cnr
 
 from cnr.encode import DTYPES
+from cnr.launch import RankFailed, launch
 from cnr.manifest import Manifest, newest_committed, resolve_chain
 from cnr.restore import restore_chain
 from cnr.state import whole_piece
@@ -92,10 +96,48 @@ def _kill_and_resume(script: str, args: List[str], tmp_path, steps: int) -> Mani
     return _assert_bit_exact(str(tmp_path / "a"), str(tmp_path / "b"), steps)
 
 
+def _restore_at_one(rank, world_size, arg):
+    """Restore the two-tower checkpoint at world size 1 (it was saved at 2); every tensor, gathered."""
+    from examples.two_tower import build, make_loader
+    from test_api import _gathered
+
+    dmp, adam, sched = build(world_size)
+    app_state = {"model": dmp, "optim": adam, "sched": sched}
+    if arg["loader"]:
+        app_state["loader"] = make_loader(rank, 16)
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive")) as ckpt:
+        ckpt.restore()
+        state = _gathered(app_state)
+        state["lrs"] = [g["lr"] for g in adam.param_groups]  # floats, not a float32 tensor
+    torch.save(state, arg["out"])
+    return {}
+
+
 def test_two_tower_killed_and_resumed_is_bit_exact(tmp_path):
     manifest = _kill_and_resume("two_tower.py", ["--steps", "12", "--save-every", "2", "--policy", "consecutive"],
                                 tmp_path, 12)
     assert manifest.kind.value == "incremental" and manifest.base is not None
+    _, stored = final_state(str(tmp_path / "b"))
+    # cnr.load_state_dict, without a process group, is the model's part of it
+    loaded = cnr.load_state_dict(str(tmp_path / "b"), "model")
+    assert sorted("model/" + k for k in loaded) == sorted(n for n in stored if n.startswith("model/") and n.count("/") == 1)
+    for key, tensor in loaded.items():
+        assert torch.equal(tensor, stored["model/" + key]), key
+    # 2 -> 1: each rank's loader state differs, so it cannot restore at 1 rank, and says so ...
+    uri = str(tmp_path / "b")
+    with pytest.raises((RankFailed, cnr.CheckpointError), match=r"\['loader'\] saved a different state on each of 2 ranks"):
+        try:
+            launch(_restore_at_one, 1, {"uri": uri, "loader": True, "out": str(tmp_path / "one.pt")})
+        finally:
+            if dist.is_initialized():  # an in-process rank that failed keeps its process group
+                dist.destroy_process_group()
+    # ... and everything else restores at 1 rank equal to what the 2 ranks stored, and the lrs
+    launch(_restore_at_one, 1, {"uri": uri, "loader": False, "out": str(tmp_path / "one.pt")})
+    one = torch.load(tmp_path / "one.pt")
+    for name, tensor in stored.items():
+        if manifest.tensors[name].role.value not in ("stateful", "rng"):
+            assert torch.equal(one[name], tensor), name
+    assert one["lrs"] == [g["lr"] for g in manifest.app_ranks[0]["optim"]["param_groups"]]
     ids = {t.name for t in manifest.tables}
     assert {"model/query.ebc.embedding_bags.t0.weight", "model/cand.ebc.embedding_bags.t0.weight",
             "model/history.embeddings.t0.weight", "model/cand.webc.embedding_bags.tags.weight"} <= ids
@@ -119,10 +161,3 @@ def test_dlrm_criteo_pipeline_killed_and_resumed_is_bit_exact(tmp_path):
     cursors = [rank["data"]["state"]["cursor"] for rank in manifest.app_ranks]
     assert all(c == cursors[0] for c in cursors) and cursors[0]["next_batch"] == 12 * 2
     assert len(manifest.tables) == 26
-
-
-@pytest.mark.parametrize("script", ["two_tower.py", "dlrm_criteo.py"])
-def test_examples_refuse_to_run_outside_torchrun(script):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)], capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
-    assert proc.returncode != 0 and "torchrun" in proc.stderr

@@ -19,23 +19,17 @@ def _manifest(cwd, storage, ckpt_id):
     return read_manifest(LocalStorage(f"{cwd}/{storage}"), ckpt_id)
 
 
-# full and one_shot: tests/test_api.py (the same engine through cnr.Checkpointer, kill and resume)
-@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+# full and one_shot: tests/test_api.py (the same engine through cnr.Checkpointer, kill and resume);
+# consecutive: test_consecutive_chain_restores_across_world_sizes and the two-tower example
+@pytest.mark.parametrize("policy", ["intermittent"])
 def test_every_policy_resumes_bit_exact(tmp_path, baseline_ws1, policy):
     # interval 5: eleven checkpoints by step 55, enough for the predictor to start a new baseline
     opts = ["--set", f"checkpoint.policy={policy}", "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=0"]
     first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
     assert first["checkpoints"] == 11
     kinds = [k for _, k in _kinds(str(tmp_path), "ck")]
-    newest = inspect(str(tmp_path), "ck")[-1]
-    m = _manifest(str(tmp_path), "ck", newest["id"])
-    if policy == "consecutive":
-        assert kinds == ["full"] + ["incremental"] * 10
-        assert m.base == inspect(str(tmp_path), "ck")[-2]["id"]  # the checkpoint before, not the baseline
-        assert len(m.chain_bytes) == 11
-    else:
-        assert kinds.count("full") >= 2 and kinds[1] == "incremental"  # a second baseline, chosen by size
-        assert _predictor_agrees(str(tmp_path), "ck")
+    assert kinds.count("full") >= 2 and kinds[1] == "incremental"  # a second baseline, chosen by size
+    assert _predictor_agrees(str(tmp_path), "ck")
     resumed = train(str(tmp_path), "ck", *opts, "--resume")
     assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]
 
@@ -59,6 +53,8 @@ def test_consecutive_chain_restores_across_world_sizes(tmp_path, runs_ws2):
     assert resumed["state_sha256"] == runs_ws2["full"]["state_sha256"]
     newest = _manifest(str(tmp_path), "ck", resumed["last_checkpoint"])
     assert newest.kind.value == "incremental" and len(newest.chain_bytes) == 6
+    committed = [c["id"] for c in inspect(str(tmp_path), "ck") if c["committed"]]
+    assert newest.base == committed[-2]  # the checkpoint before, not the baseline
     # the chain of six, restored at world size 1 with nothing left to train
     at_one = train(str(tmp_path), "ck", *opts, "--resume", nproc=1)
     assert at_one["steps"] == 60 and at_one["state_sha256"] == runs_ws2["full"]["state_sha256"]

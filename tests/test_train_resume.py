@@ -9,7 +9,8 @@ import pytest
 from cli_helpers import MIXED_SHARDING, committed_steps, inspect, train
 
 # (arch, sparse optimizer, dense optimizer): dense adam exercises lazily created optimizer state.
-COMBOS = [("dlrm", "rowwise_adagrad", "adagrad"), ("dcn", "adagrad", "adam"), ("dlrm", "sgd", "sgd")]
+# tiny.yaml's own (dlrm, rowwise_adagrad, adagrad) resumes in most other cnr train tests.
+COMBOS = [("dcn", "adagrad", "adam"), ("dlrm", "sgd", "sgd")]
 
 
 @pytest.mark.parametrize("arch,sparse,dense", COMBOS)
