@@ -131,16 +131,22 @@ def test_public_names():
                                 "PendingCheckpoint", "load_state_dict"}
 
 
-@pytest.mark.parametrize("policy", ["full", "one_shot"])
+@pytest.mark.parametrize("policy", ["full", "one_shot", "consecutive", "intermittent"])
 def test_kill_and_resume_at_world_size_1_then_restore_at_2(tmp_path, policy):
     uri = str(tmp_path / "ck")
     launch(_run, 1, {"uri": str(tmp_path / "full"), "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "a.pt")})
     first = launch(_run, 1, {"uri": uri, "policy": policy, "steps": 5, "saves": [2, 3, 4], "out": str(tmp_path / "x.pt")})
-    later = "full" if policy == "full" else "incremental"
-    assert first == {"2": "full", "3": later, "4": later}
-    ids = [m.id for m in cnr_manifests(uri)]
-    newest = cnr_manifests(uri)[-1]
-    assert newest.base == (None if policy == "full" else ids[0])  # one-shot: every increment on the first baseline
+    manifests = cnr_manifests(uri)
+    ids, newest = [m.id for m in manifests], manifests[-1]
+    assert first["2"] == "full"
+    if policy == "intermittent":  # the predictor decides; an increment builds on the newest baseline
+        fulls = [m.id for m in manifests if m.kind.value == "full"]
+        assert newest.base == (None if newest.kind.value == "full" else fulls[-1])
+    else:
+        later = "full" if policy == "full" else "incremental"
+        assert (first["3"], first["4"]) == (later, later)
+        # one-shot: every increment on the first baseline; consecutive: on the checkpoint before
+        assert newest.base == {"full": None, "one_shot": ids[0], "consecutive": ids[-2]}[policy]
     launch(_run, 1, {"uri": uri, "policy": policy, "steps": 6, "saves": [], "out": str(tmp_path / "b.pt"),
                      "snapshot_restored": str(tmp_path / "restored1.pt")})
     _assert_same(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
