@@ -113,7 +113,7 @@ def _encode_ids(row_ids: Optional[torch.Tensor], rows: int) -> Tuple[Optional[di
 class _Layout:
     """What a chunk's header says besides sizes and checksum."""
 
-    tensor: str
+    tensor_name: str
     dtype: str
     encoding: Encoding
     bits: int
@@ -133,7 +133,7 @@ def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[b
     for part in parts:
         crc = zlib.crc32(part, crc)
     header = {
-        "tensor": layout.tensor, "dtype": layout.dtype, "encoding": layout.encoding.value, "bits": layout.bits,
+        "tensor": layout.tensor_name, "dtype": layout.dtype, "encoding": layout.encoding.value, "bits": layout.bits,
         "row_start": layout.row_start, "rows": layout.rows, "row_ids": layout.row_ids,
         "col_offset": layout.col_offset, "cols": layout.cols, "row_shape": layout.row_shape,
         "payload_bytes": sum(len(p) for p in parts), "payload_crc32": crc, "quant": layout.quant,
@@ -142,7 +142,7 @@ def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[b
     header_bytes = json.dumps(header, sort_keys=True).encode()
     blob = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
     ref = ChunkRef(
-        key=key, tensor=layout.tensor, rows=layout.rows, row_start=layout.row_start, row_ids=layout.row_ids,
+        key=key, tensor_name=layout.tensor_name, rows=layout.rows, row_start=layout.row_start, row_ids=layout.row_ids,
         col_offset=layout.col_offset, cols=layout.cols, nbytes=len(blob), crc32=crc,
         encoding=layout.encoding, bits=layout.bits, method=layout.method,
     )
@@ -151,7 +151,7 @@ def _assemble(key: str, layout: _Layout, parts: Sequence[memoryview]) -> Tuple[b
 
 def encode_raw_chunk(
     key: str,
-    tensor: str,
+    tensor_name: str,
     data: torch.Tensor,
     row_start: int,
     col_offset: int,
@@ -164,7 +164,7 @@ def encode_raw_chunk(
     """
     rows = int(data.shape[0])
     ids_format, ids = _encode_ids(row_ids, rows)
-    layout = _Layout(tensor, dtype_name(data.dtype), Encoding.RAW, data.element_size() * 8, rows, row_start,
+    layout = _Layout(tensor_name, dtype_name(data.dtype), Encoding.RAW, data.element_size() * 8, rows, row_start,
                      row_ids is not None, col_offset, int(data.shape[1]) if data.dim() >= 2 else 0,
                      list(data.shape[1:]), None, "", ids_format)
     return _assemble(key, layout, [ids, _tensor_bytes(data)])
@@ -172,7 +172,7 @@ def encode_raw_chunk(
 
 def encode_quantized_chunk(
     key: str,
-    tensor: str,
+    tensor_name: str,
     q: QuantizedRows,
     row_start: int,
     col_offset: int,
@@ -183,7 +183,7 @@ def encode_quantized_chunk(
         raise ValueError(f"method {q.method!r} cannot be checkpointed; allowed: {', '.join(STORED_QUANT_METHODS)}")
     quant = {"method": q.method, "scale_dtype": dtype_name(q.scale.dtype), "bias_dtype": dtype_name(q.bias.dtype)}
     ids_format, ids = _encode_ids(row_ids, q.rows)
-    layout = _Layout(tensor, "float32", Encoding.QUANTIZED, q.bits, q.rows, row_start, row_ids is not None,
+    layout = _Layout(tensor_name, "float32", Encoding.QUANTIZED, q.bits, q.rows, row_start, row_ids is not None,
                      col_offset, q.dim, [q.dim], quant, q.method, ids_format)
     parts = [ids, _tensor_bytes(q.codes), _tensor_bytes(q.scale), _tensor_bytes(q.bias)]
     return _assemble(key, layout, parts)
@@ -275,7 +275,7 @@ def _parse_quant(header: dict, where: str) -> None:
 
 def _check_header_matches(header: dict, ref: ChunkRef, where: str) -> None:
     expected = {
-        "tensor": ref.tensor, "rows": ref.rows, "row_start": ref.row_start, "row_ids": ref.row_ids,
+        "tensor": ref.tensor_name, "rows": ref.rows, "row_start": ref.row_start, "row_ids": ref.row_ids,
         "col_offset": ref.col_offset, "cols": ref.cols, "payload_crc32": ref.crc32,
         "encoding": ref.encoding.value, "bits": ref.bits,
     }

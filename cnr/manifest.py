@@ -177,6 +177,7 @@ class Manifest:
 
 def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
     d = asdict(c)
+    d["tensor"] = d.pop("tensor_name")  # the format's name for it
     d["encoding"] = c.encoding.value
     if not c.offset:
         del d["offset"]  # a chunk alone in its object reads exactly as before packing existed
@@ -262,7 +263,7 @@ def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
         raise CheckpointError(f"{where} encoding {r['encoding']!r} is not one of {[e.value for e in Encoding]}") from e
     if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"], r.get("offset", 0)) < 0:
         raise CheckpointError(f"{where} has a negative size or offset")
-    return ChunkRef(key=key, tensor=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
+    return ChunkRef(key=key, tensor_name=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
                     col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
                     encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0))
 

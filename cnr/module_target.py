@@ -52,7 +52,7 @@ class ModuleTarget:
         written: Dict[str, Optional[List[torch.Tensor]]] = {}  # name -> row ids written (None: ranges)
         with self.lock, torch.no_grad():
             for chunk in chunks:
-                name = chunk.ref.tensor
+                name = chunk.ref.tensor_name
                 ids = write_chunk(self.tensors[name], chunk)
                 if ids is None:
                     written[name] = None

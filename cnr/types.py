@@ -129,10 +129,11 @@ class ChunkRef:
     ``bits``/``method``: the values' bit-width and, for quantized chunks, the quantizer ("" if raw).
     ``offset``: where the chunk starts in the object ``key``; small chunks share one object
     (bytes ``[offset, offset + nbytes)`` of it), a large one is an object of its own (offset 0).
+    ``tensor_name``: the stored tensor it is part of (``"tensor"`` in manifests and headers).
     """
 
     key: str
-    tensor: str
+    tensor_name: str
     rows: int
     row_start: int
     row_ids: bool

@@ -121,10 +121,11 @@ def test_bad_magic_and_version():
         decode_chunk(blob[:4] + struct.pack("<H", 9) + blob[6:], ref)
 
 
-@pytest.mark.parametrize("field,value", [("tensor", "model/other"), ("rows", 5), ("row_start", 1), ("crc32", 123)])
+@pytest.mark.parametrize("field,value", [("tensor_name", "model/other"), ("rows", 5), ("row_start", 1), ("crc32", 123)])
 def test_header_must_match_manifest(field, value):
     blob, ref = _blob_ref()
-    with pytest.raises(CorruptChunkError, match=field if field != "crc32" else "payload_crc32"):
+    header_field = {"crc32": "payload_crc32", "tensor_name": "tensor"}.get(field, field)
+    with pytest.raises(CorruptChunkError, match=header_field):
         decode_chunk(blob, dataclasses.replace(ref, **{field: value}))
 
 

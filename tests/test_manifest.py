@@ -18,7 +18,7 @@ from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpe
 
 def _manifest(ckpt_id="0000000010-abcd1234", key=None, step=10) -> Manifest:
     key = key or f"checkpoints/{ckpt_id}/rank-00000/chunk-000000.bin"
-    chunk = ChunkRef(key=key, tensor="model/x.embedding_bags.t0.weight", rows=4, row_start=0, row_ids=False,
+    chunk = ChunkRef(key=key, tensor_name="model/x.embedding_bags.t0.weight", rows=4, row_start=0, row_ids=False,
                      col_offset=0, cols=2, nbytes=100, crc32=7)
     weight = "model/x.embedding_bags.t0.weight"
     return Manifest(
@@ -118,5 +118,5 @@ def test_version_1_manifests_read_with_roles_and_version_2_names():
     assert all(not n.startswith(("sparse_optim/", "dense_optim/")) for n in m.tensors)
     assert any(n.startswith("optim/model.") and r == Role.OPTIMIZER for n, r in roles.items())
     # chunks keep the names their headers carry
-    assert m.tensors[f"{weight}/t0.momentum1"].chunks[0].tensor == "sparse_optim/t0.momentum1"
+    assert m.tensors[f"{weight}/t0.momentum1"].chunks[0].tensor_name == "sparse_optim/t0.momentum1"
     assert m.app_ranks[0]["reader"]["state"]["next_batch"] == 30 and m.metadata["config"]["train"]["seed"] == 3

@@ -128,7 +128,7 @@ def test_a_merged_baseline_is_written_bytes_but_no_interval():
 
 def _chunk(ckpt_id: str, n: int, tensor: str, rows: int, nbytes: int, bits: int) -> ChunkRef:
     quantized = bits < 32
-    return ChunkRef(key=object_key(ckpt_id, 0, n), tensor=tensor, rows=rows, row_start=0, row_ids=False,
+    return ChunkRef(key=object_key(ckpt_id, 0, n), tensor_name=tensor, rows=rows, row_start=0, row_ids=False,
                     col_offset=0, cols=2 if tensor == TABLE else 0, nbytes=nbytes, crc32=0,
                     encoding=Encoding.QUANTIZED if quantized else Encoding.RAW, bits=bits,
                     method="adaptive" if quantized else "")
