@@ -147,7 +147,7 @@ class Checkpointer:
     def _resume_from(self, restored: RestoredChain) -> None:
         m = restored.manifest
         if self.tracker is not None:
-            self.tracker.seed("baseline", restored.increment_rows)
+            self.tracker.seed("baseline", restored.increment_row_ids)
         history = list(m.chain_bytes) or [c.bytes for c in restored.chain]
         self.engine.chain = ChainState(last_full=restored.chain[0].id, last_committed=m.id, chain_bytes=history,
                                        increments=len(restored.chain) - 1)

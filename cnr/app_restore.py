@@ -38,7 +38,7 @@ class RestoredChain:
 
     manifest: Manifest
     chain: List[Manifest]
-    increment_rows: Dict[str, torch.Tensor]
+    increment_row_ids: Dict[str, torch.Tensor]
     bytes_read: int
 
 
@@ -178,10 +178,10 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
     pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
     check_no_extra_tensors(manifest, global_names(pieces))
     pieces += [p for _src, stateful in targets.values() for p in stateful]
-    nbytes, rows = restore_chain(storage, chain, pieces, threads)
+    nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
     _apply_json(manifest, app, targets, rank, world_size)
     restore_rng(storage, manifest, rank, world_size)
     logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
-    return RestoredChain(manifest, chain, rows, nbytes)
+    return RestoredChain(manifest, chain, row_ids, nbytes)
 

@@ -123,7 +123,7 @@ class CheckpointEngine:
         # rank 0 decides (it alone saw the stored sizes) and every rank follows
         nonce, kind, base = rank0_decides(lambda: (uuid.uuid4().hex[:8],) + self._decide(), self.rank)
         ckpt_id = make_id(step, nonce)
-        rows, captured = self._capture_rows(kind)
+        row_ids, captured = self._capture_row_ids(kind)
         manifest_fields = None
         if self.rank == 0:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
@@ -135,7 +135,7 @@ class CheckpointEngine:
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
                             method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}))
 
-        snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], rows, captured,
+        snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
@@ -172,8 +172,8 @@ class CheckpointEngine:
         # a consecutive increment builds on the checkpoint before it, the others on the baseline
         return kind, self.chain.last_committed if policy == "consecutive" else self.chain.last_full
 
-    def _capture_rows(self, kind: CheckpointKind) -> Tuple[Optional[Dict[str, torch.Tensor]], List[Captured]]:
-        """Rows the checkpoint stores per table (None: all), and the tracker bits it takes. The
+    def _capture_row_ids(self, kind: CheckpointKind) -> Tuple[Optional[Dict[str, torch.Tensor]], List[Captured]]:
+        """Global row ids the checkpoint stores per table (None: all), and the tracker bits it takes. The
         "checkpoint" view holds rows touched since the last committed checkpoint, "baseline"
         since the last full one."""
         if self.tracker is None:
@@ -185,7 +185,7 @@ class CheckpointEngine:
         since_base = self.tracker.capture("baseline", clear=False)
         since_last = self.tracker.capture("checkpoint", clear=True)
         stored = since_last if self.options.policy == "consecutive" else since_base
-        return self.tracker.capture_rows(stored.bitmap), [since_last, since_base]
+        return self.tracker.capture_row_ids(stored.bitmap), [since_last, since_base]
 
     def _maybe_merge(self, ckpt_id: str) -> None:
         """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in

@@ -92,14 +92,14 @@ class HandOff:
         """The token of the job in flight, else None."""
         return self._token
 
-    def submit(self, pieces: Sequence[StatePiece], rows: Optional[Dict[str, torch.Tensor]],
+    def submit(self, pieces: Sequence[StatePiece], row_ids: Optional[Dict[str, torch.Tensor]],
                captured: List[Captured], make_job: Callable[[List[HostPiece]], WriteJob], token: Any) -> float:
-        """The snapshot (copy ``pieces``, only ``rows`` of the tables when given, into host
+        """The snapshot (copy ``pieces``, only ``row_ids`` of the tables when given, into host
         buffers) and the hand-off of ``make_job(host pieces)`` to the writer. ``captured``: the
         tracker bits this job took. Returns the snapshot's seconds."""
         if self._token is not None:
             raise RuntimeError(f"{self._token!r} is still in flight; settle it first")
-        host, seconds = self.buffers.capture(list(pieces), rows)
+        host, seconds = self.buffers.capture(list(pieces), row_ids)
         self.writer.submit(make_job(host))
         self._captured, self._token = list(captured), token
         return seconds

@@ -274,7 +274,7 @@ class Publisher:
         """The snapshot (this publish's share of the stall) and the hand-off to the writer."""
         self.tracker.fold()
         captured = self.tracker.capture(VIEW, clear=True)
-        rows = self.tracker.capture_rows(captured.bitmap) if plan.kind == CheckpointKind.INCREMENTAL else None
+        row_ids = self.tracker.capture_row_ids(captured.bitmap) if plan.kind == CheckpointKind.INCREMENTAL else None
         fields = None
         if self.rank == 0:
             counters = {"step": plan.step, "seq": plan.seq, "trigger_unix_us": plan.trigger_unix_us}
@@ -286,7 +286,7 @@ class Publisher:
                             bits=p.bits, method=p.quant_method)
 
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
-        seconds = self.handoff.submit(chosen, rows, [captured], make_job, plan)
+        seconds = self.handoff.submit(chosen, row_ids, [captured], make_job, plan)
         self.stats.snapshot_seconds += seconds
         logger.info("publish %s (seq %d, %s%s) snapshot in %.3f s", plan.pub_id, plan.seq, plan.kind.value,
                     ", dense" if plan.dense else "", seconds)

@@ -241,18 +241,19 @@ def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
 
 def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece],
                   threads: int = 1) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """Restore a full baseline, then each increment on top; return bytes read and increment rows.
+    """Restore a full baseline, then each increment on top; return bytes read and the global row
+    ids the increments held, per table.
 
     ``threads``: objects fetched and decoded at once (see restore_pieces).
     """
     total = 0
-    rows: Dict[str, torch.Tensor] = {}
+    row_ids: Dict[str, torch.Tensor] = {}
     for i, manifest in enumerate(chain):
         nbytes, applied = restore_pieces(storage, manifest, pieces, overlay=i > 0, threads=threads)
         total += nbytes
         for table, ids in applied.items():
-            rows[table] = torch.unique(torch.cat([rows[table], ids])) if table in rows else ids
-    return total, rows
+            row_ids[table] = torch.unique(torch.cat([row_ids[table], ids])) if table in row_ids else ids
+    return total, row_ids
 
 
 def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:

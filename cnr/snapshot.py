@@ -71,15 +71,15 @@ class HostBuffers:
             self._ids[key] = _alloc((shape[0],), torch.int64, False)
         return buf, self._ids[key]
 
-    def capture(self, pieces: List[StatePiece], rows: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[List[HostPiece], float]:
-        """Copy ``pieces`` to host; for tables in ``rows`` (ascending global ids) only those rows.
+    def capture(self, pieces: List[StatePiece], row_ids: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[List[HostPiece], float]:
+        """Copy ``pieces`` to host; for tables in ``row_ids`` (ascending global ids) only those rows.
 
         Returns the host pieces and the seconds the copy took (the training stall).
         """
         start = time.perf_counter()
-        rows = rows or {}
+        row_ids = row_ids or {}
         local_cache: Dict[Tuple[str, int, int], torch.Tensor] = {}
-        plan = [(p, self._local_rows(p, rows, local_cache)) for p in pieces]
+        plan = [(p, self._local_rows(p, row_ids, local_cache)) for p in pieces]
         host = [self._capture_cpu(p, local) for p, local in plan if not p.tensor.is_cuda]
         cuda = [(p, local) for p, local in plan if p.tensor.is_cuda]
         if cuda:
@@ -87,20 +87,20 @@ class HostBuffers:
         return host, time.perf_counter() - start
 
     @staticmethod
-    def _local_rows(piece: StatePiece, rows: Dict[str, torch.Tensor],
+    def _local_rows(piece: StatePiece, row_ids: Dict[str, torch.Tensor],
                     cache: Dict[Tuple[str, int, int], torch.Tensor]) -> Optional[torch.Tensor]:
-        """``piece``'s rows among its table's ascending global ``rows``, relative to its region.
+        """``piece``'s rows among its table's ascending global ``row_ids``, relative to its region.
 
         A table's weight and optimizer pieces share a region, so the ids are found once (cached).
         """
         table = piece.table
-        if piece.role not in TABLE_ROLES or table not in rows:
+        if piece.role not in TABLE_ROLES or table not in row_ids:
             return None
         row0, size = piece.region.offsets[0], piece.region.sizes[0]
         key = (table, row0, size)
         local = cache.get(key)
         if local is None:
-            ids = rows[table]
+            ids = row_ids[table]
             # ids ascend, so the region's ids are one slice: two binary searches, no mask pass
             lo, hi = torch.searchsorted(ids, torch.tensor([row0, row0 + size], dtype=ids.dtype)).tolist()
             local = ids[lo:hi] - row0 if row0 else ids[lo:hi]

@@ -146,7 +146,7 @@ class RowTracker:
     ``app``: a module (taken as ``{"model": module}``) or an app_state dict; its tables are
     keyed by table id (cnr.app_state: the stored name of the weight), so any number of embedding
     modules may use the same table names. ``whole``: table ids whose rows can change without a
-    lookup; they are left out of ``capture_rows`` (stored whole in every checkpoint).
+    lookup; they are left out of ``capture_row_ids`` (stored whole in every checkpoint).
     """
 
     def __init__(self, app: Union[torch.nn.Module, Mapping[str, Any]], views: Sequence[str] = DEFAULT_VIEWS,
@@ -267,24 +267,24 @@ class RowTracker:
             if c.cleared:
                 self.views[c.view] |= c.bitmap
 
-    def seed(self, view: str, rows: Dict[str, torch.Tensor]) -> None:
-        """Set ``view``'s bits for global ``rows`` per table (those in this rank's row ranges).
+    def seed(self, view: str, row_ids: Dict[str, torch.Tensor]) -> None:
+        """Set ``view``'s bits for global ``row_ids`` per table (those in this rank's row ranges).
 
         After a resume from an increment, the rows it held were touched since the baseline.
         """
-        for name, ids in rows.items():
+        for name, ids in row_ids.items():
             table = self.tables.get(name)
             if table is None:
                 continue
             inside = ids[(ids >= table.row_offset) & (ids < table.row_offset + table.rows)]
             set_bits(self.views[view], (inside - table.row_offset + table.bit_start).numpy())
 
-    def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
+    def row_ids(self, bits: np.ndarray, table: str) -> torch.Tensor:
         """Global ids (ascending) of ``table``'s rows set in ``bits`` (a view or a capture)."""
         return _rows_of(bits, self.tables[table])
 
-    def capture_rows(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
-        """Rows to store per table for ``bits``; tables in ``whole`` are absent (stored whole)."""
+    def capture_row_ids(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
+        """Global row ids to store per table for ``bits``; tables in ``whole`` are absent (stored whole)."""
         return {t: _rows_of(bits, table) for t, table in self.tables.items() if t not in self.whole}
 
     def count(self, bits: np.ndarray) -> int:

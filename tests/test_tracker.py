@@ -78,7 +78,7 @@ def _worker(rank, world_size, arg):
     report = {}
     delta_ids = mdt.get_unique_ids()  # reading deletes: read once
     for name, t in sorted(tracker.tables.items()):
-        mine = tracker.rows(tracker.views["checkpoint"], name)
+        mine = tracker.row_ids(tracker.views["checkpoint"], name)
         theirs = _global_ids_from_delta_tracker(delta_ids, tracker, name)
         if t.data_parallel:  # each rank's delta tracker saw only its own batch
             everyone = [None] * world_size
@@ -218,9 +218,9 @@ def _ec_worker(rank, world_size, arg):
         mdt.step()
     tracker.fold()
     delta_ids = mdt.get_unique_ids()
-    report = {_short(name): {"equal": torch.equal(tracker.rows(tracker.views["checkpoint"], name),
+    report = {_short(name): {"equal": torch.equal(tracker.row_ids(tracker.views["checkpoint"], name),
                                           _global_ids_from_delta_tracker(delta_ids, tracker, name)),
-                     "tracked": int(tracker.rows(tracker.views["checkpoint"], name).numel()), "kind": kinds[_short(name)]}
+                     "tracked": int(tracker.row_ids(tracker.views["checkpoint"], name).numel()), "kind": kinds[_short(name)]}
               for name in tracker.tables}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, report)

@@ -72,8 +72,8 @@ class CellTracker:
     def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
         return self.shared.rows(bits, table)
 
-    def capture_rows(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
-        return self.shared.capture_rows(bits)
+    def capture_row_ids(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
+        return self.shared.capture_row_ids(bits)
 
 
 def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
