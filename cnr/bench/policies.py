@@ -53,7 +53,7 @@ POLICIES = ("one_shot", "consecutive", "intermittent")
 
 class CellTracker:
     """One cell's views ("<cell>:checkpoint", "<cell>:baseline") of a shared RowTracker, with the
-    interface a Checkpointer uses. Folding twice is harmless: the first fold empties ``current``."""
+    interface the checkpoint engine uses. Folding twice is harmless: the first fold empties ``current``."""
 
     def __init__(self, shared: RowTracker, cell: str) -> None:
         self.shared = shared
@@ -69,8 +69,8 @@ class CellTracker:
     def release(self, captured: List[Captured], committed: bool) -> None:
         self.shared.release(captured, committed)
 
-    def rows(self, bits: np.ndarray, table: str) -> torch.Tensor:
-        return self.shared.rows(bits, table)
+    def row_ids(self, bits: np.ndarray, table: str) -> torch.Tensor:
+        return self.shared.row_ids(bits, table)
 
     def capture_row_ids(self, bits: np.ndarray) -> Dict[str, torch.Tensor]:
         return self.shared.capture_row_ids(bits)
