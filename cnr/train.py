@@ -232,8 +232,6 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     # publishing shares the Checkpointer's tracker; a job that only publishes gets a tracker of its own
     publisher = ckpt.publisher if ckpt is not None else make_publisher(job.storage_uri, config, rank, world_size,
                                                                        sharded.model)
-    if publisher is not None:
-        publisher.interval = config.publish.interval
     saving = ckpt if config.checkpoint.enabled else None
     try:
         step, train_seconds = _loop(config, sharded, source, _Boundaries(saving, position, progress), trace, step,
@@ -319,7 +317,7 @@ def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Bound
             at.position.cursor = source.collect()  # nothing is in flight: the cursor names what was trained
             if at.ckpt is not None and step % interval == 0:
                 at.ckpt.save(step)
-        if publisher is not None and publisher.due(step):
+        if publisher is not None and step % config.publish.interval == 0:
             publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
         if bar is not None:
             bar.update(1)
