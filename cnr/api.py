@@ -31,12 +31,14 @@ from cnr.app_restore import RestoredChain, _placement, restore_app
 from cnr.app_state import AppState, TableRef, whole_tables
 from cnr.bit_width import BitWidthPlanner
 from cnr.checkpoint import ChainState, CheckpointEngine
-from cnr.errors import CheckpointError
+from cnr.errors import CheckpointError, CnrError
+from cnr.lease import Lease, LeaseHeldError
 from cnr.manifest import Manifest, newest_committed, read_manifest
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.publish import VIEW as PUBLISH_VIEW, Publisher, check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
 from cnr.storage import open_storage
+from cnr.storage.base import Storage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, TableSpec
 from cnr.upload import Writer
@@ -102,6 +104,13 @@ class Checkpointer:
         self.uri = self.storage.uri
         self.storage.check_writable()
         self.tables = [_table_spec(t) for t in self.app.tables]
+        try:
+            self.lease = take_lease(self.storage, self.options.lease_ttl_s, self.rank)
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            self.storage.close()
+            raise
         self.tracker: Optional[RowTracker] = None
         if self.options.policy != "full" or views:
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
@@ -118,6 +127,7 @@ class Checkpointer:
             self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker)
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options))
+        self.engine.lease = self.lease.ref if self.lease is not None else None
         self._closed = False
 
     # ---- restore -------------------------------------------------------------------------
@@ -231,6 +241,7 @@ class Checkpointer:
             try:
                 self.engine.finish()
             finally:
+                self._release_lease()
                 self.storage.close()
 
     def abort(self) -> None:
@@ -240,7 +251,12 @@ class Checkpointer:
             if self.publisher is not None:
                 self.publisher.abort()
             self.engine.writer.close()
+            self._release_lease()
             self.storage.close()
+
+    def _release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -250,6 +266,25 @@ class Checkpointer:
             self.close()
         else:
             self.abort()
+
+
+def take_lease(storage: Storage, ttl_s: float, rank: int) -> Optional[Lease]:
+    """Rank 0 takes the storage location's lease (cnr.lease) and renews it from now on; every
+    rank raises LeaseHeldError (or the storage's error) when it cannot (collective)."""
+    lease: Optional[Lease] = None
+    refused: List[Any] = [None]
+    if rank == 0:
+        try:
+            lease = Lease.acquire(storage, ttl_s)
+        except CnrError as e:
+            refused = [(type(e).__name__, str(e))]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        kind, message = refused[0]
+        raise LeaseHeldError(message) if kind == LeaseHeldError.__name__ else CheckpointError(message)
+    if lease is not None:
+        lease.start_renewing()
+    return lease
 
 
 def _info(m: Manifest) -> CheckpointInfo:

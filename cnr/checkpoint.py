@@ -25,7 +25,7 @@ from cnr.policy import BitDecision, fixed_bits, next_kind
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, Role
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, LeaseRef, Role
 from cnr.upload import WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class CheckpointEngine:
         self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
+        self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
 
     @property
     def writer(self) -> Writer:
@@ -133,7 +134,8 @@ class CheckpointEngine:
         def make_job(host: List[HostPiece]) -> WriteJob:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
-                            method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}))
+                            method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}),
+                            lease=self.lease)
 
         snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 
 from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
+from cnr.lease import check_held
 from cnr.manifest import (
     Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
     parse_rank_index, rank_index_key,
@@ -115,6 +116,8 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> T
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
+    if job.lease is not None:
+        check_held(storage, job.lease)  # a job that lost its storage's lease commits nothing
     storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
     return manifest, len(blob)

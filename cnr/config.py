@@ -143,7 +143,9 @@ class CheckpointConfig:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
     their chains need, delete the rest (0: keep everything). ``merge_every``: with the
     consecutive policy, merge the chain into a new full baseline in the background once this
-    many increments followed the newest one (cnr.merge; 0: never).
+    many increments followed the newest one (cnr.merge; 0: never). ``lease_ttl_s``: a job holds
+    its storage location's lease (cnr.lease), renewed every quarter of this; another machine may
+    take over a crashed job's location this long after its last renewal.
     """
 
     enabled: bool = True
@@ -161,6 +163,7 @@ class CheckpointConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
     merge_every: int = 0
+    lease_ttl_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -380,6 +383,8 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
              f"{c.policy!r}: only consecutive increments form chains to merge")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+    _require(1.0 <= c.lease_ttl_s <= 86400.0, f"config key 'checkpoint.lease_ttl_s' = {c.lease_ttl_s} is not allowed; "
+             "it must be from 1 to 86400 seconds")
 
 
 def _validate_publish(p: PublishConfig) -> None:

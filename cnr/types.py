@@ -186,3 +186,12 @@ class CheckpointInfo:
     base: Optional[str] = None
     error: Optional[str] = None
     method: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """Which lease generation a job holds on its storage location (cnr.lease), and its owner
+    token; rank 0's writer checks it is still the newest before it commits a manifest."""
+
+    generation: int
+    owner: str

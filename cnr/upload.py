@@ -41,7 +41,7 @@ from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Role, WriteStatus
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, LeaseRef, Role, WriteStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class WriteJob:
     """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
 
     ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
-    quantize 2-D sparse optimizer state as well.
+    quantize 2-D sparse optimizer state as well. ``lease``: rank 0's lease on the storage
+    (cnr.lease), checked right before the commit; None when the job holds none (benchmarks).
     """
 
     ckpt_id: str
@@ -68,6 +69,7 @@ class WriteJob:
     method: str = ""
     optimizer_bits: int = 32
     app: Dict[str, Any] = field(default_factory=dict)
+    lease: Optional[LeaseRef] = None
 
 
 @dataclass

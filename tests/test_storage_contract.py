@@ -94,3 +94,23 @@ def test_large_object(storage):
     storage.put("big", data)
     assert storage.size("big") == len(data)
     assert storage.get("big", ByteRange(len(data) - 256, 256)) == bytes(range(256))
+
+
+def test_put_if_absent_creates_once(storage):
+    assert storage.put_if_absent("lease/1", b"first")
+    assert not storage.put_if_absent("lease/1", b"second")
+    assert storage.get("lease/1") == b"first"
+    assert storage.list("lease") == ["lease/1"]
+
+
+def test_put_if_absent_one_winner_among_racers(storage):
+    # Eight threads race to create one key: exactly one wins, and the object is the winner's.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def create(i: int) -> bool:
+        return storage.put_if_absent("race/key", f"racer-{i}".encode())
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(create, range(8)))
+    assert won.count(True) == 1
+    assert storage.get("race/key") == f"racer-{won.index(True)}".encode()

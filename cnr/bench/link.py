@@ -59,6 +59,9 @@ class LinkedStorage(Storage):
     def put(self, key: str, data: Buffer) -> None:
         self.inner.put(key, data)
 
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        return self.inner.put_if_absent(key, data)
+
     def size(self, key: str) -> int:
         return self.inner.size(key)
 

@@ -69,6 +69,16 @@ class Storage(abc.ABC):
         """Store ``data`` under ``key`` atomically and durably, replacing any existing object."""
 
     @abc.abstractmethod
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        """Store ``data`` under ``key`` atomically and durably only if no object is stored there.
+
+        Returns True when this call created the object, False when one already existed (it is
+        left untouched). Of several concurrent callers on one key, at most one gets True; the
+        lease (cnr.lease) relies on it. After a lost reply a retried create may see its own
+        object and return False: callers that must know read the object back.
+        """
+
+    @abc.abstractmethod
     def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
         """Return the object (or ``byte_range`` of it). Raises KeyNotFoundError if absent."""
 

@@ -51,6 +51,29 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"cannot write {key!r} under {self._root}: {e.strerror or e}") from e
 
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        # A hard link of a complete temp file onto the final name fails if the name exists:
+        # atomic (no reader sees a partial object) and exclusive (one of racing callers wins).
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                _remove_quietly(tmp)
+            _fsync_dir(directory)
+            return True
+        except OSError as e:
+            raise StorageError(f"cannot create {key!r} under {self._root}: {e.strerror or e}") from e
+
     def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
         path = self._path(key)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 import uuid
 import zlib
 from typing import Callable, Dict, List, Optional, TypeVar
@@ -71,6 +72,7 @@ DEFAULT_BACKOFF_MAX = 8.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CHECKSUM = "CRC32"
+_CONFLICT_ATTEMPTS = 5  # 409 ConditionalRequestConflict answers to one put_if_absent
 
 _RETRY_MODES = ("standard", "adaptive", "legacy")
 
@@ -273,6 +275,33 @@ class S3Storage(Storage):
             self._retrying("write", key, attempt)
         finally:
             self._uploads.end(full)
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        # One PutObject with If-None-Match: * (S3 conditional writes); meant for small objects
+        # (a lease record), so no multipart. 412: the key exists; 409: a concurrent conditional
+        # write on the key is in progress, so the answer is unknown yet and the request is sent
+        # again.
+        full = self._full_key(key)
+        body = bytes(memoryview(data).cast("B"))
+        extra: Dict[str, str] = {}
+        if self._checksum:
+            crc = zlib.crc32(body) & 0xFFFFFFFF
+            extra = {"ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")}
+
+        def attempt() -> bool:
+            for _ in range(_CONFLICT_ATTEMPTS):
+                try:
+                    self._client.put_object(Bucket=self._bucket, Key=full, Body=body, IfNoneMatch="*", **extra)
+                    return True
+                except bexc.ClientError as e:
+                    if status(e) == 412 or error_code(e) == "PreconditionFailed":
+                        return False
+                    if status(e) != 409:
+                        raise
+                time.sleep(self._backoff_base)
+            raise StorageError(f"cannot create {self._where(key)}: concurrent conditional writes kept conflicting")
+
+        return self._retrying("write", key, attempt)
 
     def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
         full = self._full_key(key)
