@@ -12,7 +12,7 @@ from typing import List, Optional
 from cnr.errors import CnrError
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
-              "publish")  # cnr/bench/<name>.py, each with run(argv) -> dict
+              "publish", "chaos")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/export.py
 
 

@@ -41,6 +41,7 @@ from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, ByteRange, CheckpointKind, ChunkRef, Encoding
 from cnr.upload import Packer, Uploader, die_with_parent, row_blocks
+from cnr.proc import MERGER, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
 def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, keep_last: int) -> None:
     """The merge process: merge, commit, run retention; exit 1 with the error logged on failure."""
     die_with_parent()
+    name_this_process(MERGER)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     storage = open_storage(storage_uri)
     try:

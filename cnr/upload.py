@@ -42,6 +42,7 @@ from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, LeaseRef, Role, WriteStatus
+from cnr.proc import WRITER, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -347,6 +348,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
                 retain: Optional[Retain] = None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel."""
     die_with_parent()
+    name_this_process(WRITER)
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")

@@ -41,6 +41,7 @@ import multiprocessing as mp
 from cnr.errors import CnrError
 from cnr.faults import maybe_crash
 from cnr.readers.batch import Batch, RawBatch, to_batch
+from cnr.proc import READER, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def _describe(e: BaseException) -> str:
 def reader_main(args: ReaderArgs, control: Any, data: Any) -> None:
     """Entry point of a reader process: build the reader, then serve grants until stopped."""
     _die_with_parent(args.parent_pid)
+    name_this_process(READER)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     reader: Optional[StreamReader] = None
     k = 0  # the rank's batches this reader has passed (produced or skipped)

@@ -1,0 +1,393 @@
+"""``python -m cnr bench chaos``: one bounded run of ``cnr train`` under seeded failures.
+
+The job trains ``configs/tiny.yaml`` (fp32, consecutive increments, two reader processes per
+rank, a sample trace) on S3: a moto server on 127.0.0.1 in its own process, reached through a
+fault proxy (cnr.bench.chaos_proxy). At seeded random moments while it trains, one event of
+``EVENTS`` happens; after each attempt that ended early, the job is started again (``--resume``
+once anything committed), until it reaches its last step:
+
+- ``kill_trainer``: SIGKILL of the whole job (launcher, ranks, writers, readers);
+- ``kill_writer`` / ``kill_reader``: SIGKILL of one background writer / reader process;
+- ``s3_faults``: a window in which each request fails with ``--fault-rate`` (500, 503 SlowDown,
+  dropped connection); ``s3_outage``: every connection dropped for a few seconds, as a
+  restarting server looks to its clients (moto keeps its objects only in memory, so the server
+  itself is not restarted);
+- ``corrupt_chunk`` / ``corrupt_manifest``: the job is killed, then a byte of a chunk object /
+  a bit of the manifest of the newest committed checkpoint is flipped before the restart;
+- ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused.
+
+An uninterrupted run of the same job on a local directory is the reference. Reported:
+checkpoints attempted / committed / failed (every checkpoint the store showed, polled each
+second); ``lost_commits``: committed checkpoints that are not restorable at the end or were
+skipped by a restore although intact (deliberately damaged ones and chains through them
+excepted); samples trained twice or never (the final sample trace against the reference's);
+restores and fallbacks; time lost per failure (all attempts' wall time minus the reference's,
+over the failures); and whether the final state equals the reference's (``state_sha256``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from typing import Any, Dict, List, Optional, Set
+
+from cnr.bench import chaos_job
+from cnr.bench.chaos_job import Job
+from cnr.bench.chaos_proxy import ChaosProxy
+from cnr.bench.common import ROOT, argv_list
+from cnr.manifest import chain_links, scan_checkpoints
+from cnr.storage.moto_server import MotoS3, endpoint_env
+from cnr.storage.s3 import S3Storage
+from cnr.trace import load_trace
+from cnr.types import CheckpointStatus
+
+EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
+          "second_job")
+FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest")  # the attempt ends with the event
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+_RESTORED = re.compile(r"restored checkpoint (\S+) \(step (\d+)")
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cnr bench chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=TINY, help="YAML config (default configs/tiny.yaml)")
+    p.add_argument("--steps", type=int, default=1200, help="training steps of the job")
+    p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the job")
+    p.add_argument("--events", type=int, default=16, help="events to inject (each kind at least once when >= 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the events' kinds, moments and targets")
+    p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
+    p.add_argument("--budget-s", type=float, default=540.0, help="no new event after this many seconds")
+    p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    args = p.parse_args(argv_list(argv))
+    for name in ("steps", "interval", "nproc", "events"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed; it must be >= 1")
+    if not 0.0 <= args.fault_rate < 1.0:
+        p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
+    return args
+
+
+def plan_events(count: int, rng: random.Random) -> List[str]:
+    """``count`` event kinds: every kind once (when ``count`` allows), then random ones, shuffled."""
+    kinds = list(EVENTS)[:count] + [rng.choice(EVENTS) for _ in range(max(0, count - len(EVENTS)))]
+    rng.shuffle(kinds)
+    return kinds
+
+
+def train_args(args: argparse.Namespace, storage: str, trace_dir: str, resume: bool) -> List[str]:
+    sets = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", "checkpoint.policy=consecutive",
+            "checkpoint.keep_last=3", "checkpoint.bits=32", "checkpoint.commit_timeout_s=60",
+            "checkpoint.lease_ttl_s=30", "data.reader_processes=2", f"data.trace_dir={trace_dir}",
+            "train.eval_interval=0"]
+    out = ["train", "--config", args.config, "--storage", storage, "--nproc", str(args.nproc)]
+    for s in sets:
+        out += ["--set", s]
+    return out + (["--resume"] if resume else [])
+
+
+class StoreWatch:
+    """Polls the store (directly, not through the proxy) and remembers every checkpoint seen."""
+
+    def __init__(self, storage: S3Storage) -> None:
+        self.storage = storage
+        self.status: Dict[str, CheckpointStatus] = {}
+        self.steps: Dict[str, int] = {}
+        self.bases: Dict[str, Optional[str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-watch", daemon=True)
+        self._thread.start()
+
+    def scan(self) -> List[Any]:
+        infos = [info for info, _m in scan_checkpoints(self.storage)]
+        with self._lock:
+            for info in infos:
+                if self.status.get(info.id) != CheckpointStatus.COMMITTED:  # once committed, stays counted so
+                    self.status[info.id] = info.status
+                self.steps[info.id] = info.step
+                if info.status == CheckpointStatus.COMMITTED:
+                    self.bases[info.id] = info.base
+        return infos
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - a scan racing retention's deletes; the next one sees it
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def newest_intact(self, infos: List[Any], damaged: Set[str]) -> Optional[Any]:
+        """The newest committed checkpoint of ``infos`` whose chain has no damaged link."""
+        committed = [i for i in infos if i.status == CheckpointStatus.COMMITTED]
+        bases = {i.id: i.base for i in committed}
+        for info in sorted(committed, key=lambda i: (i.step, i.id), reverse=True):
+            links, complete = chain_links(info.id, bases)
+            if complete and not (set(links) | {info.id}) & damaged:
+                return info
+        return None
+
+
+def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str]) -> Dict[str, Any]:
+    trace = os.path.join(workdir, "trace-reference")
+    job = Job(train_args(args, os.path.join(workdir, "reference-store"), trace, False), env, workdir, "reference").start()
+    rc = job.wait(timeout=600)
+    summary = job.summary()
+    if rc != 0 or summary is None:
+        raise RuntimeError(f"the uninterrupted reference run failed ({rc}): {job.stderr()[-2000:]}")
+    return {"summary": summary, "trace": load_trace(trace), "seconds": job.ended - job.started}
+
+
+def _sample_counts(trace) -> Counter:
+    counts: Counter = Counter()
+    for _step, _rank, runs in trace:
+        for lo, hi in runs:
+            counts.update(range(lo, hi))
+    return counts
+
+
+def _modified_since(directory: str, unix: float) -> bool:
+    """Whether a file in ``directory`` was modified after ``unix`` (wall-clock seconds)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.path.getmtime(os.path.join(directory, name)) > unix:
+                return True
+        except OSError:
+            continue  # replaced while we looked (the trace is reset on resume)
+    return False
+
+
+class Chaos:
+    """One chaos run against the job stored at ``uri`` (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: ChaosProxy,
+                 storage: S3Storage, uri: str) -> None:
+        self.args, self.workdir, self.env, self.proxy, self.storage, self.uri = args, workdir, env, proxy, storage, uri
+        self.rng = random.Random(args.seed)
+        self.trace_dir = os.path.join(workdir, "trace")
+        self.watch = StoreWatch(storage)
+        self.damaged: Set[str] = set()
+        self.fired: List[Dict[str, Any]] = []
+        self.attempts: List[Dict[str, Any]] = []
+        self.lost: List[str] = []
+        self.second_jobs: Counter = Counter()
+        self.start = time.monotonic()
+
+    def _job(self, resume: bool, name: str) -> Job:
+        return Job(train_args(self.args, self.uri, self.trace_dir, resume), self.env, self.workdir, name)
+
+    def _training(self, job: Job, started_unix: float, timeout: float = 180.0) -> bool:
+        """Wait until ``job`` trains (its writers run and its trace moved since it started);
+        False when it ended first."""
+        deadline = time.monotonic() + timeout
+        while job.running() and time.monotonic() < deadline:
+            if _modified_since(self.trace_dir, started_unix) and chaos_job.named(job.proc.pid, chaos_job.WRITER_NAME):
+                return True
+            time.sleep(0.2)
+        return job.running()
+
+    def _sleep_while(self, job: Job, seconds: float) -> bool:
+        """Sleep up to ``seconds``; False when the job ended meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not job.running():
+                return False
+            time.sleep(0.1)
+        return job.running()
+
+    def _stop_and_corrupt(self, job: Job, kind: str) -> Dict[str, Any]:
+        job.kill()
+        job.proc.wait()
+        infos = self.watch.scan()
+        target = self.watch.newest_intact(infos, self.damaged)
+        if target is None or self.watch.newest_intact(infos, self.damaged | {target.id}) is None:
+            return {"skipped": "no older intact chain would be left to fall back to"}
+        if kind == "corrupt_chunk":
+            key = chaos_job.corrupt_chunk(self.storage, target.id, self.rng)
+        else:
+            key = chaos_job.corrupt_manifest(self.storage, target.id, self.rng)
+        if key is None:
+            return {"skipped": f"{target.id} has no data object"}
+        self.damaged.add(target.id)
+        return {"damaged": key}
+
+    def _second_job(self) -> Dict[str, Any]:
+        job = self._job(True, f"second-{len(self.fired)}").start()
+        rc = job.wait(timeout=300)
+        refused = rc == 2 and "another job is writing checkpoints" in job.stderr()
+        self.second_jobs["refused" if refused else "not_refused"] += 1
+        return {"second_job_rc": rc, "refused": refused}
+
+    def fire(self, kind: str, job: Job) -> Dict[str, Any]:
+        """Make ``kind`` happen to the running ``job``; what was done."""
+        if kind == "kill_trainer":
+            job.kill()
+            return {}
+        if kind in ("kill_writer", "kill_reader"):
+            name = chaos_job.WRITER_NAME if kind == "kill_writer" else chaos_job.READER_NAME
+            return {"pid": chaos_job.kill_one(job.proc.pid, name, self.rng)}
+        if kind == "s3_faults":
+            seconds = self.rng.uniform(3.0, 8.0)
+            self.proxy.fault_rate = self.args.fault_rate
+            threading.Timer(seconds, lambda: setattr(self.proxy, "fault_rate", 0.0)).start()
+            return {"seconds": round(seconds, 1)}
+        if kind == "s3_outage":
+            seconds = self.rng.uniform(2.0, 5.0)
+            self.proxy.down(seconds)
+            return {"seconds": round(seconds, 1)}
+        if kind in ("corrupt_chunk", "corrupt_manifest"):
+            return self._stop_and_corrupt(job, kind)
+        if kind == "second_job":
+            return self._second_job()
+        raise ValueError(f"event {kind!r} is not one of {EVENTS}")
+
+    def _attempt(self, plan: List[str]) -> Optional[Dict[str, Any]]:
+        """Run one attempt, firing events from ``plan`` while it trains; its summary when it
+        reached the last step, else None."""
+        infos = self.watch.scan()
+        resume = any(i.status == CheckpointStatus.COMMITTED for i in infos)
+        expected = self.watch.newest_intact(infos, self.damaged)
+        candidates = [i for i in infos if i.status == CheckpointStatus.COMMITTED or i.id in self.damaged]
+        newest = max(candidates, key=lambda i: (i.step, i.id)) if candidates else None
+        n = len(self.attempts)
+        started_unix = time.time()
+        job = self._job(resume, f"attempt-{n}").start()
+        while plan and time.monotonic() - self.start < self.args.budget_s and self._training(job, started_unix):
+            if not self._sleep_while(job, self.rng.uniform(2.0, 6.0)):
+                break
+            kind = plan.pop(0)
+            record = {"event": kind, "attempt": n, "at_s": round(time.monotonic() - self.start, 1)}
+            record.update(self.fire(kind, job))
+            self.fired.append(record)
+            if kind in FATAL:
+                break
+        rc = job.wait(timeout=600)
+        self.proxy.fault_rate = 0.0
+        stderr = job.stderr()
+        restored = _RESTORED.findall(stderr)
+        attempt = {"rc": rc, "seconds": round(job.ended - job.started, 2), "killed": job.killed, "resumed": resume,
+                   "restored": restored[0][0] if restored else None,
+                   "expected": expected.id if expected is not None else None,
+                   "newest": newest.id if newest is not None else None}
+        if resume and expected is not None and (not restored or int(restored[0][1]) < expected.step):
+            if rc == 0 or restored:  # an attempt killed before it restored shows nothing
+                self.lost.append(f"attempt {n} restored {attempt['restored']} although {expected.id} "
+                                 f"(step {expected.step}) was committed and intact")
+        if rc != 0 and not job.killed:
+            attempt["error"] = (stderr.strip().splitlines() or [""])[-1][-300:]
+        self.attempts.append(attempt)
+        summary = job.summary()
+        if rc == 0 and summary is not None and summary.get("steps") == self.args.steps:
+            return summary
+        return None
+
+    def run(self) -> Dict[str, Any]:
+        plan = plan_events(self.args.events, self.rng)
+        try:
+            final = None
+            while final is None:
+                if len(self.attempts) > 3 * self.args.events + 5:
+                    raise RuntimeError(f"the job did not finish within {len(self.attempts)} attempts: {self.attempts[-3:]}")
+                final = self._attempt(plan)
+            self.watch.scan()
+        finally:
+            self.watch.stop()
+        return final
+
+
+def _report(args: argparse.Namespace, chaos: Chaos, final: Dict[str, Any], reference: Dict[str, Any],
+            unrestorable: List[str]) -> Dict[str, Any]:
+    status = Counter(s.value for s in chaos.watch.status.values())
+    ref_counts, counts = _sample_counts(reference["trace"]), _sample_counts(load_trace(chaos.trace_dir))
+    fatal = sum(1 for a in chaos.attempts if a["killed"] or a["rc"] != 0)
+    lost_s = sum(a["seconds"] for a in chaos.attempts) - reference["seconds"]
+    restores = [a for a in chaos.attempts if a["resumed"]]
+    return {
+        "events": chaos.fired,
+        "events_by_kind": dict(Counter(e["event"] for e in chaos.fired)),
+        "attempts": chaos.attempts,
+        "checkpoints_attempted": len(chaos.watch.status),
+        "checkpoints_committed": status.get(CheckpointStatus.COMMITTED.value, 0),
+        "checkpoints_failed": len(chaos.watch.status) - status.get(CheckpointStatus.COMMITTED.value, 0),
+        "checkpoints_damaged_on_purpose": sorted(chaos.damaged),
+        "lost_commits": len(chaos.lost) + len(unrestorable),
+        "lost_commit_details": chaos.lost + unrestorable,
+        "samples_duplicated": sum(c - 1 for c in counts.values() if c > 1),
+        "samples_skipped": sum(1 for s in ref_counts if s not in counts),
+        "samples_not_in_reference": sum(1 for s in counts if s not in ref_counts),
+        "trace_equals_reference": load_trace(chaos.trace_dir) == reference["trace"],
+        "restores": len(restores),
+        "fallbacks": sum(1 for a in restores if a["restored"] and a["restored"] != a["newest"]),
+        "second_jobs": dict(chaos.second_jobs),
+        "proxy_requests": dict(chaos.proxy.counts),
+        "failures": fatal,
+        "seconds_lost_total": round(lost_s, 1),
+        "seconds_lost_per_failure": round(lost_s / fatal, 2) if fatal else 0.0,
+        "reference_seconds": round(reference["seconds"], 1),
+        "final_state_equal": final["state_sha256"] == reference["summary"]["state_sha256"],
+        "final_steps": final["steps"],
+        "settings": {k: v for k, v in vars(args).items() if k != "workdir"},
+    }
+
+
+def run(argv: List[str]) -> Dict[str, Any]:
+    args = parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-chaos-")
+    os.makedirs(workdir, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "CNR_FAULT_INJECT"}
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        reference = _reference(args, workdir, env)
+        with MotoS3(in_process=False) as moto:
+            bucket = moto.new_bucket()
+            proxy = ChaosProxy(moto.endpoint, seed=args.seed)
+            storage = S3Storage(bucket, "job")  # the bench's own client goes to moto directly
+            try:
+                chaos = Chaos(args, workdir, dict(env, **endpoint_env(proxy.endpoint)), proxy, storage,
+                              f"s3://{bucket}/job")
+                final = chaos.run()
+                unrestorable = _unrestorable(storage, chaos.damaged)
+            finally:
+                storage.close()
+                proxy.close()
+        return _report(args, chaos, final, reference, unrestorable)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _unrestorable(storage: S3Storage, damaged: Set[str]) -> List[str]:
+    """Committed checkpoints whose chain has no deliberately damaged link but does not verify."""
+    from cnr.manifest import read_manifest, resolve_chain
+    from cnr.restore import fetch_chunk
+
+    out = []
+    for info, _m in scan_checkpoints(storage):
+        if info.status != CheckpointStatus.COMMITTED or info.id in damaged:
+            continue
+        try:
+            chain = resolve_chain(storage, read_manifest(storage, info.id))
+            if {m.id for m in chain} & damaged:
+                continue
+            for m in chain:
+                for entry in m.tensors.values():
+                    for ref in entry.chunks:
+                        fetch_chunk(storage, ref)
+        except Exception as e:  # noqa: BLE001 - any failure to read it back is a lost commit
+            out.append(f"{info.id}: {type(e).__name__}: {e}")
+    return out

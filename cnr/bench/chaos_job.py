@@ -1,0 +1,163 @@
+"""What ``bench chaos`` does to a running ``cnr train`` job and to its store.
+
+- ``Job``: one attempt, a ``cnr train`` launcher in its own session (so a SIGKILL of its process
+  group is a machine failure of the whole job), its output in files;
+- process lookup by name (cnr.proc names the writers and readers) below the launcher;
+- damage to stored objects: a flipped byte in a chunk object, a flipped bit in a manifest,
+  always of the newest committed checkpoint's own objects, so that older chains stay intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from cnr.manifest import checkpoint_prefix, manifest_key
+from cnr.proc import READER, WRITER
+from cnr.storage.base import Storage
+
+
+@dataclass
+class Job:
+    """One ``cnr train`` attempt."""
+
+    args: List[str]
+    env: Dict[str, str]
+    workdir: str
+    name: str
+    proc: Optional[subprocess.Popen] = None
+    started: float = 0.0
+    ended: float = 0.0
+    killed: bool = False
+    events: List[str] = field(default_factory=list)
+
+    def start(self) -> "Job":
+        self._out = open(os.path.join(self.workdir, f"{self.name}.out"), "w")
+        self._err = open(os.path.join(self.workdir, f"{self.name}.err"), "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "cnr", *self.args], cwd=self.workdir, env=self.env,
+                                     stdout=self._out, stderr=self._err, start_new_session=True)
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole job (launcher, ranks, writers, readers): a machine failure."""
+        self.killed = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.events.append(f"did not end within {timeout:.0f} s: killed")
+            self.kill()
+            rc = self.proc.wait()
+        self.ended = time.monotonic()
+        self._out.close()
+        self._err.close()
+        return rc
+
+    def stderr(self) -> str:
+        with open(os.path.join(self.workdir, f"{self.name}.err")) as f:
+            return f.read()
+
+    def summary(self) -> Optional[Dict]:
+        with open(os.path.join(self.workdir, f"{self.name}.out")) as f:
+            lines = f.read().strip().splitlines()
+        try:
+            return json.loads(lines[-1]) if lines else None
+        except ValueError:
+            return None
+
+
+def _stat(pid: int) -> Optional[List[str]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> List[int]:
+    """Every live process below ``root`` (zombies left out)."""
+    parents: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[0] != "Z":
+                parents.setdefault(int(stat[1]), []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def named(root: int, name: str) -> List[int]:
+    """The processes below ``root`` named ``name`` (cnr.proc: WRITER, READER)."""
+    return [pid for pid in descendants(root) if _comm(pid) == name]
+
+
+def kill_one(root: int, name: str, rng: random.Random) -> Optional[int]:
+    """SIGKILL one process named ``name`` below ``root``; its pid, or None when there is none."""
+    pids = named(root, name)
+    if not pids:
+        return None
+    pid = rng.choice(sorted(pids))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+WRITER_NAME, READER_NAME = WRITER, READER
+
+
+# ---- damage to the store ---------------------------------------------------------------------
+
+
+def corrupt_chunk(storage: Storage, ckpt_id: str, rng: random.Random) -> Optional[str]:
+    """Flip one byte of one of ``ckpt_id``'s data objects; the key, or None when it has none."""
+    keys = [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/rank-" in k and not k.endswith(".json")]
+    if not keys:
+        return None
+    key = rng.choice(keys)
+    data = bytearray(storage.get(key))
+    if not data:
+        return None
+    at = rng.randrange(len(data))
+    data[at] ^= 0xFF
+    storage.put(key, bytes(data))
+    return key
+
+
+def corrupt_manifest(storage: Storage, ckpt_id: str, rng: random.Random) -> str:
+    """Flip one bit of ``ckpt_id``'s manifest; the key."""
+    key = manifest_key(ckpt_id)
+    data = bytearray(storage.get(key))
+    at = rng.randrange(len(data) * 8)
+    data[at // 8] ^= 1 << (at % 8)
+    storage.put(key, bytes(data))
+    return key
