@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from cnr.bench import chaos_job
 from cnr.bench.chaos_job import Job
@@ -62,6 +62,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the job")
     p.add_argument("--events", type=int, default=16, help="events to inject (each kind at least once when >= 8)")
+    p.add_argument("--kinds", default=",".join(EVENTS), help="comma-separated event kinds to draw from")
     p.add_argument("--seed", type=int, default=0, help="seed of the events' kinds, moments and targets")
     p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
     p.add_argument("--budget-s", type=float, default=540.0, help="no new event after this many seconds")
@@ -70,16 +71,21 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     for name in ("steps", "interval", "nproc", "events"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed; it must be >= 1")
+    args.kinds = tuple(k for k in args.kinds.split(",") if k)
+    bad = [k for k in args.kinds if k not in EVENTS]
+    if bad or not args.kinds:
+        p.error(f"--kinds {','.join(bad) or '(none)'} is not allowed; choose from {', '.join(EVENTS)}")
     if not 0.0 <= args.fault_rate < 1.0:
         p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
     return args
 
 
-def plan_events(count: int, rng: random.Random) -> List[str]:
-    """``count`` event kinds: every kind once (when ``count`` allows), then random ones, shuffled."""
-    kinds = list(EVENTS)[:count] + [rng.choice(EVENTS) for _ in range(max(0, count - len(EVENTS)))]
-    rng.shuffle(kinds)
-    return kinds
+def plan_events(count: int, rng: random.Random, kinds: Sequence[str] = EVENTS) -> List[str]:
+    """``count`` events of ``kinds``: each kind once (as far as ``count`` allows), then random
+    ones, shuffled."""
+    plan = list(kinds)[:count] + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
+    rng.shuffle(plan)
+    return plan
 
 
 def train_args(args: argparse.Namespace, storage: str, trace_dir: str, resume: bool) -> List[str]:
@@ -297,7 +303,7 @@ class Chaos:
         return None
 
     def run(self) -> Dict[str, Any]:
-        plan = plan_events(self.args.events, self.rng)
+        plan = plan_events(self.args.events, self.rng, self.args.kinds)
         try:
             final = None
             while final is None:

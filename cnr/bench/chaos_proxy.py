@@ -50,6 +50,11 @@ class ChaosProxy:
         with self._lock:
             self._down_until = max(self._down_until, time.monotonic() + seconds)
 
+    def up(self) -> None:
+        """End an outage now."""
+        with self._lock:
+            self._down_until = 0.0
+
     def draw(self) -> Optional[str]:
         """The fault for the next request (None: forward it), counted."""
         with self._lock:
