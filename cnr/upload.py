@@ -373,30 +373,84 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
         storage.close()
 
 
+MAX_WRITER_DEATHS = 3  # writer processes dying in a row (no job ended meanwhile) before checkpointing stops
+
+
+class WriterDied(CnrError):
+    """The background writer died again and again: checkpoints cannot be written."""
+
+
 class Writer:
     """The trainer's handle on its writer process: submit, wait (with a timeout of 0: a poll), cancel, close.
 
     ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
+
+    A writer process that dies (killed, out of memory) fails its in-flight job: a watcher
+    thread writes the job's failure marker at once, so rank 0's writer stops waiting for this
+    rank's part, and the next ``wait`` reports the failure. A new writer process is started
+    for the next job; after ``MAX_WRITER_DEATHS`` deaths in a row ``submit`` raises WriterDied.
     """
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None) -> None:
-        ctx = mp.get_context("spawn")
-        self._jobs = ctx.Queue()
-        self._results = ctx.Queue()
-        self._cancel = ctx.Event()
-        self._process = ctx.Process(target=writer_main,
-                                    args=(storage_uri, options, self._jobs, self._results, self._cancel, retain),
-                                    name="cnr-writer", daemon=True)
-        self._process.start()
+        self._uri, self._options, self._retain = storage_uri, options, retain
+        self._ctx = mp.get_context("spawn")
+        self.deaths = 0  # writer processes that died in a row
+        self.restarts = 0  # writer processes started after one died, in total
         self.in_flight: Optional[WriteJob] = None
+        self._start()
+        self._marker_storage: Optional[Storage] = None
+        self._stop_watch = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="cnr-writer-watch", daemon=True)
+        self._watcher.start()
+
+    def _start(self) -> None:
+        self._jobs = self._ctx.Queue()
+        self._jobs.cancel_join_thread()  # never block the trainer's exit on a writer that is gone
+        self._results = self._ctx.Queue()
+        self._cancel = self._ctx.Event()
+        self._process = self._ctx.Process(target=writer_main, args=(self._uri, self._options, self._jobs, self._results,
+                                                                     self._cancel, self._retain),
+                                          name="cnr-writer", daemon=True)
+        self._process.start()
+
+    def _restart(self) -> None:
+        self._jobs.close()
+        self._results.close()
+        self.restarts += 1
+        logger.warning("starting a new background writer (the previous one died; %d restarts so far)", self.restarts)
+        self._start()
+
+    def _watch(self) -> None:
+        """Mark the in-flight job failed as soon as the writer process dies (see the class docstring)."""
+        marked: Optional[Tuple[int, str]] = None
+        while not self._stop_watch.wait(0.2):
+            process, job = self._process, self.in_flight
+            if job is None or process.is_alive() or marked == (process.pid, job.ckpt_id) or not self._results.empty():
+                continue  # (a result already queued: the job ended before its writer did)
+            marked = (process.pid, job.ckpt_id)
+            try:
+                if self._marker_storage is None:
+                    self._marker_storage = open_storage(self._uri)
+                _mark_failed(self._marker_storage, job, _death(process.exitcode))
+            except Exception as e:  # noqa: BLE001 - the next wait still reports the death
+                logger.warning("could not mark checkpoint %s failed after its writer died: %s", job.ckpt_id, e)
 
     def submit(self, job: WriteJob) -> None:
         if self.in_flight is not None:
             raise RuntimeError(f"checkpoint {self.in_flight.ckpt_id} is still in flight; one at a time")
+        if not self._process.is_alive():
+            self.deaths += 1
+            self._check_deaths()
+            self._restart()
         self._cancel.clear()
         self.in_flight = job
         self._jobs.put(job)
+
+    def _check_deaths(self) -> None:
+        if self.deaths >= MAX_WRITER_DEATHS:
+            raise WriterDied(f"the background writer process died {self.deaths} times in a row (last exit code "
+                             f"{self._process.exitcode}); checkpoints cannot be written, so training stops here")
 
     def wait(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
         """The in-flight job's result (blocking up to ``timeout`` s; None if still running)."""
@@ -406,15 +460,23 @@ class Writer:
         while True:
             try:
                 result = self._results.get(timeout=0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
+                self.deaths = 0
             except queue.Empty:
                 if not self._process.is_alive():
-                    result = WriteResult(self.in_flight.ckpt_id, WriteStatus.FAILED, error=f"writer process died (exit code {self._process.exitcode})")
-                elif deadline is not None and time.monotonic() >= deadline:
+                    result = WriteResult(self.in_flight.ckpt_id, WriteStatus.FAILED, error=_death(self._process.exitcode))
+                    self.deaths += 1
+                    self.in_flight = None
+                    self._restart_if_allowed()
+                    return result
+                if deadline is not None and time.monotonic() >= deadline:
                     return None
-                else:
-                    continue
+                continue
             self.in_flight = None
             return result
+
+    def _restart_if_allowed(self) -> None:
+        if self.deaths < MAX_WRITER_DEATHS:
+            self._restart()  # else submit raises WriterDied
 
     def cancel(self) -> WriteResult:
         """Abandon the in-flight job and wait for the writer to let go of the host buffers."""
@@ -424,8 +486,15 @@ class Writer:
         return result
 
     def close(self) -> None:
+        self._stop_watch.set()
         if self._process.is_alive():
             self._jobs.put(None)
             self._process.join(timeout=60)
         if self._process.is_alive():
             self._process.kill()
+        if self._marker_storage is not None:
+            self._marker_storage.close()
+
+
+def _death(exitcode: Optional[int]) -> str:
+    return f"writer process died (exit code {exitcode}); a new writer takes the next checkpoint"

@@ -289,7 +289,8 @@ class Chaos:
         attempt = {"rc": rc, "seconds": round(job.ended - job.started, 2), "killed": job.killed, "resumed": resume,
                    "restored": restored[0][0] if restored else None,
                    "expected": expected.id if expected is not None else None,
-                   "newest": newest.id if newest is not None else None}
+                   "newest": newest.id if newest is not None else None,
+                   "events": [e["event"] for e in self.fired if e["attempt"] == n]}
         if resume and expected is not None and (not restored or int(restored[0][1]) < expected.step):
             if rc == 0 or restored:  # an attempt killed before it restored shows nothing
                 self.lost.append(f"attempt {n} restored {attempt['restored']} although {expected.id} "
@@ -307,6 +308,9 @@ class Chaos:
         try:
             final = None
             while final is None:
+                stuck = self.attempts[-3:]
+                if len(stuck) == 3 and all(a["rc"] != 0 and not a["killed"] and not a["events"] for a in stuck):
+                    raise RuntimeError(f"the job failed three times in a row by itself: {stuck}")
                 if len(self.attempts) > 3 * self.args.events + 5:
                     raise RuntimeError(f"the job did not finish within {len(self.attempts)} attempts: {self.attempts[-3:]}")
                 final = self._attempt(plan)
