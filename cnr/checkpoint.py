@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from cnr.errors import NONFINITE
 from cnr.handoff import HandOff, SettleMode, rank0_decides
 from cnr.manifest import make_id
 from cnr.options import CheckpointOptions
@@ -47,6 +48,7 @@ class SaveStats:
     background_seconds: List[float] = field(default_factory=list)
     snapshot_bytes: List[int] = field(default_factory=list)
     errors: Dict[str, str] = field(default_factory=dict)  # id -> why it did not commit
+    nonfinite: List[str] = field(default_factory=list)  # ids that did not commit because state held NaN or inf
 
 
 def rng_piece(rank: int) -> StatePiece:
@@ -216,6 +218,8 @@ class CheckpointEngine:
         if not settled.committed:
             self.stats.failed += 1
             self.stats.errors[ckpt_id] = settled.error
+            if NONFINITE in settled.error:
+                self.stats.nonfinite.append(ckpt_id)
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
                          "checkpoint stays valid: %s", ckpt_id, settled.status.value, settled.error)
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -215,17 +216,57 @@ class Config:
         return dataclasses.asdict(self)
 
 
+MAX_SHOWN = 200  # characters of a bad value quoted in an error message
+MAX_TABLE_ROWS = 2**31 - 1  # fbgemm's row indexes
+MAX_EMBEDDING_DIM = 65536
+MAX_TABLE_BYTES = 1 << 40  # fp32 weights of one table (1 TiB), far beyond any one machine's memory
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to MAX_SHOWN characters: an error never quotes a huge value whole."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a config needs none, and nested aliases expand
+    exponentially (a few hundred bytes can stand for gigabytes)."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise _AliasFound(f"*{event.anchor}", event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+class _AliasFound(Exception):
+    pass
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except _AliasFound as e:
+        alias, line = e.args
+        raise ConfigError(f"{where}: YAML aliases ({shown(alias)}, line {line}) are not allowed in a cnr config; "
+                          "write the value out") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a 5000-digit integer
+        raise ConfigError(f"{where} is not valid YAML: {shown(str(e))}") from None
+
+
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Read ``path`` (YAML; None = defaults), apply ``key=value`` overrides, validate."""
     raw: Dict[str, Any] = {}
     if path is not None:
         try:
             with open(path, "r", encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
+                text = f.read()
         except OSError as e:
             raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        loaded = _load_yaml(text, f"config file {path!r}")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
         raw = loaded or {}
@@ -249,20 +290,20 @@ def _apply_override(raw: Dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set key {key!r}: {p!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    node[parts[-1]] = _load_yaml(text, f"--set {shown(key)} value") if text.strip() else ""
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
     """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config section {where or '<top>'!r} must be a mapping, got {raw!r}")
+        raise ConfigError(f"config section {where or '<top>'!r} must be a mapping, got {shown(raw)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(raw) - set(names))
+    unknown = sorted((set(raw) - set(names)), key=str)
     if unknown:
         prefix = where + "." if where else ""
         raise ConfigError(
-            f"unknown config key {prefix + str(unknown[0])!r}; allowed keys in "
+            f"unknown config key {shown(prefix + str(unknown[0]))}; allowed keys in "
             f"{where or 'the top level'}: {', '.join(names)}"
         )
     values = {}
@@ -279,28 +320,36 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin in (list, List):
         (item_hint,) = typing.get_args(hint)
         if not isinstance(value, list):
-            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be a list, got {shown(value)}")
         return [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin in (dict, Dict):
         key_hint, value_hint = typing.get_args(hint)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be a mapping, got {shown(value)}")
         return {_coerce(key_hint, k, f"{key} key {k!r}"): _coerce(value_hint, v, f"{key}[{k!r}]") for k, v in value.items()}
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be true or false, got {shown(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be an integer, got {shown(value)}")
         return value
     if hint is float:
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
-        return float(value)
+            raise ConfigError(f"config key {key!r} must be a number, got {shown(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"config key {key!r} = {shown(value)} is not allowed; it must be a finite number")
+        return number
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be a string, got {shown(value)}")
         return value
     raise ConfigError(f"config key {key!r} has an unsupported type {hint!r}")  # a bug in cnr
 
@@ -311,8 +360,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
-    shown = ", ".join(a if a else "'' (the default)" for a in allowed)
-    _require(value in allowed, f"config key {key!r} = {value!r} is not allowed; allowed: {shown}")
+    choices = ", ".join(a if a else "'' (the default)" for a in allowed)
+    _require(value in allowed, f"config key {key!r} = {shown(value)} is not allowed; allowed: {choices}")
 
 
 def _positive(key: str, value: float) -> None:
@@ -324,6 +373,12 @@ def validate(config: Config) -> None:
     m, d, t, c = config.model, config.data, config.train, config.checkpoint
     _one_of("model.arch", m.arch, ARCHES)
     _positive("model.embedding_dim", m.embedding_dim)
+    _require(m.embedding_dim <= MAX_EMBEDDING_DIM, f"config key 'model.embedding_dim' = {m.embedding_dim} is not "
+             f"allowed; it must be at most {MAX_EMBEDDING_DIM}")
+    for i, table in enumerate(m.tables):
+        _require(table.rows * m.embedding_dim * 4 <= MAX_TABLE_BYTES,
+                 f"table {table.name!r} (model.tables[{i}]) of {table.rows} rows x {m.embedding_dim} would need "
+                 f"{table.rows * m.embedding_dim * 4 / 2**40:.1f} TiB of fp32 weights; at most 1 TiB per table is allowed")
     _require(bool(m.tables), "config key 'model.tables' is empty; at least one table is required")
     _validate_tables(m.tables, allowed_sharding=[k.value for k in ShardingKind])
     for key, sizes in (("model.dense_arch", m.dense_arch), ("model.over_arch", m.over_arch)):
@@ -429,10 +484,14 @@ def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[s
         _require(table.name not in seen_tables, f"config key '{key}.name' = {table.name!r} is used by two tables")
         seen_tables.add(table.name)
         _positive(f"{key}.rows", table.rows)
+        _require(table.rows <= MAX_TABLE_ROWS,
+                 f"config key '{key}.rows' = {table.rows} is not allowed; it must be at most {MAX_TABLE_ROWS}")
         for s in table.sharding_types:
             _one_of(f"{key}.sharding_types", s, allowed_sharding)
         _require(bool(table.features), f"table {table.name!r} ({key}.features) has no features; every table needs at least one")
         for feature in table.features:
+            _require(bool(feature) and feature.replace("_", "").isalnum(),
+                     f"feature {shown(feature)} of table {table.name!r} is not allowed; use letters, digits and '_'")
             _require(feature not in seen_features,
                      f"feature {feature!r} of table {table.name!r} is already served by table {seen_features.get(feature)!r}")
             seen_features[feature] = table.name

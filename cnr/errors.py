@@ -31,3 +31,12 @@ class Cancelled(CnrError):
 
 class CorruptChunkError(CheckpointError):
     """A chunk failed validation: truncated, altered, or its header does not match the manifest."""
+
+
+NONFINITE = "non-finite values (NaN or inf)"
+"""The phrase every NonFiniteStateError carries, so reports that only see the text can count them."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """State to be checkpointed holds NaN or inf: a diverged run. The checkpoint does not commit,
+    so the newest committed checkpoint stays the last finite one."""

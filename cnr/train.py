@@ -334,6 +334,7 @@ def _reduce_stats(s: Optional[SaveStats], train_seconds: float) -> Dict[str, Any
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     return {
         "checkpoints": s.checkpoints if s else 0, "failed_checkpoints": s.failed if s else 0,
+        "nonfinite_checkpoints": len(s.nonfinite) if s else 0,
         "drain_seconds": round(s.drain_seconds, 6) if s else 0.0,
         "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),

@@ -33,7 +33,7 @@ from cnr.commit import commit_checkpoint
 from cnr.retention import retain_checkpoints
 from cnr.options import CheckpointOptions
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
-from cnr.errors import Cancelled, CnrError
+from cnr.errors import NONFINITE, Cancelled, CnrError, NonFiniteStateError
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, object_key, failed_key, rank_index_key, rank_index_to_bytes
@@ -198,9 +198,20 @@ def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
     return job.optimizer_bits if piece.role == Role.TABLE_STATE else job.bits
 
 
+def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
+    """Raise NonFiniteStateError when a floating block holds NaN or inf (checked here, in the
+    writer, where every byte is read anyway: never in the trainer's stall)."""
+    if block.is_floating_point() and not bool(torch.isfinite(block).all()):
+        bad = int((~torch.isfinite(block)).sum())
+        raise NonFiniteStateError(f"tensor {piece.name!r} holds {bad} {NONFINITE} in its rows from {first_row} on: "
+                                  "a diverged state is not checkpointed, the newest committed checkpoint stays the "
+                                  "last finite one")
+
+
 def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
     ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
     start = row0 + lo if ids is None else 0
+    check_finite(piece, piece.data[lo:hi], start)
     bits = quantized_bits(job, piece)
     if bits == 32:
         return encode_raw_chunk(key, piece.name, piece.data[lo:hi], start, col0, row_ids=ids)

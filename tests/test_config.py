@@ -90,3 +90,18 @@ def test_missing_and_malformed_files(tmp_path):
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(str(top))
+
+
+_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
+
+
+@pytest.mark.parametrize("text,value", [("1e-3", 1e-3), ("1E+2", 100.0), (".5e1", 5.0), ("2", 2.0), ("+3.5", 3.5)])
+def test_numbers_yaml_reads_as_strings_are_numbers(text, value):
+    """Issue #13: YAML 1.1 reads 1e-3 (no dot) as a string; a float key takes it as a number."""
+    assert load_config(_TINY, [f"train.sparse_lr={text}"]).train.sparse_lr == value
+
+
+@pytest.mark.parametrize("text", ["1e-3x", "e5", "one", "1.2.3"])
+def test_other_strings_are_still_not_numbers(text):
+    with pytest.raises(ConfigError, match="'train.sparse_lr' must be a number"):
+        load_config(_TINY, [f"train.sparse_lr={text}"])

@@ -31,6 +31,14 @@ def _run(capsys, *args):
         (["--nproc", "0"], "--nproc 0"),
         (["--resume"], "no committed checkpoint"),
         (["--storage", "gs://bucket/x"], "scheme 'gs'"),
+        # issue #13: non-finite numbers, absurd sizes and empty names are refused before any storage exists
+        (["--set", "train.dense_lr=.inf"], "'train.dense_lr' = inf is not allowed; it must be a finite number"),
+        (["--set", "train.sparse_lr=-.inf"], "'train.sparse_lr' = -inf is not allowed"),
+        (["--set", "data.power_law_exponent=.inf"], "'data.power_law_exponent' = inf"),
+        (["--set", "model.tables=[{name: a, rows: 10000000000, features: [x]}]"], "'model.tables[0].rows' = 10000000000"),
+        (["--set", "model.embedding_dim=100000000"], "'model.embedding_dim' = 100000000 is not allowed"),
+        (["--set", "model.tables=[{name: a, rows: 9, features: ['']}]"], "feature '' of table 'a' is not allowed"),
+        (["--set", "train.steps=" + "9" * 5000], "'train.steps'"),
     ],
 )
 def test_rejected_before_anything_is_written(tmp_path, capsys, extra, message):
@@ -69,3 +77,28 @@ def test_existing_checkpoints_are_never_overwritten_and_mismatched_resume_refuse
         assert rc == 2 and message in err, (extra, err)
     after = {p: (tmp_path / "ck" / p).read_bytes() for p in _tree(tmp_path / "ck")}
     assert after == before
+
+
+def test_yaml_alias_bomb_is_refused_cheaply(tmp_path, capsys):
+    """Issue #13: 9 levels of 9 aliases stand for 9**9 strings; the config is refused at the first
+    alias, and no error quotes a huge value."""
+    lines = ['a0: &a0 ["xxxxxxxxxx"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    rc, err = _run(capsys, "train", "--config", str(bomb), "--storage", str(tmp_path / "ck"))
+    assert rc == 2 and "YAML aliases ('*a0', line 2) are not allowed" in err and len(err) < 1000, err[:2000]
+    assert not (tmp_path / "ck").exists()
+
+
+def test_config_that_is_not_utf8(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"model:\n  arch: \xff\xfe\n")
+    rc, err = _run(capsys, "train", "--config", str(bad), "--storage", str(tmp_path / "ck"))
+    assert rc == 2 and "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_long_bad_values_are_shortened_in_errors(tmp_path, capsys):
+    rc, err = _run(capsys, "train", "--config", TINY, "--storage", str(tmp_path / "ck"),
+                   "--set", "train.dense_optimizer=" + "x" * 100000)
+    assert rc == 2 and "characters)" in err and len(err) < 1500, err[:2000]
