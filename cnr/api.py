@@ -32,6 +32,7 @@ from cnr.app_state import AppState, TableRef, whole_tables
 from cnr.bit_width import BitWidthPlanner
 from cnr.checkpoint import ChainState, CheckpointEngine
 from cnr.errors import CheckpointError, CnrError
+from cnr.fallback import Skipped, restore_newest
 from cnr.lease import Lease, LeaseHeldError
 from cnr.manifest import Manifest, newest_committed, read_manifest
 from cnr.options import CheckpointOptions, PublishOptions
@@ -116,6 +117,8 @@ class Checkpointer:
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
             self.tracker.install()
         self.restores = 0
+        self.skipped_on_restore: List[Skipped] = []
+        self.restored_manifest: Optional[Manifest] = None  # what the last restore() applied
         self._outcomes: Dict[str, CheckpointInfo] = {}
         self._recorded_bits: Optional[Dict[str, Any]] = None
         self._start_step = 0
@@ -143,19 +146,26 @@ class Checkpointer:
         """Restore the newest committed checkpoint (or ``checkpoint``, an id) into app_state.
 
         Collective; call before the first ``save``. Returns None when nothing is committed.
+        Without ``checkpoint``, a damaged newest checkpoint is passed over for the newest one
+        that verifies (``options.on_damage="fallback"``, cnr.fallback; ``skipped_on_restore``
+        then names what was passed over and why), or raises (``"fail"``).
         """
         if self.engine.stats.ids:
             raise RuntimeError("restore() must come before the first save()")
-        manifest = read_manifest(self.storage, checkpoint) if checkpoint else self.newest()
-        if manifest is None:
-            return None
-        restored = restore_app(self.storage, manifest, self.app, self.rank, self.world_size,
-                               self.options.restore_threads)
+        if checkpoint:
+            restored = restore_app(self.storage, read_manifest(self.storage, checkpoint), self.app, self.rank,
+                                   self.world_size, self.options.restore_threads)
+        else:
+            restored, self.skipped_on_restore = restore_newest(self.storage, self.app, self.rank, self.world_size,
+                                                               self.options.restore_threads, self.options.on_damage)
+            if restored is None:
+                return None
         self._resume_from(restored)
-        return _info(manifest)
+        return _info(restored.manifest)
 
     def _resume_from(self, restored: RestoredChain) -> None:
         m = restored.manifest
+        self.restored_manifest = m
         if self.tracker is not None:
             self.tracker.seed("baseline", restored.increment_row_ids)
         history = list(m.chain_bytes) or [c.bytes for c in restored.chain]

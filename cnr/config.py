@@ -26,6 +26,7 @@ DATA_SOURCES = ("synthetic", "tsv")
 MALFORMED_POLICIES = ("reject", "skip")
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
+ON_DAMAGE = ("fallback", "fail")  # cnr.fallback
 MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
 MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
 PUBLISH_BITS = (4, 8, 32)
@@ -146,7 +147,9 @@ class CheckpointConfig:
     consecutive policy, merge the chain into a new full baseline in the background once this
     many increments followed the newest one (cnr.merge; 0: never). ``lease_ttl_s``: a job holds
     its storage location's lease (cnr.lease), renewed every quarter of this; another machine may
-    take over a crashed job's location this long after its last renewal.
+    take over a crashed job's location this long after its last renewal. ``on_damage``: a
+    ``--resume`` whose newest committed checkpoint does not verify restores the newest one that
+    does ("fallback", with a warning) or stops ("fail").
     """
 
     enabled: bool = True
@@ -165,6 +168,7 @@ class CheckpointConfig:
     keep_last: int = 2
     merge_every: int = 0
     lease_ttl_s: float = 60.0
+    on_damage: str = "fallback"
 
 
 @dataclass(frozen=True)
@@ -438,6 +442,7 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
              f"{c.policy!r}: only consecutive increments form chains to merge")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
+    _one_of("checkpoint.on_damage", c.on_damage, ON_DAMAGE)
     _require(1.0 <= c.lease_ttl_s <= 86400.0, f"config key 'checkpoint.lease_ttl_s' = {c.lease_ttl_s} is not allowed; "
              "it must be from 1 to 86400 seconds")
 

@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.integrity import check_manifest_fields, check_sealed, seal, unseal
 from cnr.manifest_v1 import v1_app, v1_role, v1_upgrade
 from cnr.storage.base import Storage, validate_key
 from cnr.types import (
     RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, Role, TableSpec,
 )
 
+logger = logging.getLogger(__name__)
+
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 2
-"""Version 2 (the library API) records each tensor's role and table, the application's state
-per rank (``app``) and opaque application metadata; version 1 (cnr train only) still reads."""
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+"""Version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.integrity);
+version 2 (the library API) records each tensor's role and table, the application's state per
+rank (``app``) and opaque application metadata; versions 1 (cnr train only) and 2 still read."""
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def checkpoint_prefix(ckpt_id: str) -> str:
@@ -202,13 +208,13 @@ def manifest_to_bytes(m: Manifest) -> bytes:
         "tensors": _tensors_to_dict(m.tensors), "counters": m.counters, "metadata": m.metadata,
         "app": list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
     }
-    return json.dumps(body, indent=1, sort_keys=True).encode()
+    return seal(json.dumps(body, indent=1, sort_keys=True).encode())
 
 
 def rank_index_to_bytes(r: RankIndex) -> bytes:
     body = {"format": RANK_INDEX_FORMAT, "version": VERSION, "id": r.id, "rank": r.rank,
             "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors), "app": r.app}
-    return json.dumps(body, sort_keys=True).encode()
+    return seal(json.dumps(body, sort_keys=True).encode())
 
 
 # ---- strict parsing --------------------------------------------------------------------------
@@ -294,11 +300,18 @@ def _parse_role(value: str, where: str) -> Role:
         raise CheckpointError(f"{where} role {value!r} is not one of {[r.value for r in Role]}") from e
 
 
-def _parse_json(blob: bytes, where: str) -> Any:
+def _parse_json(blob: bytes, where: str, fmt: str) -> Tuple[Any, int]:
+    """The document's JSON object, checked against its seal (cnr.integrity), and its version."""
+    document, sealed = unseal(blob, where)
     try:
-        return json.loads(blob.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{where} is not valid JSON: {e}") from e
+        obj = json.loads(document.decode())
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, or an integer of thousands of digits
+        raise CheckpointError(f"{where} is not valid JSON: {str(e)[:200]}") from None
+    version = _check_format(obj, fmt, where)
+    check_sealed(version, sealed, where)
+    return obj, version
 
 
 def _check_format(obj: Any, fmt: str, where: str) -> int:
@@ -307,7 +320,7 @@ def _check_format(obj: Any, fmt: str, where: str) -> int:
         raise CheckpointError(f"{where} is not a {fmt} document")
     version = obj.get("version")
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise CheckpointError(f"{where} has version {version!r}; this cnr reads versions {list(READABLE_VERSIONS)}")
+        raise CheckpointError(f"{where} has version {version!r:.40}; this cnr reads versions {list(READABLE_VERSIONS)}")
     return version
 
 
@@ -329,9 +342,16 @@ def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, 
 
 
 def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
-    """Parse and validate a manifest (version 1 or 2); raise CheckpointError naming the first problem."""
-    obj = _parse_json(blob, where)
-    version = _check_format(obj, MANIFEST_FORMAT, where)
+    """Parse and validate a manifest (versions 1 to 3); raise CheckpointError naming the first problem."""
+    try:
+        return _parse_manifest(blob, where)
+    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as e:
+        # what strict field checks did not foresee in untrusted bytes is still a damaged manifest
+        raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _parse_manifest(blob: bytes, where: str) -> Manifest:
+    obj, version = _parse_json(blob, where, MANIFEST_FORMAT)
     if version == 1:
         r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
     else:
@@ -346,6 +366,9 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
     chain_bytes = r.get("chain_bytes", [])
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in chain_bytes):
         raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
+    id_step = re.match(r"^(\d{10})-", r["id"])
+    check_manifest_fields(where, r["id"], r["step"], r["world_size"], counters,
+                          int(id_step.group(1)) if id_step else None)
     tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
     if version == 1:
         tensors = v1_upgrade(tensors, where)
@@ -365,12 +388,20 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
 
 
 def parse_rank_index(blob: bytes, where: str = "rank index") -> RankIndex:
-    obj = _parse_json(blob, where)
-    version = _check_format(obj, RANK_INDEX_FORMAT, where)
+    try:
+        return _parse_rank_index(blob, where)
+    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _parse_rank_index(blob: bytes, where: str) -> RankIndex:
+    obj, version = _parse_json(blob, where, RANK_INDEX_FORMAT)
     fields = {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "tensors": dict}
     if version >= 2:
         fields["app"] = dict
     r = _Reader(obj, where, fields)
+    if not 0 <= r["rank"] < r["world_size"]:
+        raise CheckpointError(f"{where} rank {r['rank']} is outside world size {r['world_size']}")
     tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
     return RankIndex(r["id"], r["rank"], r["world_size"], tensors, r.get("app", {}))
 
@@ -430,7 +461,13 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
             status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
             found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
             continue
-        m = read_manifest(storage, ckpt_id)
+        try:
+            m = read_manifest(storage, ckpt_id)
+        except CheckpointError as e:  # one damaged manifest must not hide the others
+            logger.warning("checkpoint %s is damaged: %s", ckpt_id, e)
+            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.DAMAGED, 0, 0, 0,
+                                         error=str(e)), None))
+            continue
         found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
                                      method=m.method), m))
     return found
@@ -487,9 +524,19 @@ def _checked_merged(merged: Manifest, after: Manifest) -> Manifest:
     return merged
 
 
+def committed_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with a manifest (readable or not), newest first."""
+    return [i for i in reversed(checkpoint_ids(storage)) if storage.exists(manifest_key(i))]
+
+
 def newest_committed(storage: Storage) -> Optional[Manifest]:
-    """The committed checkpoint with the highest step, or None."""
-    for ckpt_id in reversed(checkpoint_ids(storage)):
-        if storage.exists(manifest_key(ckpt_id)):
+    """The committed checkpoint with the highest step whose manifest reads, or None. A damaged
+    newer manifest is skipped with a warning naming it."""
+    for ckpt_id in committed_ids(storage):
+        try:
             return read_manifest(storage, ckpt_id)
+        except KeyNotFoundError:
+            continue  # deleted by retention since the listing
+        except CheckpointError as e:
+            logger.warning("skipping damaged checkpoint %s: %s", ckpt_id, e)
     return None

@@ -41,6 +41,8 @@ class CheckpointOptions:
       puts per writer / objects fetched at once per rank on restore.
     - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
       ``commit_timeout_s``: how long rank 0 waits for every rank's data.
+    - ``on_damage``: when the newest committed checkpoint does not verify on restore,
+      "fallback" restores the newest one that does (cnr.fallback), "fail" raises.
     - ``lease_ttl_s``: the storage location's lease (cnr.lease, one writing job per location)
       expires this long after its holder's last renewal, when the holder is on another machine.
     """
@@ -60,6 +62,7 @@ class CheckpointOptions:
     on_overlap: str = "wait"
     commit_timeout_s: float = 600.0
     lease_ttl_s: float = 60.0
+    on_damage: str = "fallback"
 
     def __post_init__(self) -> None:
         from cnr.config import CheckpointConfig, FailureConfig, _build, validate_checkpoint

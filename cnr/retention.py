@@ -77,7 +77,9 @@ def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> Retention
     newest = committed[-1]
     older = [i for i in infos if (i.step, i.id) < (newest.step, newest.id)]
     delete = tuple(sorted(i.id for i in older if i.status == CheckpointStatus.COMMITTED and i.id not in needed))
-    purge = tuple(sorted(i.id for i in older if i.status != CheckpointStatus.COMMITTED and _purgeable(i, committed)))
+    # a damaged checkpoint (unreadable manifest) is left for a person to look at
+    purge = tuple(sorted(i.id for i in older if i.status in (CheckpointStatus.FAILED, CheckpointStatus.UNCOMMITTED)
+                         and _purgeable(i, committed)))
     return RetentionPlan(tuple(sorted(needed)), delete, purge)
 
 

@@ -139,8 +139,9 @@ class Progress:
 class ReaderPosition:
     """Stateful: the reader cursor collected at the last boundary (what was trained, no more).
 
-    The readers start from the checkpoint's cursor before the model is built (their start-up
-    overlaps it), so a restore only checks that it restored the same cursor.
+    The readers start from the newest checkpoint's cursor before the model is built (their
+    start-up overlaps it); a restore that falls back to an older checkpoint (cnr.fallback)
+    restores another cursor, and the readers are started again from it (``Readers.follow``).
     """
 
     def __init__(self, cursor: Optional[Dict[str, Any]]) -> None:
@@ -150,14 +151,54 @@ class ReaderPosition:
         return self.cursor
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state != self.cursor:
-            raise CheckpointError(f"the restored reader cursor {state!r:.200} is not the one the readers started from "
-                                  f"({self.cursor!r:.200})")
+        self.cursor = dict(state)
 
 
 def _reader_cursor(manifest: Manifest) -> Optional[Dict[str, Any]]:
     """The global reader cursor a checkpoint of cnr train holds (every rank saved the same)."""
     return manifest.app_ranks[0]["reader"]["state"] if manifest.app_ranks else None
+
+
+def check_reader_position(manifest: Manifest, batch_size: int) -> None:
+    """The cursor must name the batch after the samples the checkpoint trained: global batches
+    of ``batch_size`` samples, so ``next_batch * batch_size == samples``. A cursor one batch off
+    would skip or repeat data (exactly-once) without any other sign."""
+    if not manifest.app_ranks:
+        return
+    app = manifest.app_ranks[0]
+    cursor = app.get("reader", {}).get("state", {})
+    samples = app.get("progress", {}).get("state", {}).get("samples")
+    if isinstance(cursor, dict) and "next_batch" in cursor and isinstance(samples, int):
+        if cursor["next_batch"] * batch_size != samples:
+            raise CheckpointError(f"checkpoint {manifest.id}: its reader cursor names global batch {cursor['next_batch']!r:.40} "
+                                  f"but it trained {samples} samples, i.e. {samples / batch_size:g} batches of "
+                                  f"{batch_size}: its data position is damaged")
+
+
+class Readers:
+    """This rank's batch source, started from the newest checkpoint's cursor, and started again
+    when the restore settles on another checkpoint."""
+
+    def __init__(self, config: Config, rank: int, world_size: int, manifest: Optional[Manifest]) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.manifest = manifest
+        self.source = self._open(manifest)
+
+    def _open(self, manifest: Optional[Manifest]) -> BatchSource:
+        if manifest is not None:
+            check_reader_position(manifest, self.config.train.batch_size)
+        cursor = _reader_cursor(manifest) if manifest else None
+        return open_source(self.config, self.rank, self.world_size, cursor, manifest.step if manifest else 0)
+
+    def follow(self, manifest: Manifest) -> None:
+        """Read on from ``manifest``'s cursor (a fallback restored it instead of the newest)."""
+        if self.manifest is None or manifest.id != self.manifest.id:
+            self.source.close()
+            self.manifest = manifest
+            self.source = self._open(manifest)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 def _progress(rank: int, total: int, initial: int):
@@ -179,12 +220,11 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
         finally:
             storage.close()
     # The readers start first: their start-up overlaps building the model and restoring.
-    cursor = _reader_cursor(manifest) if manifest else None
-    source = open_source(job.config, rank, world_size, cursor, manifest.step if manifest else 0)
+    readers = Readers(job.config, rank, world_size, manifest)
     try:
-        return _train_rank(rank, world_size, job, manifest, source, ReaderPosition(cursor))
+        return _train_rank(rank, world_size, job, manifest, readers)
     finally:
-        source.close()
+        readers.close()
 
 
 def _newest(storage) -> Manifest:
@@ -204,9 +244,10 @@ def _publish_options(storage_uri: str, config: Config) -> Optional[PublishOption
     return PublishOptions.from_config(config.publish, publish_uri(storage_uri, config))
 
 
-def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest], source: BatchSource,
-                position: ReaderPosition) -> Optional[Dict[str, Any]]:
+def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest],
+                readers: Readers) -> Optional[Dict[str, Any]]:
     config = job.config
+    position = ReaderPosition(_reader_cursor(manifest) if manifest else None)
     device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
     needs_checkpointer = config.checkpoint.enabled or manifest is not None
     # The writer process starts first: its imports (seconds of CPU) overlap the model build.
@@ -222,8 +263,13 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
             ckpt = Checkpointer(job.storage_uri, app_state, _options(config), metadata={"config": config.to_dict()},
                                 writer=writer, publish=_publish_options(job.storage_uri, config))
             if manifest is not None:
-                ckpt.restore(manifest.id)
+                info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
+                if info is None:
+                    raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
+                manifest = ckpt.restored_manifest
+                readers.follow(manifest)
         step = manifest.step if manifest is not None else 0
+        source = readers.source
         trace = _open_trace(config, rank, step)
     except BaseException:
         if writer is not None:
@@ -261,6 +307,8 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": ckpt.restores if ckpt is not None else 0,
         "world_size": world_size, "skipped_lines": source.skipped_lines, **stats,
         "checkpoint_bits": saving.engine.bit_width.bits if saving is not None else None,
+        "restored_checkpoint": manifest.id if manifest is not None else None,
+        "restore_fallbacks": [{"id": s.id, "reason": s.reason} for s in ckpt.skipped_on_restore] if ckpt else [],
     }
 
 

@@ -60,6 +60,9 @@ class CheckpointStatus(str, enum.Enum):
     """Data without a manifest: still being written, abandoned, or its writer crashed."""
     FAILED = "failed"
     """Its writer recorded a failure marker; it is never used for restore."""
+    DAMAGED = "damaged"
+    """Its manifest exists but cannot be read or verified (altered, truncated, malformed); it is
+    never used for restore, and retention leaves it for a person to look at."""
 
 
 class WriteStatus(str, enum.Enum):

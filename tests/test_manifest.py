@@ -8,9 +8,10 @@ import json
 import pytest
 
 from cnr.errors import CheckpointError
+from cnr.integrity import seal
 from cnr.manifest import (
     Manifest, TensorEntry, list_checkpoints, make_id, manifest_key, manifest_to_bytes, newest_committed,
-    parse_manifest,
+    parse_manifest, read_manifest,
 )
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpec
@@ -47,9 +48,12 @@ def test_packed_chunk_offset_roundtrip():
 
 
 def _mutate(fn):
+    """The manifest changed by ``fn`` and sealed again (as a hand edit that re-seals would be):
+    what the strict field checks alone must refuse."""
     obj = json.loads(manifest_to_bytes(_manifest()))
+    del obj["sha256"]
     fn(obj)
-    return json.dumps(obj).encode()
+    return seal(json.dumps(obj).encode())
 
 
 @pytest.mark.parametrize(
@@ -57,7 +61,13 @@ def _mutate(fn):
     [
         (lambda o: o.update(extra=1), "unknown fields \\['extra'\\]"),
         (lambda o: o.pop("metadata"), "missing fields \\['metadata'\\]"),
-        (lambda o: o.update(version=3), "version 3"),
+        (lambda o: o.update(version=4), "version 4"),
+        (lambda o: o["counters"].update(step=-100), "counters.step = -100"),
+        (lambda o: o.update(step=10**30), "step = 1000000000000000000000000000000 is outside"),
+        (lambda o: o["counters"].update(step=11), "counters.step = 11 but the checkpoint is at step"),
+        (lambda o: o.pop("counters"), "missing fields \\['counters'\\]"),
+        (lambda o: o.update(counters=[1]), "'counters'"),
+        (lambda o: o.update(world_size=0), "world_size = 0"),
         (lambda o: o.update(app=[{}, {}, {}]), "one object per rank"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(role="weights"), "role 'weights'"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(table=None), "has role 'table_rows' but table None"),
@@ -80,8 +90,10 @@ def test_strict_parsing(mutation, message):
 
 
 def test_not_json():
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    with pytest.raises(CheckpointError, match="not UTF-8"):
         parse_manifest(b"\xff{")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        parse_manifest(b"{nope")
 
 
 def test_listing_and_newest(tmp_path):
@@ -101,7 +113,10 @@ def test_manifest_naming_another_id_rejected(tmp_path):
     store = LocalStorage(str(tmp_path))
     store.put(manifest_key("0000000010-aaaa"), manifest_to_bytes(_manifest("0000000010-bbbb")))
     with pytest.raises(CheckpointError, match="names checkpoint"):
-        newest_committed(store)
+        read_manifest(store, "0000000010-aaaa")
+    assert newest_committed(store) is None  # skipped as damaged
+    [info] = list_checkpoints(store)
+    assert info.status == CheckpointStatus.DAMAGED and "names checkpoint" in info.error
 
 
 FIXTURE = __import__("os").path.join(__import__("os").path.dirname(__file__), "fixtures", "v1_consecutive")

@@ -1,0 +1,110 @@
+"""Restore the newest committed checkpoint that verifies, falling back past damaged ones.
+
+Collective. Rank 0 lists the committed checkpoints, newest first; every rank tries the first:
+it reads the manifest and its chain (rank 0 also checks each link's manifest against its rank
+indexes, cnr.verify), then restores it into the application (cnr.app_restore), whose chunks are
+verified as they are read. The ranks then agree (an all-gather of what went wrong, if anything):
+
+- every rank restored it: done;
+- some rank found it *damaged* (a manifest, rank index or chunk that does not verify, a missing
+  object or chain link): with ``on_damage="fallback"`` every rank moves on to the next older
+  checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
+- some rank failed otherwise (the checkpoint does not fit the model, the store cannot be read):
+  every rank raises, as a restore without fallback would. A store that is unreachable is not
+  damage: falling back would silently lose committed work.
+
+A failed attempt may have written part of the state; the next attempt's full baseline covers
+every element again (restore checks that coverage), and the application's JSON state (optimizer
+groups, Stateful objects) and the RNG are applied only after all tensors were read, so nothing
+of a damaged checkpoint survives a successful fallback. The reader position therefore comes from
+the checkpoint actually restored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch.distributed as dist
+
+from cnr.app_restore import RestoredChain, restore_app
+from cnr.app_state import AppState
+from cnr.config import ON_DAMAGE
+from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
+from cnr.handoff import rank0_decides
+from cnr.manifest import MERGED_SUFFIX, committed_ids, read_manifest, resolve_chain
+from cnr.storage.base import Storage
+from cnr.verify import check_rank_indexes
+
+logger = logging.getLogger(__name__)
+
+DAMAGED, FAILED = "damaged", "failed"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A committed checkpoint a restore passed over, and why (what is damaged)."""
+
+    id: str
+    reason: str
+
+
+def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> None:
+    """Raise (as damage) unless ``ckpt_id``'s manifests and chain links read and verify."""
+    chain = resolve_chain(storage, read_manifest(storage, ckpt_id))
+    if rank == 0:
+        for manifest in chain:
+            if not manifest.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
+                check_rank_indexes(storage, manifest)
+
+
+def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
+             threads: int) -> Tuple[Optional[RestoredChain], Optional[Tuple[str, str]], Optional[BaseException]]:
+    """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, (DAMAGED or
+    FAILED, why), the exception)."""
+    try:
+        _read_chain(storage, ckpt_id, rank)
+    except (CheckpointError, KeyNotFoundError) as e:
+        return None, (DAMAGED, str(e)), e
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+    try:
+        return restore_app(storage, read_manifest(storage, ckpt_id), app, rank, world_size, threads), None, None
+    except (CorruptChunkError, KeyNotFoundError) as e:
+        return None, (DAMAGED, str(e)), e
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+
+
+def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, threads: int = 1,
+                   on_damage: str = "fallback") -> Tuple[Optional[RestoredChain], List[Skipped]]:
+    """Restore the newest committed checkpoint that verifies (see the module docstring); return
+    it (None when nothing is committed) and the newer ones passed over."""
+    if on_damage not in ON_DAMAGE:
+        raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
+    skipped: List[Skipped] = []
+    for ckpt_id in rank0_decides(lambda: committed_ids(storage), rank):
+        restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads)
+        problems: List[Optional[Tuple[str, str]]] = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        found = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if not found:
+            if skipped:
+                logger.warning("restored checkpoint %s instead of the newest committed one, %s, which is damaged (%s)",
+                               ckpt_id, skipped[0].id, "; ".join(f"{s.id}: {s.reason}" for s in skipped))
+            return restored, skipped
+        reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why) in found)
+        if any(kind == FAILED for _r, (kind, _why) in found):
+            if error is not None and problem is not None and problem[0] == FAILED:
+                raise error
+            raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
+        if on_damage == "fail":
+            raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({reason}); on_damage is 'fail', so no older "
+                                  "checkpoint is tried")
+        logger.warning("checkpoint %s is damaged (%s); trying the next older committed checkpoint", ckpt_id, reason)
+        skipped.append(Skipped(ckpt_id, reason))
+    if skipped:
+        raise CheckpointError(f"no committed checkpoint in {storage.uri} restores: "
+                              + "; ".join(f"{s.id}: {s.reason}" for s in skipped))
+    return None, skipped
