@@ -34,6 +34,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from cnr.storage import open_storage
 
     storage = open_storage(args.uri)
+    if args.verify:
+        return _inspect_verify(storage, args.json)
     if args.tables:
         return _inspect_tables(storage, args.checkpoint, args.json)
     infos = list_checkpoints(storage)
@@ -51,6 +53,27 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
                   f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
     return 0
+
+
+def _inspect_verify(storage, as_json: bool) -> int:
+    """Read back every object of every committed checkpoint; exit 0 when a chain restores, else 1."""
+    from cnr.verify import verify_store
+
+    results = verify_store(storage)
+    rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "restorable": v.restorable, "chain": list(v.chain),
+             "damage": list(v.damage)} for v in results]
+    restorable = [r["id"] for r in rows if r["restorable"]]
+    if as_json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows, "restorable": restorable}, sort_keys=True))
+    else:
+        for r in rows:
+            state = "restorable" if r["restorable"] else ("intact, chain broken" if r["intact"] else "DAMAGED")
+            print(f"{r['id']}  step {r['step']}  {state}")
+            for line in r["damage"]:
+                print(f"    {line}")
+        print(f"{len(restorable)} of {len(rows)} committed checkpoints restore" +
+              (f"; newest: {restorable[-1]}" if restorable else ""))
+    return 0 if restorable else 1
 
 
 def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
@@ -150,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--tables", action="store_true", help="list the embedding tables of a checkpoint instead")
     i.add_argument("--checkpoint", default=None, metavar="ID", help="with --tables: this checkpoint (default: newest)")
+    i.add_argument("--verify", action="store_true", help="read back and check every object of every committed "
+                   "checkpoint; exit 1 when no chain restores")
     i.set_defaults(func=_inspect)
     r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
     r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")

@@ -47,6 +47,7 @@ from cnr.storage.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
 from cnr.trace import load_trace
 from cnr.types import CheckpointStatus
+from cnr.verify import verify_store
 
 EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
           "second_job")
@@ -382,22 +383,10 @@ def run(argv: List[str]) -> Dict[str, Any]:
 
 
 def _unrestorable(storage: S3Storage, damaged: Set[str]) -> List[str]:
-    """Committed checkpoints whose chain has no deliberately damaged link but does not verify."""
-    from cnr.manifest import read_manifest, resolve_chain
-    from cnr.restore import fetch_chunk
-
+    """Committed checkpoints whose chain has no deliberately damaged link but does not restore
+    (cnr.verify reads back every object)."""
     out = []
-    for info, _m in scan_checkpoints(storage):
-        if info.status != CheckpointStatus.COMMITTED or info.id in damaged:
-            continue
-        try:
-            chain = resolve_chain(storage, read_manifest(storage, info.id))
-            if {m.id for m in chain} & damaged:
-                continue
-            for m in chain:
-                for entry in m.tensors.values():
-                    for ref in entry.chunks:
-                        fetch_chunk(storage, ref)
-        except Exception as e:  # noqa: BLE001 - any failure to read it back is a lost commit
-            out.append(f"{info.id}: {type(e).__name__}: {e}")
+    for v in verify_store(storage):
+        if not v.restorable and v.id not in damaged and not set(v.chain) & damaged:
+            out.append(f"{v.id}: {'; '.join(v.damage) or 'a link of its chain is damaged'}")
     return out

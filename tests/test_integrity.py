@@ -1,0 +1,132 @@
+"""Integrity of stored checkpoints (issue #13, defects 7, 8 and 10, and ``inspect --verify``):
+every single-bit flip of a real manifest or rank index is refused; a damaged manifest is listed
+as damaged while listing, retention and ``report`` carry on; ``inspect --verify`` reads every
+object back and its exit status says whether a chain restores; the reader cursor is checked
+against the samples trained."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+
+import pytest
+
+from cli_helpers import TINY, run_cnr, train
+from cnr.errors import CheckpointError
+from cnr.manifest import (
+    list_checkpoints, manifest_key, parse_manifest, parse_rank_index, rank_index_key, read_manifest,
+)
+from cnr.retention import plan_retention
+from cnr.storage.local import LocalStorage
+from cnr.train import check_reader_position
+from cnr.types import CheckpointStatus
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A consecutive chain of four checkpoints written by cnr train (steps 10..40)."""
+    root = tmp_path_factory.mktemp("integrity")
+    train(str(root), "ck", "--set", "train.steps=40", "--set", "checkpoint.interval=10",
+          "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0")
+    return root / "ck"
+
+
+@pytest.fixture
+def copy(store, tmp_path):
+    shutil.copytree(store, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def _ids(path):
+    return [i.id for i in list_checkpoints(LocalStorage(str(path)))]
+
+
+@pytest.mark.parametrize("which", ["manifest", "rank index"])
+def test_every_single_bit_flip_is_refused(store, which):
+    storage = LocalStorage(str(store))
+    newest = _ids(store)[-1]
+    key = manifest_key(newest) if which == "manifest" else rank_index_key(newest, 0)
+    parse = parse_manifest if which == "manifest" else parse_rank_index
+    blob = storage.get(key)
+    original = parse(blob)
+    rng = random.Random(13)
+    for bit in rng.sample(range(len(blob) * 8), 3000):
+        flipped = bytearray(blob)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        try:
+            parsed = parse(bytes(flipped))
+        except CheckpointError:
+            continue
+        assert parsed == original, f"a flip of bit {bit} changed the {which} and was accepted"
+
+
+def test_a_flip_cannot_downgrade_a_sealed_manifest(store):
+    blob = LocalStorage(str(store)).get(manifest_key(_ids(store)[-1]))
+    assert b'"version": 3' in blob
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        parse_manifest(blob.replace(b'"version": 3', b'"version": 2'))
+    unsealed = b"{" + blob[blob.index(b", ") + 2:]  # the seal cut off whole
+    with pytest.raises(CheckpointError, match="has no SHA-256 seal"):
+        parse_manifest(unsealed)
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"format": "cnr.manifest", "version": 2, "step": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"format": "cnr.manifest", "version": 2, "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "not valid JSON"),
+    (b'{"format": "cnr.manifest", "version": 2, "id": 5}', "missing fields"),
+])
+def test_hostile_manifests_are_clear_errors(body, message):
+    with pytest.raises(CheckpointError, match=message):
+        parse_manifest(body)
+
+
+def test_a_damaged_old_manifest_is_listed_and_everything_else_carries_on(copy, tmp_path):
+    ids = _ids(copy)
+    storage = LocalStorage(str(copy))
+    storage.put(manifest_key(ids[0]), storage.get(manifest_key(ids[0]))[:-7])  # truncated
+    infos = list_checkpoints(storage)
+    assert [i.status for i in infos] == [CheckpointStatus.DAMAGED] + [CheckpointStatus.COMMITTED] * 3
+    assert "SHA-256" in infos[0].error or "JSON" in infos[0].error
+    plan = plan_retention(infos, keep_last=1)  # the chain of the newest goes through the damaged one
+    assert ids[0] not in plan.delete + plan.purge
+    rc, out, err = run_cnr(["inspect", str(copy), "--json"], str(tmp_path))
+    assert rc == 0, err
+    rows = json.loads(out.strip().splitlines()[-1])["checkpoints"]
+    assert [(r["status"], r["committed"]) for r in rows][0] == ("damaged", False) and len(rows) == 4
+    rc, _out, err = run_cnr(["report", str(copy), "--out", str(tmp_path / "report")], str(tmp_path))
+    assert rc == 0, err
+
+
+def test_inspect_verify_lists_damage_and_says_whether_a_chain_restores(copy, tmp_path):
+    ids = _ids(copy)
+    storage = LocalStorage(str(copy))
+
+    def verify():
+        rc, out, err = run_cnr(["inspect", str(copy), "--verify", "--json"], str(tmp_path))
+        return rc, json.loads(out.strip().splitlines()[-1])
+
+    rc, report = verify()
+    assert rc == 0 and report["restorable"] == ids
+    newest = read_manifest(storage, ids[-1])
+    chunk = next(c for t in newest.tensors.values() for c in t.chunks)
+    storage.put(chunk.key, storage.get(chunk.key)[:-1])  # a truncated chunk object
+    storage.delete(manifest_key(ids[1]))  # a missing chain link: 20; 30 and 40 need it
+    rc, report = verify()
+    by_id = {r["id"]: r for r in report["checkpoints"]}
+    assert rc == 0 and report["restorable"] == [ids[0]]
+    assert any(chunk.key in d for d in by_id[ids[-1]]["damage"]) and not by_id[ids[-2]]["intact"]
+    storage.put(manifest_key(ids[0]), b"{}")
+    rc, report = verify()
+    assert rc == 1 and report["restorable"] == []
+
+
+def test_reader_cursor_is_checked_against_the_samples(store):
+    manifest = read_manifest(LocalStorage(str(store)), _ids(store)[-1])
+    check_reader_position(manifest, 64)
+    app = json.loads(json.dumps(manifest.app_ranks[0]))
+    app["reader"]["state"]["next_batch"] += 1  # the issue's 40 -> 41
+    moved = dataclasses.replace(manifest, app_ranks=(app,))
+    with pytest.raises(CheckpointError, match="its data position is damaged"):
+        check_reader_position(moved, 64)
