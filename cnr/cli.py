@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import List, Optional
 
-from cnr.errors import CnrError
+from cnr.errors import CnrError, redact, redact_logging
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
               "publish", "chaos")  # cnr/bench/<name>.py, each with run(argv) -> dict
@@ -214,8 +214,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
         logging.getLogger("cnr").setLevel(logging.INFO)
+    redact_logging()
     try:
         return args.func(args)
     except CnrError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); the job was stopped, its committed checkpoints are intact", file=sys.stderr)
+        return 130

@@ -1,4 +1,56 @@
-"""Exception types raised by cnr. Each message names the bad value and what is allowed."""
+"""Exception types raised by cnr. Each message names the bad value and what is allowed.
+
+Also ``redact``: what leaves a process as text (error lines, failure markers in the store,
+summaries, log records) goes through it, so no password or secret key is ever printed or stored.
+"""
+
+import logging
+import os
+import re
+from urllib.parse import urlsplit
+
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]*@")
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def _secrets() -> list:
+    found = [os.environ[name] for name in SECRET_ENV if len(os.environ.get(name, "")) >= 4]
+    for name in ENDPOINT_ENV:
+        try:
+            parts = urlsplit(os.environ.get(name, ""))
+            password = parts.password
+        except ValueError:
+            continue
+        found += [password] if password and len(password) >= 4 else []
+    return found
+
+
+def redact(text: str) -> str:
+    """``text`` with the user info of every URL (``scheme://user:pass@``) and every secret of the
+    environment (secret keys, session tokens, an endpoint URL's user and password) as ``***``."""
+    text = _USERINFO.sub(r"\1***@", text)
+    for secret in _secrets():
+        text = text.replace(secret, "***")
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts every log record's message (install on the handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True
+
+
+def redact_logging() -> None:
+    """Install RedactingFilter on every handler of the root logger."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 class CnrError(Exception):

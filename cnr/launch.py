@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Dict, Optional
 
@@ -89,15 +90,35 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
         if nproc == 1:
             _entry(0, 1, fn, arg, workdir, spawned=False)
         else:
+            context = mp.start_processes(_entry, args=(nproc, fn, arg, workdir), nprocs=nproc, join=False,
+                                         start_method="spawn")
             try:
-                mp.start_processes(_entry, args=(nproc, fn, arg, workdir), nprocs=nproc, join=True, start_method="spawn")
+                while not context.join(timeout=0.5):
+                    pass
             except ProcessException as e:
                 raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
+            except KeyboardInterrupt:
+                _stop_ranks(context.processes)  # SIGINT of this launcher alone must stop the job too
+                raise
         path = os.path.join(workdir, "result.json")
         if not os.path.exists(path):
             raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
         with open(path) as f:
             return json.load(f)
+
+
+def _stop_ranks(processes, grace_s: float = 10.0) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after ``grace_s`` seconds. A rank's
+    background writer and readers die with it (PR_SET_PDEATHSIG); committed checkpoints stay."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _first_error(workdir: str) -> Optional[str]:

@@ -33,7 +33,7 @@ from cnr.commit import commit_checkpoint
 from cnr.retention import retain_checkpoints
 from cnr.options import CheckpointOptions
 from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
-from cnr.errors import NONFINITE, Cancelled, CnrError, NonFiniteStateError
+from cnr.errors import NONFINITE, Cancelled, CnrError, NonFiniteStateError, redact, redact_logging
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, object_key, failed_key, rank_index_key, rank_index_to_bytes
@@ -304,7 +304,7 @@ def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
     except Exception as e:  # the storage may be what failed; the trainer still gets the error
         reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
         logger.error("could not write the failure marker %s/%s either: %s", storage.uri, key, reason)
-        return f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})"
+        return redact(f"{error} (the failure marker {storage.uri}/{key} could not be written either: {reason})")
 
 
 def _drain(uploader: Uploader) -> None:
@@ -344,12 +344,12 @@ def _run_job(storage: Storage, uploader: Uploader, options: CheckpointOptions, j
                                  time.perf_counter() - start, extra=extra)
     except Cancelled as e:
         _drain(uploader)
-        error = _mark_failed(storage, job, str(e))
+        error = _mark_failed(storage, job, redact(str(e)))
         result = WriteResult(job.ckpt_id, WriteStatus.CANCELLED, seconds=time.perf_counter() - start, error=error)
     except Exception as e:
         _drain(uploader)
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
-        error = _mark_failed(storage, job, error)
+        error = _mark_failed(storage, job, redact(error))
         result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
     result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
     return result
@@ -363,6 +363,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
+    redact_logging()
     torch.set_num_threads(1)
     storage = open_storage(storage_uri)
     uploader = Uploader(storage, options.upload_threads)

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import botocore.exceptions as bexc
 
 from cnr.errors import CnrError, StorageError
+from cnr.errors import redact as redact_text
 
 # The backend's logger, so retry warnings keep the name they had before this module was split out.
 log = logging.getLogger("cnr.storage.s3")
@@ -90,10 +91,11 @@ def credential_strings(client) -> List[str]:
 
 
 def redact(text: str, client) -> str:
-    """``text`` with every credential of ``client`` replaced by ``***``."""
+    """``text`` with every credential of ``client``, and what cnr.errors.redact blanks (URL user
+    info, secrets of the environment), replaced by ``***``."""
     for secret in credential_strings(client):
         text = text.replace(secret, "***")
-    return text
+    return redact_text(text)
 
 
 def leaks_credentials(e: Optional[BaseException], client) -> bool:
@@ -101,7 +103,7 @@ def leaks_credentials(e: Optional[BaseException], client) -> bool:
     secrets = credential_strings(client)
     while e is not None:
         text = f"{e} {getattr(e, 'response', '')}"
-        if any(secret in text for secret in secrets):
+        if any(secret in text for secret in secrets) or redact_text(text) != text:
             return True
         e = e.__cause__ or e.__context__
     return False
