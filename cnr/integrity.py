@@ -70,7 +70,7 @@ def _bounded(value: int, low: int, high: int, what: str, where: str) -> None:
 def check_manifest_fields(where: str, ckpt_id: str, step: int, world_size: int, counters: Mapping[str, int],
                           id_step: Optional[int]) -> None:
     """Cross-checks of a manifest's numbers: step and world size in range, every counter in
-    range, ``counters.step`` (when present) equal to ``step``, and the step encoded in the id
+    range, ``counters.step`` (``counters.seq`` for a publish) equal to ``step``, and the step encoded in the id
     (``id_step``, None for ids that encode none) equal to ``step``."""
     _bounded(step, 0, MAX_STEP, "step", where)
     _bounded(world_size, 1, MAX_WORLD_SIZE, "world_size", where)
@@ -78,7 +78,9 @@ def check_manifest_fields(where: str, ckpt_id: str, step: int, world_size: int, 
         _bounded(value, -MAX_COUNTER, MAX_COUNTER, f"counters.{name}", where)
         if value < 0:
             raise CheckpointError(f"{where} counters.{name} = {value} is negative")
-    if "step" in counters and counters["step"] != step:
-        raise CheckpointError(f"{where} counters.step = {counters['step']} but the checkpoint is at step {step}")
+    # a publish (cnr.publish) is numbered by its sequence number; its counters.step is the training step
+    own = "seq" if "seq" in counters else "step"
+    if own in counters and counters[own] != step:
+        raise CheckpointError(f"{where} counters.{own} = {counters[own]} but the checkpoint is at step {step}")
     if id_step is not None and id_step != step:
         raise CheckpointError(f"{where} id {ckpt_id!r} names step {id_step} but the checkpoint is at step {step}")
