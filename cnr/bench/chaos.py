@@ -65,6 +65,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--events", type=int, default=16, help="events to inject (each kind at least once when >= 8)")
     p.add_argument("--kinds", default=",".join(EVENTS), help="comma-separated event kinds to draw from")
     p.add_argument("--seed", type=int, default=0, help="seed of the events' kinds, moments and targets")
+    p.add_argument("--delay-s", default="2,6", help="LO,HI: seconds of training before each event, drawn uniformly")
     p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
     p.add_argument("--budget-s", type=float, default=540.0, help="no new event after this many seconds")
     p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
@@ -76,6 +77,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     bad = [k for k in args.kinds if k not in EVENTS]
     if bad or not args.kinds:
         p.error(f"--kinds {','.join(bad) or '(none)'} is not allowed; choose from {', '.join(EVENTS)}")
+    try:
+        args.delay_s = tuple(float(x) for x in args.delay_s.split(","))
+    except ValueError:
+        args.delay_s = ()
+    if len(args.delay_s) != 2 or not 0 < args.delay_s[0] <= args.delay_s[1]:
+        p.error(f"--delay-s is not allowed as given; give LO,HI seconds with 0 < LO <= HI")
     if not 0.0 <= args.fault_rate < 1.0:
         p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
     return args
@@ -275,7 +282,7 @@ class Chaos:
         started_unix = time.time()
         job = self._job(resume, f"attempt-{n}").start()
         while plan and time.monotonic() - self.start < self.args.budget_s and self._training(job, started_unix):
-            if not self._sleep_while(job, self.rng.uniform(2.0, 6.0)):
+            if not self._sleep_while(job, self.rng.uniform(*self.args.delay_s)):
                 break
             kind = plan.pop(0)
             record = {"event": kind, "attempt": n, "at_s": round(time.monotonic() - self.start, 1)}
