@@ -343,10 +343,15 @@ def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, 
 
 def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
     """Parse and validate a manifest (versions 1 to 3); raise CheckpointError naming the first problem."""
+    return _untrusted(_parse_manifest, blob, where)
+
+
+def _untrusted(parse, blob: bytes, where: str):
+    """``parse(blob, where)``; what strict field checks did not foresee in untrusted bytes is
+    still a damaged document, reported as a CheckpointError."""
     try:
-        return _parse_manifest(blob, where)
+        return parse(blob, where)
     except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as e:
-        # what strict field checks did not foresee in untrusted bytes is still a damaged manifest
         raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
@@ -388,10 +393,7 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
 
 
 def parse_rank_index(blob: bytes, where: str = "rank index") -> RankIndex:
-    try:
-        return _parse_rank_index(blob, where)
-    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+    return _untrusted(_parse_rank_index, blob, where)
 
 
 def _parse_rank_index(blob: bytes, where: str) -> RankIndex:

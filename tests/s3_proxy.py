@@ -12,15 +12,15 @@ The objects stay in moto, so a test can check through moto itself that nothing c
 
 from __future__ import annotations
 
-import http.client
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import List, Tuple
 from urllib.parse import urlsplit
 
+from cnr.bench.chaos_proxy import ForwardingHandler
+
 MODES = ("deny_writes", "bucket_gone")
 _WRITES = ("PUT", "POST", "DELETE")
-_HOP_HEADERS = {"host", "connection", "transfer-encoding", "content-length", "expect", "keep-alive"}
 _ERRORS = {
     "deny_writes": (403, "AccessDenied", "Access Denied"),
     "bucket_gone": (404, "NoSuchBucket", "The specified bucket does not exist"),
@@ -61,61 +61,15 @@ class S3Proxy:
         self.close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(ForwardingHandler):
     """Forwards to moto, or refuses once ``proxy`` is failing. Subclassed per proxy."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
     proxy: S3Proxy
 
-    def log_message(self, *_args) -> None:  # no access log on stderr
-        pass
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            parts = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    return b"".join(parts)
-                parts.append(self.rfile.read(size))
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
     def _refuse(self) -> None:
-        status, code, message = _ERRORS[self.proxy.mode]
         with self.proxy.lock:
             self.proxy.refused.append((self.command, self.path))
-        body = b"" if self.command == "HEAD" else (
-            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<RequestId>cnr-proxy</RequestId></Error>").encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _forward(self, body: bytes) -> None:
-        conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=60)
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
-            headers["Content-Length"] = str(len(body))
-            conn.request(self.command, self.path, body=body, headers=headers)
-            reply = conn.getresponse()
-            data = reply.read()
-            self.send_response(reply.status)
-            for k, v in reply.getheaders():
-                if k.lower() not in _HOP_HEADERS:
-                    self.send_header(k, v)
-            length = reply.getheader("Content-Length") if self.command == "HEAD" else None
-            self.send_header("Content-Length", length or str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        finally:
-            conn.close()
-        self._count(reply.status)
+        self.reply_error(*_ERRORS[self.proxy.mode])
 
     def _count(self, status: int) -> None:
         proxy = self.proxy
@@ -132,10 +86,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.proxy.refuses(self.command):
             self._refuse()
         else:
-            self._forward(body)
+            self._count(self._forward(body))
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
 
 def _handler_for(proxy: S3Proxy) -> type:
-    return type("Handler", (_Handler,), {"proxy": proxy})
+    return type("Handler", (_Handler,), {"proxy": proxy, "upstream": proxy.upstream})

@@ -39,7 +39,8 @@ class ChaosProxy:
         self._down_until = 0.0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), {"proxy": self}))
+        handler = type("Handler", (_Handler,), {"proxy": self, "upstream": self.upstream})
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="chaos-proxy", daemon=True)
         self._thread.start()
@@ -72,9 +73,12 @@ class ChaosProxy:
         self._server.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class ForwardingHandler(BaseHTTPRequestHandler):
+    """Reads a request whole and forwards it to ``upstream`` (host, port); subclasses decide
+    per request whether to forward it (tests/s3_proxy.py uses it too)."""
+
     protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
-    proxy: ChaosProxy
+    upstream: Tuple[str, int]
 
     def log_message(self, *_args) -> None:  # no access log on stderr
         pass
@@ -92,19 +96,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _error(self, fault: str) -> None:
-        status, code, message = _REPLIES[fault]
+    def reply_error(self, status: int, code: str, message: str) -> None:
+        """Answer as S3 does when it refuses a request: ``status`` with an XML error body."""
         body = b"" if self.command == "HEAD" else (
             f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-            "<RequestId>cnr-chaos</RequestId></Error>").encode()
+            "<RequestId>cnr-proxy</RequestId></Error>").encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    def _forward(self, body: bytes) -> None:
-        conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=60)
+    def _forward(self, body: bytes) -> int:
+        """Send the request upstream and its reply back; the reply's HTTP status."""
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
             headers["Content-Length"] = str(len(body))
@@ -122,6 +127,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(data)
         finally:
             conn.close()
+        return reply.status
+
+
+class _Handler(ForwardingHandler):
+    proxy: ChaosProxy
 
     def _handle(self) -> None:
         body = self._body()
@@ -129,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault in ("outage", "dropped_connection"):
             self.close_connection = True  # no reply at all: the client sees the connection closed
         elif fault is not None:
-            self._error(fault)
+            self.reply_error(*_REPLIES[fault])
         else:
             self._forward(body)
 

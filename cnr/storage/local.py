@@ -36,13 +36,8 @@ class LocalStorage(Storage):
         path = self._path(key)
         directory = os.path.dirname(path)
         try:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+            tmp = _write_temp(path, data)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
                 _remove_quietly(tmp)
@@ -57,13 +52,8 @@ class LocalStorage(Storage):
         path = self._path(key)
         directory = os.path.dirname(path)
         try:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+            tmp = _write_temp(path, data)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.link(tmp, path)
             except FileExistsError:
                 return False
@@ -139,6 +129,21 @@ class LocalStorage(Storage):
                 f"storage path {self._root} is not writable: {e}; "
                 "give --storage a directory you can create and write"
             ) from e
+
+
+def _write_temp(path: str, data: Buffer) -> str:
+    """Write ``data`` durably to a new temp file beside ``path`` (its directory created); its name."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return tmp
 
 
 def _remove_quietly(path: str) -> None:
