@@ -181,7 +181,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
     nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
     _apply_json(manifest, app, targets, rank, world_size)
     restore_rng(storage, manifest, rank, world_size)
-    logger.info("restored checkpoint %s (step %d, chain of %d, %d bytes read by rank %d)",
+    logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
     return RestoredChain(manifest, chain, row_ids, nbytes)
 

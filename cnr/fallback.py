@@ -90,6 +90,7 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
         dist.all_gather_object(problems, problem)
         found = [(r, p) for r, p in enumerate(problems) if p is not None]
         if not found:
+            logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
             if skipped:
                 logger.warning("restored checkpoint %s instead of the newest committed one, %s, which is damaged (%s)",
                                ckpt_id, skipped[0].id, "; ".join(f"{s.id}: {s.reason}" for s in skipped))
