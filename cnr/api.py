@@ -27,12 +27,12 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from cnr.app_restore import RestoredChain, _placement, restore_app
+from cnr.app_restore import RestoredChain, _placement
 from cnr.app_state import AppState, TableRef, whole_tables
 from cnr.bit_width import BitWidthPlanner
 from cnr.checkpoint import ChainState, CheckpointEngine
 from cnr.errors import CheckpointError, CnrError
-from cnr.fallback import Skipped, restore_newest
+from cnr.fallback import Skipped, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
 from cnr.manifest import Manifest, newest_committed, read_manifest
 from cnr.options import CheckpointOptions, PublishOptions
@@ -148,13 +148,15 @@ class Checkpointer:
         Collective; call before the first ``save``. Returns None when nothing is committed.
         Without ``checkpoint``, a damaged newest checkpoint is passed over for the newest one
         that verifies (``options.on_damage="fallback"``, cnr.fallback; ``skipped_on_restore``
-        then names what was passed over and why), or raises (``"fail"``).
+        then names what was passed over and why), or raises (``"fail"``). A ``checkpoint``
+        named by id is restored or, when any rank finds it damaged, raises on every rank.
         """
         if self.engine.stats.ids:
             raise RuntimeError("restore() must come before the first save()")
         if checkpoint:
-            restored = restore_app(self.storage, read_manifest(self.storage, checkpoint), self.app, self.rank,
-                                   self.world_size, self.options.restore_threads)
+            restored = restore_checkpoint(self.storage, checkpoint, self.app, self.rank, self.world_size,
+                                          self.options.restore_threads)
+            self.skipped_on_restore = []
         else:
             restored, self.skipped_on_restore = restore_newest(self.storage, self.app, self.rank, self.world_size,
                                                                self.options.restore_threads, self.options.on_damage)

@@ -13,6 +13,9 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
   every rank raises, as a restore without fallback would. A store that is unreachable is not
   damage: falling back would silently lose committed work.
 
+A checkpoint named by id (``restore_checkpoint``) gets the same attempt and agreement but is never
+replaced by another: when any rank finds it damaged, every rank raises.
+
 A failed attempt may have written part of the state; the next attempt's full baseline covers
 every element again (restore checks that coverage), and the application's JSON state (optimizer
 groups, Stateful objects) and the RNG are applied only after all tensors were read, so nothing
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -33,9 +36,9 @@ from cnr.app_state import AppState
 from cnr.config import ON_DAMAGE
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.handoff import rank0_decides
-from cnr.manifest import MERGED_SUFFIX, committed_ids, read_manifest, resolve_chain
+from cnr.manifest import MERGED_SUFFIX, committed_ids, manifest_key, read_manifest, resolve_chain
 from cnr.storage.base import Storage
-from cnr.verify import check_rank_indexes
+from cnr.verify import DAMAGE, check_rank_indexes
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +68,69 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
     FAILED, why), the exception)."""
     try:
         _read_chain(storage, ckpt_id, rank)
-    except (CheckpointError, KeyNotFoundError) as e:
+    except DAMAGE as e:
         return None, (DAMAGED, str(e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         return None, (FAILED, f"{type(e).__name__}: {e}"), e
     try:
         return restore_app(storage, read_manifest(storage, ckpt_id), app, rank, world_size, threads), None, None
-    except (CorruptChunkError, KeyNotFoundError) as e:
+    except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
         return None, (DAMAGED, str(e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         return None, (FAILED, f"{type(e).__name__}: {e}"), e
+
+
+def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
+                      threads: int) -> Tuple[Optional[RestoredChain], str]:
+    """One attempt on every rank, then agreement (collective): (restored, "") when every rank
+    restored ``ckpt_id``; (None, what is damaged, per rank) when some rank found damage. Raises
+    on every rank when some rank failed otherwise: its own error there, a CheckpointError
+    naming that rank's error on the others."""
+    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads)
+    problems: List[Optional[Tuple[str, str]]] = [None] * world_size
+    dist.all_gather_object(problems, problem)
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why) in found)
+    if any(kind == FAILED for _r, (kind, _why) in found):
+        if error is not None and problem is not None and problem[0] == FAILED:
+            raise error
+        raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
+    return (restored, "") if not found else (None, reason)
+
+
+def _ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
+    """``list_ids()`` on rank 0, broadcast. Its error is raised on rank 0 and named on every
+    other rank, so no rank is left waiting in the broadcast (collective)."""
+    raised: List[BaseException] = []
+
+    def decide() -> Tuple[Optional[List[str]], str]:
+        try:
+            return list_ids(), ""
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            raised.append(e)
+            return None, f"{type(e).__name__}: {e}"
+
+    ids, error = rank0_decides(decide, rank)
+    if raised:
+        raise raised[0]
+    if ids is None:
+        raise CheckpointError(f"rank 0 could not list the committed checkpoints: {error}")
+    return ids
+
+
+def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
+                       threads: int = 1) -> RestoredChain:
+    """Restore ``ckpt_id`` on every rank, or raise on every rank (collective): a checkpoint named
+    by id is never replaced by another, and no rank goes on training when another could not
+    restore it."""
+    key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
+    if not _ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
+        raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
+    restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads)
+    if restored is None:
+        raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({damage})")
+    logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
+    return restored
 
 
 def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, threads: int = 1,
@@ -84,22 +140,14 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
     if on_damage not in ON_DAMAGE:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
     skipped: List[Skipped] = []
-    for ckpt_id in rank0_decides(lambda: committed_ids(storage), rank):
-        restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads)
-        problems: List[Optional[Tuple[str, str]]] = [None] * world_size
-        dist.all_gather_object(problems, problem)
-        found = [(r, p) for r, p in enumerate(problems) if p is not None]
-        if not found:
+    for ckpt_id in _ids_from_rank0(lambda: committed_ids(storage), rank):
+        restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads)
+        if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
             if skipped:
                 logger.warning("restored checkpoint %s instead of the newest committed one, %s, which is damaged (%s)",
                                ckpt_id, skipped[0].id, "; ".join(f"{s.id}: {s.reason}" for s in skipped))
             return restored, skipped
-        reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why) in found)
-        if any(kind == FAILED for _r, (kind, _why) in found):
-            if error is not None and problem is not None and problem[0] == FAILED:
-                raise error
-            raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
         if on_damage == "fail":
             raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({reason}); on_damage is 'fail', so no older "
                                   "checkpoint is tried")

@@ -19,7 +19,7 @@ import torch
 
 from cnr.commit import check_coverage
 from cnr.encode import DTYPES, DecodedChunk, decode_chunk
-from cnr.errors import CheckpointError
+from cnr.errors import CheckpointError, CorruptChunkError, InvalidKeyError
 from cnr.manifest import Manifest, TensorEntry
 from cnr.state import StatePiece
 from cnr.storage.base import Storage
@@ -100,10 +100,21 @@ def _check_entry(piece: StatePiece, entry: Optional[TensorEntry]) -> TensorEntry
     return entry
 
 
+def _read_range(storage: Storage, key: str, byte_range: ByteRange) -> bytes:
+    """``byte_range`` of ``key``. The range comes from a sealed manifest, so an object that does
+    not hold it was truncated or replaced: that is a damaged chunk (CorruptChunkError, which a
+    restore falls back past), not a storage failure."""
+    try:
+        return storage.get(key, byte_range)
+    except InvalidKeyError as e:
+        raise CorruptChunkError(f"chunk object {key!r} does not hold the bytes its manifest names "
+                                f"(truncated or replaced): {e}") from e
+
+
 def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
     """One chunk, fetched with a ranged read of its bytes in its object, verified and decoded
     (quantized rows kept as codes unless ``dequantize``)."""
-    return decode_chunk(storage.get(ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize)
+    return decode_chunk(_read_range(storage, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize)
 
 
 def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
@@ -171,7 +182,7 @@ def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
     lo = min(ref.offset for ref, _t in chunks)
     hi = max(ref.offset + ref.nbytes for ref, _t in chunks)
     whole = lo == 0 and hi == size
-    return memoryview(storage.get(key) if whole else storage.get(key, ByteRange(lo, hi - lo)))
+    return memoryview(storage.get(key) if whole else _read_range(storage, key, ByteRange(lo, hi - lo)))
 
 
 _Writes = List[Tuple[int, int, Optional[torch.Tensor]]]

@@ -5,6 +5,10 @@ indexes (each sealed, and together holding exactly the manifest's chunks), and e
 (fetched and decoded: header, size and CRC-32), then resolves its chain. A checkpoint is
 *intact* when all of its own objects verify; *restorable* when it and every link of its chain
 are intact. Pure functions over a Storage: the chaos benchmark uses them too.
+
+Damage is what ``DAMAGE`` names: an object that does not verify (CheckpointError, of which
+CorruptChunkError) or is missing (KeyNotFoundError). Any other StorageError (the store cannot be
+reached) is raised, not reported: a store that cannot be read says nothing about its checkpoints.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Set, Tuple
 
-from cnr.errors import CheckpointError, StorageError
+from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key, read_manifest, resolve_chain
 from cnr.restore import fetch_chunk
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
 
 _ChunkId = Tuple[str, str, int, int, int, int]
+
+DAMAGE = (CheckpointError, KeyNotFoundError)
+"""What reading a checkpoint raises when the checkpoint itself is damaged (see the module docstring)."""
 
 
 def _chunk_ids(tensors) -> Set[_ChunkId]:
@@ -53,7 +60,7 @@ def check_objects(storage: Storage, manifest: Manifest) -> List[str]:
         for ref in entry.chunks:
             try:
                 fetch_chunk(storage, ref, dequantize=False)
-            except (CheckpointError, StorageError) as e:
+            except DAMAGE as e:
                 damage.append(f"{ref.key}: {e}")
     return damage
 
@@ -74,18 +81,18 @@ def verify_checkpoint(storage: Storage, ckpt_id: str) -> Tuple[List[str], Tuple[
     """The damage of ``ckpt_id``'s own objects, and its chain's ids (empty when unreadable)."""
     try:
         manifest = read_manifest(storage, ckpt_id)
-    except (CheckpointError, StorageError) as e:
+    except DAMAGE as e:
         return [f"manifest: {e}"], ()
     damage: List[str] = []
     if not manifest.id.endswith(MERGED_SUFFIX):
         try:
             check_rank_indexes(storage, manifest)
-        except (CheckpointError, StorageError) as e:
+        except DAMAGE as e:
             damage.append(f"rank indexes: {e}")
     damage += check_objects(storage, manifest)
     try:
         chain = tuple(m.id for m in resolve_chain(storage, manifest))
-    except (CheckpointError, StorageError) as e:
+    except DAMAGE as e:
         damage.append(f"chain: {e}")
         chain = ()
     return damage, chain

@@ -130,3 +130,20 @@ def test_reader_cursor_is_checked_against_the_samples(store):
     moved = dataclasses.replace(manifest, app_ranks=(app,))
     with pytest.raises(CheckpointError, match="its data position is damaged"):
         check_reader_position(moved, 64)
+
+
+def test_a_chunk_dropped_from_a_resealed_manifest_is_caught_by_its_rank_indexes(store):
+    """The issue's case: a chunk entry dropped from an increment. The seal catches a plain edit;
+    one that was sealed again still disagrees with the rank indexes written beside it."""
+    from cnr.manifest import manifest_to_bytes
+    from cnr.verify import check_rank_indexes
+
+    storage = LocalStorage(str(store))
+    manifest = read_manifest(storage, _ids(store)[-1])
+    check_rank_indexes(storage, manifest)
+    name, entry = next((n, t) for n, t in manifest.tensors.items() if t.table and t.chunks)
+    dropped = dataclasses.replace(manifest, tensors={**manifest.tensors,
+                                                     name: dataclasses.replace(entry, chunks=entry.chunks[1:])})
+    resealed = parse_manifest(manifest_to_bytes(dropped))
+    with pytest.raises(CheckpointError, match="its manifest and its rank indexes list different chunks"):
+        check_rank_indexes(storage, resealed)

@@ -1,21 +1,29 @@
-"""Self-healing restore (issue #13): a damaged newest checkpoint is passed over for the newest
-one that verifies, on every rank together; ``on_damage="fail"`` raises as before. The model is
-examples/two_tower.py on two spawned gloo ranks; the damaged chunk is one only rank 1 reads."""
+"""Self-healing restore (issue #13): a damaged newest checkpoint (a flipped, truncated or deleted
+chunk object, a missing chain link) is passed over for the newest one that verifies, on every rank
+together; ``on_damage="fail"`` raises as before; a checkpoint named by id raises on every rank.
+The model is examples/two_tower.py on two spawned gloo ranks. Last, ``cnr train --resume`` past a
+damaged middle link: its summary names the fallback, and it trains every sample exactly once."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import cnr
+from cli_helpers import TINY, train
 from cnr.app_state import AppState
+from cnr.config import load_config
+from cnr.errors import CheckpointError
 from cnr.launch import RankFailed, launch
-from cnr.manifest import list_checkpoints, read_manifest
+from cnr.manifest import list_checkpoints, manifest_key, read_manifest
 from cnr.state import gather_global
 from cnr.storage.local import LocalStorage
+from cnr.trace import load_trace
+from cnr.train import _options
 from examples.two_tower import build, make_loader, train_step
 
 
@@ -36,10 +44,10 @@ def _save(rank, world_size, arg):
             train_step(dmp, adam, sched, next(batches))
             if step % 2 == 0:
                 ckpt.save(step).wait()
-            if step == 4:  # what a restore of the checkpoint at step 4 must give back
+            if step in (2, 4):  # what a restore of the checkpoint at that step must give back
                 state = _gathered(app_state)
                 if rank == 0:
-                    torch.save(state, arg["at_4"])
+                    torch.save(state, arg[f"at_{step}"])
     return {}
 
 
@@ -49,7 +57,12 @@ def _restore(rank, world_size, arg):
     app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": loader}
     options = cnr.CheckpointOptions(policy="consecutive", on_damage=arg["on_damage"])
     with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
-        info = ckpt.restore(arg.get("id"))
+        try:
+            info = ckpt.restore(arg.get("id"))
+        except CheckpointError as e:
+            if not arg.get("catch"):
+                raise
+            return {"error": str(e)}  # this rank raised (rank 0's is what launch returns)
         skipped = [(s.id, s.reason) for s in ckpt.skipped_on_restore]
         state = _gathered(app_state)
         position = loader.state_dict()["_num_yielded"]
@@ -59,18 +72,37 @@ def _restore(rank, world_size, arg):
 
 
 @pytest.fixture(scope="module")
-def damaged_store(tmp_path_factory):
-    """Three consecutive checkpoints at world size 2; one byte of a chunk of the newest that
-    only rank 1 reads (its own table shard) is flipped."""
+def saved(tmp_path_factory):
+    """Three consecutive checkpoints (steps 2, 4, 6) at world size 2, and the state at 2 and 4."""
     root = tmp_path_factory.mktemp("fallback")
     uri = str(root / "ck")
-    launch(_save, 2, {"uri": uri, "at_4": str(root / "at_4.pt")})
-    storage = LocalStorage(uri)
-    ids = [i.id for i in list_checkpoints(storage)]
+    launch(_save, 2, {"uri": uri, "at_2": str(root / "at_2.pt"), "at_4": str(root / "at_4.pt")})
+    return root, uri, [i.id for i in list_checkpoints(LocalStorage(uri))]
+
+
+def _copy(saved, tmp_path):
+    root, uri, ids = saved
+    shutil.copytree(uri, tmp_path / "ck")
+    return str(tmp_path / "ck"), LocalStorage(str(tmp_path / "ck"))
+
+
+def _assert_state_of(path, root, step):
+    a, b = torch.load(path), torch.load(root / f"at_{step}.pt")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture(scope="module")
+def damaged_store(saved, tmp_path_factory):
+    """One byte of a chunk of the newest checkpoint that only rank 1 reads flipped: a chunk of
+    a table that lives on rank 1 alone (the full baseline holds it only in rank 1's objects; a
+    row-wise table's increment chunks list row ids, which every rank holding a shard reads)."""
+    root, _uri, ids = saved
+    uri, storage = _copy(saved, tmp_path_factory.mktemp("flipped"))
+    full = read_manifest(storage, ids[0])
+    rank1_tables = {name for name, t in full.tensors.items()
+                    if t.table and not t.replicated and all("/rank-00001/" in c.key for c in t.chunks)}
     newest = read_manifest(storage, ids[-1])
-    rank1_only = [c for name, t in newest.tensors.items() if not t.replicated and t.table for c in t.chunks
-                  if "/rank-00001/" in c.key]
-    chunk = rank1_only[0]
+    chunk = next(c for name in sorted(rank1_tables) for c in newest.tensors[name].chunks)
     blob = bytearray(storage.get(chunk.key))
     blob[chunk.offset + chunk.nbytes - 1] ^= 0x40  # inside the payload: only its CRC tells
     storage.put(chunk.key, bytes(blob))
@@ -82,10 +114,48 @@ def test_damaged_newest_falls_back_on_every_rank_to_the_previous(damaged_store):
     out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(root / "fallback.pt")})
     assert out["id"] == ids[-2] and out["step"] == 4
     [(skipped_id, reason)] = out["skipped"]
-    assert skipped_id == ids[-1] and "rank 1" in reason and "CRC-32" in reason
+    assert skipped_id == ids[-1] and reason.startswith("rank 1: ") and "rank 0" not in reason and "CRC-32" in reason
     assert out["position"] == 4  # the loader's position is the restored checkpoint's, not the newest's
-    a, b = torch.load(root / "fallback.pt"), torch.load(root / "at_4.pt")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    _assert_state_of(root / "fallback.pt", root, 4)
+
+
+def _damage(kind, storage, ids):
+    """Damage the store; return (the step restored instead, what the skipped reasons name)."""
+    newest = read_manifest(storage, ids[-1])
+    shared = sorted({c.key for t in newest.tensors.values() if t.replicated for c in t.chunks})
+    if kind == "truncated":
+        # rank 0's object also holds the replicated tensors, which rank 1 reads with one ranged
+        # GET that now runs past the end; rank 0 reads it whole and finds it short
+        [key] = shared
+        storage.put(key, storage.get(key)[:storage.size(key) // 2])
+        return 4, [key]
+    if kind == "deleted":
+        key = next(c.key for t in newest.tensors.values() for c in t.chunks if "/rank-00001/" in c.key)
+        storage.delete(key)
+        return 4, [key]
+    storage.delete(manifest_key(ids[-2]))  # a missing chain link: 6 needs 4
+    return 2, [ids[-2]]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "deleted", "missing link"])
+def test_truncated_deleted_or_missing_link_falls_back(saved, tmp_path, kind):
+    root = saved[0]
+    uri, storage = _copy(saved, tmp_path)
+    step, named = _damage(kind, storage, saved[2])
+    out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(tmp_path / "got.pt")})
+    assert out["step"] == step and out["position"] == step, out
+    [(skipped_id, reason)] = out["skipped"]
+    assert skipped_id == saved[2][-1] and all(n in reason for n in named), reason
+    _assert_state_of(tmp_path / "got.pt", root, step)
+
+
+def test_a_checkpoint_named_by_id_raises_on_every_rank_when_one_rank_finds_damage(damaged_store):
+    """Rank 0 reads nothing damaged; it must not go on training while rank 1 stops."""
+    root, uri, ids = damaged_store
+    out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "id": ids[-1], "catch": True,
+                               "out": str(root / "x.pt")})
+    assert "error" in out, out
+    assert out["error"].startswith(f"checkpoint {ids[-1]} is damaged (rank 1: ") and "CRC-32" in out["error"]
 
 
 def test_on_damage_fail_raises_naming_the_damage(damaged_store):
@@ -94,6 +164,26 @@ def test_on_damage_fail_raises_naming_the_damage(damaged_store):
         launch(_restore, 2, {"uri": uri, "on_damage": "fail", "out": str(root / "x.pt")})
 
 
-def test_on_damage_is_validated():
+def test_on_damage_is_validated_and_reaches_the_options():
     with pytest.raises(ValueError, match="CheckpointOptions.on_damage = 'ignore' is not allowed; allowed: fallback, fail"):
         cnr.CheckpointOptions(on_damage="ignore")
+    assert _options(load_config(TINY, ["checkpoint.on_damage=fail"])).on_damage == "fail"
+
+
+def test_cnr_train_resumes_past_a_damaged_middle_link_exactly_once(tmp_path):
+    """Checkpoints at 10, 20, 30; a chunk object of 20 deleted: 30 and 20 are skipped, 10 is
+    restored, and the rerun of steps 11..30 trains the same samples to the same state."""
+    opts = ["--set", "train.steps=30", "--set", "checkpoint.interval=10", "--set", "checkpoint.policy=consecutive",
+            "--set", "checkpoint.keep_last=0", "--set", "data.trace_dir=trace"]
+    first = train(str(tmp_path), "ck", *opts)
+    reference = load_trace(str(tmp_path / "trace"))
+    storage = LocalStorage(str(tmp_path / "ck"))
+    ids = [i.id for i in list_checkpoints(storage)]
+    key = next(c.key for t in read_manifest(storage, ids[1]).tensors.values() for c in t.chunks)
+    storage.delete(key)
+    again = train(str(tmp_path), "ck", "--resume", *opts)
+    assert again["restored_checkpoint"] == ids[0]
+    assert [f["id"] for f in again["restore_fallbacks"]] == [ids[2], ids[1]]
+    assert all(key in f["reason"] for f in again["restore_fallbacks"]), again["restore_fallbacks"]
+    assert load_trace(str(tmp_path / "trace")) == reference  # steps 11..30 once each, the same samples
+    assert again["state_sha256"] == first["state_sha256"] and again["samples"] == first["samples"]

@@ -16,7 +16,8 @@ once anything committed), until it reaches its last step:
   a bit of the manifest of the newest committed checkpoint is flipped before the restart;
 - ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused.
 
-An uninterrupted run of the same job on a local directory is the reference. Reported:
+The same job uninterrupted, on a fresh bucket through the same proxy without faults, is the
+reference. Reported:
 checkpoints attempted / committed / failed (every checkpoint the store showed, polled each
 second); ``lost_commits``: committed checkpoints that are not restorable at the end or were
 skipped by a restore although intact (deliberately damaged ones and chains through them
@@ -155,9 +156,10 @@ class StoreWatch:
         return None
 
 
-def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str]) -> Dict[str, Any]:
+def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str], uri: str) -> Dict[str, Any]:
+    """The same job uninterrupted, on the same kind of store (S3 through the proxy, no faults)."""
     trace = os.path.join(workdir, "trace-reference")
-    job = Job(train_args(args, os.path.join(workdir, "reference-store"), trace, False), env, workdir, "reference").start()
+    job = Job(train_args(args, uri, trace, False), env, workdir, "reference").start()
     rc = job.wait(timeout=600)
     summary = job.summary()
     if rc != 0 or summary is None:
@@ -373,14 +375,15 @@ def run(argv: List[str]) -> Dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "CNR_FAULT_INJECT"}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        reference = _reference(args, workdir, env)
         with MotoS3(in_process=False) as moto:
-            bucket = moto.new_bucket()
             proxy = ChaosProxy(moto.endpoint, seed=args.seed)
+            proxied = dict(env, **endpoint_env(proxy.endpoint))
+            reference = _reference(args, workdir, proxied, f"s3://{moto.new_bucket()}/job")
+            proxy.counts = dict.fromkeys(proxy.counts, 0)  # count the chaos run's requests only
+            bucket = moto.new_bucket()
             storage = S3Storage(bucket, "job")  # the bench's own client goes to moto directly
             try:
-                chaos = Chaos(args, workdir, dict(env, **endpoint_env(proxy.endpoint)), proxy, storage,
-                              f"s3://{bucket}/job")
+                chaos = Chaos(args, workdir, proxied, proxy, storage, f"s3://{bucket}/job")
                 final = chaos.run()
                 unrestorable = _unrestorable(storage, chaos.damaged)
             finally:
