@@ -34,7 +34,7 @@ from cnr.checkpoint import ChainState, CheckpointEngine
 from cnr.errors import CheckpointError, CnrError
 from cnr.fallback import Skipped, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
-from cnr.manifest import Manifest, newest_committed, read_manifest
+from cnr.manifest import Manifest
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.publish import VIEW as PUBLISH_VIEW, Publisher, check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
@@ -134,13 +134,6 @@ class Checkpointer:
         self._closed = False
 
     # ---- restore -------------------------------------------------------------------------
-
-    def newest(self) -> Optional[Manifest]:
-        """The newest committed checkpoint's manifest (rank 0 reads, every rank gets the same)."""
-        newest = newest_committed(self.storage) if self.rank == 0 else None
-        found: List[Any] = [newest.id if newest is not None else None]
-        dist.broadcast_object_list(found, src=0)
-        return read_manifest(self.storage, found[0]) if found[0] else None
 
     def restore(self, checkpoint: Optional[str] = None) -> Optional[CheckpointInfo]:
         """Restore the newest committed checkpoint (or ``checkpoint``, an id) into app_state.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -169,9 +169,10 @@ def _fused_groups(manifest: Manifest, key: str, path: str, rank: int, world_size
 
 
 def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,
-                threads: int = 1) -> RestoredChain:
-    """Restore ``manifest`` (and the chain it needs) into ``app`` on this rank (collective)."""
-    chain = resolve_chain(storage, manifest)
+                threads: int = 1, chain: Optional[List[Manifest]] = None) -> RestoredChain:
+    """Restore ``manifest`` (and the chain it needs: ``chain`` when the caller resolved it
+    already) into ``app`` on this rank (collective)."""
+    chain = chain if chain is not None else resolve_chain(storage, manifest)
     check_placements(manifest, app)
     targets = _stateful_targets(manifest, app, rank, world_size)
     _prepare_optimizers(manifest, app)

@@ -7,7 +7,6 @@ by other processes, possibly on other machines), gives up on a failure marker, a
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any, Dict, List, Tuple
@@ -16,7 +15,7 @@ from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
 from cnr.lease import check_held
 from cnr.manifest import (
-    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes,
+    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, marker_error, merge_rank_indexes,
     parse_rank_index, rank_index_key,
 )
 from cnr.storage.base import Storage
@@ -81,7 +80,7 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
                 pending.discard(r)
             elif storage.exists(failed_key(ckpt_id, r)):
                 raise CheckpointError(f"rank {r} failed to write its part of checkpoint {ckpt_id}: "
-                                      f"{_failure_reason(storage, failed_key(ckpt_id, r))}")
+                                      f"{marker_error(storage, failed_key(ckpt_id, r))}")
         if not pending:
             break
         if cancel is not None and cancel.is_set():
@@ -90,15 +89,6 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
             raise CheckpointError(f"ranks {sorted(pending)} did not store their part of {ckpt_id} within {timeout_s:.0f} s")
         time.sleep(_POLL_SECONDS)
     return [indexes[r] for r in range(world_size)]
-
-
-def _failure_reason(storage: Storage, key: str) -> str:
-    """The error a rank's failure marker names (its text is shortened; it is only reported)."""
-    try:
-        error = json.loads(storage.get(key).decode("utf-8")).get("error")
-    except Exception:  # noqa: BLE001 - an unreadable marker still means the rank failed
-        return "(its failure marker is unreadable)"
-    return str(error)[:2000] if error else "(no reason recorded)"
 
 
 def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:

@@ -36,7 +36,7 @@ from cnr.app_state import AppState
 from cnr.config import ON_DAMAGE
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.handoff import rank0_decides
-from cnr.manifest import MERGED_SUFFIX, committed_ids, manifest_key, read_manifest, resolve_chain
+from cnr.manifest import MERGED_SUFFIX, Manifest, committed_ids, manifest_key, read_manifest, resolve_chain
 from cnr.storage.base import Storage
 from cnr.verify import DAMAGE, check_rank_indexes
 
@@ -53,13 +53,16 @@ class Skipped:
     reason: str
 
 
-def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> None:
-    """Raise (as damage) unless ``ckpt_id``'s manifests and chain links read and verify."""
-    chain = resolve_chain(storage, read_manifest(storage, ckpt_id))
+def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> Tuple[Manifest, List[Manifest]]:
+    """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
+    manifest itself); raises (as damage) unless its manifests and links read and verify."""
+    manifest = read_manifest(storage, ckpt_id)
+    chain = resolve_chain(storage, manifest)
     if rank == 0:
-        for manifest in chain:
-            if not manifest.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
-                check_rank_indexes(storage, manifest)
+        for link in chain:
+            if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
+                check_rank_indexes(storage, link)
+    return manifest, chain
 
 
 def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
@@ -67,13 +70,13 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
     """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, (DAMAGED or
     FAILED, why), the exception)."""
     try:
-        _read_chain(storage, ckpt_id, rank)
+        manifest, chain = _read_chain(storage, ckpt_id, rank)
     except DAMAGE as e:
         return None, (DAMAGED, str(e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         return None, (FAILED, f"{type(e).__name__}: {e}"), e
     try:
-        return restore_app(storage, read_manifest(storage, ckpt_id), app, rank, world_size, threads), None, None
+        return restore_app(storage, manifest, app, rank, world_size, threads, chain), None, None
     except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
         return None, (DAMAGED, str(e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here

@@ -441,14 +441,19 @@ def checkpoint_ids(storage: Storage) -> List[str]:
     return sorted(ids)
 
 
+def marker_error(storage: Storage, key: str) -> str:
+    """The error a failure marker (``failed_key``) records, shortened to 2000 characters."""
+    try:
+        return str(json.loads(storage.get(key).decode()).get("error", "failed"))[:2000]
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return "failed (unreadable marker)"
+
+
 def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
     """The error recorded for a failed checkpoint (or one of its ranks), else None."""
     for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/failed-rank-" in k]:
         if storage.exists(key):
-            try:
-                return str(json.loads(storage.get(key).decode()).get("error", "failed"))
-            except (ValueError, UnicodeDecodeError, AttributeError):
-                return "failed (unreadable marker)"
+            return marker_error(storage, key)
     return None
 
 

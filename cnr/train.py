@@ -21,7 +21,7 @@ from cnr.app_state import collect_state
 from cnr.checkpoint import SaveStats
 from cnr.config import Config
 from cnr.data import BatchSource, open_source, to_device
-from cnr.errors import CheckpointError, ConfigError, redact, redact_logging
+from cnr.errors import CheckpointError, ConfigError, redact_logging
 from cnr.evaluate import evaluate
 from cnr.faults import maybe_crash
 from cnr.launch import rank_device
@@ -388,5 +388,5 @@ def _reduce_stats(s: Optional[SaveStats], train_seconds: float) -> Dict[str, Any
         "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
         "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
         "last_checkpoint": s.ids[-1] if s and s.ids else None,
-        "checkpoint_errors": {k: redact(v) for k, v in s.errors.items()} if s else {},
+        "checkpoint_errors": dict(s.errors) if s else {},  # redacted where the writer made them
     }

@@ -14,10 +14,12 @@ reached) is raised, not reported: a store that cannot be read says nothing about
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key, read_manifest, resolve_chain
+from cnr.manifest import (
+    MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key, read_manifest, resolve_chain, scan_checkpoints,
+)
 from cnr.restore import fetch_chunk
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
@@ -77,12 +79,15 @@ class Verified:
     chain: Tuple[str, ...] = ()
 
 
-def verify_checkpoint(storage: Storage, ckpt_id: str) -> Tuple[List[str], Tuple[str, ...]]:
-    """The damage of ``ckpt_id``'s own objects, and its chain's ids (empty when unreadable)."""
-    try:
-        manifest = read_manifest(storage, ckpt_id)
-    except DAMAGE as e:
-        return [f"manifest: {e}"], ()
+def verify_checkpoint(storage: Storage, ckpt_id: str,
+                      manifest: Optional[Manifest] = None) -> Tuple[List[str], Tuple[str, ...]]:
+    """The damage of ``ckpt_id``'s own objects, and its chain's ids (empty when unreadable).
+    ``manifest``: its manifest when the caller read (and so verified) it already."""
+    if manifest is None:
+        try:
+            manifest = read_manifest(storage, ckpt_id)
+        except DAMAGE as e:
+            return [f"manifest: {e}"], ()
     damage: List[str] = []
     if not manifest.id.endswith(MERGED_SUFFIX):
         try:
@@ -100,11 +105,12 @@ def verify_checkpoint(storage: Storage, ckpt_id: str) -> Tuple[List[str], Tuple[
 
 def verify_store(storage: Storage) -> List[Verified]:
     """Every checkpoint with a manifest, oldest first, verified (see the module docstring)."""
-    from cnr.manifest import scan_checkpoints
-
-    infos = [info for info, _m in scan_checkpoints(storage)
-             if info.status in (CheckpointStatus.COMMITTED, CheckpointStatus.DAMAGED)]
-    own: Dict[str, Tuple[List[str], Tuple[str, ...]]] = {i.id: verify_checkpoint(storage, i.id) for i in infos}
+    scanned = [(info, m) for info, m in scan_checkpoints(storage)
+               if info.status in (CheckpointStatus.COMMITTED, CheckpointStatus.DAMAGED)]
+    infos = [info for info, _m in scanned]
+    own: Dict[str, Tuple[List[str], Tuple[str, ...]]] = {
+        info.id: ([f"manifest: {info.error}"], ()) if m is None else verify_checkpoint(storage, info.id, m)
+        for info, m in scanned}
     out = []
     for info in infos:
         damage, chain = own[info.id]

@@ -11,20 +11,7 @@ import sys
 import time
 
 from cli_helpers import ROOT, TINY, committed_steps
-
-
-def _children(pid: int):
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
+from cnr.bench.chaos_job import alive, descendants
 
 
 def _cmdline(pid: int) -> bytes:
@@ -33,14 +20,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigint_to_the_launcher_stops_the_job(tmp_path):
@@ -55,8 +34,9 @@ def test_sigint_to_the_launcher_stops_the_job(tmp_path):
         while not glob.glob(os.path.join(store, "checkpoints", "*", "manifest.json")) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        ranks = [pid for pid in _children(proc.pid) if b"resource_tracker" not in _cmdline(pid)]
-        assert ranks, "no rank processes"
+        # every process of the job: ranks, writers, readers (the resource tracker ends by itself)
+        ranks = [pid for pid in descendants(proc.pid) if b"resource_tracker" not in _cmdline(pid)]
+        assert len(ranks) >= 4, "expected 2 ranks and their writers"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -64,5 +44,8 @@ def test_sigint_to_the_launcher_stops_the_job(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "error: interrupted" in err and "Traceback" not in err, err[-3000:]
-    assert not [pid for pid in ranks if _alive(pid)], "a rank outlived its launcher"
+    deadline = time.monotonic() + 5  # a writer or reader gets its SIGKILL when its rank is gone
+    while [pid for pid in ranks if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if alive(pid)], "a process of the job outlived its launcher"
     assert committed_steps(str(tmp_path), store)  # what committed before the interrupt restores

@@ -49,7 +49,8 @@ def test_s3_errors_name_the_endpoint_without_its_password(moto, s3_bucket, endpo
     try:
         with pytest.raises(StorageError) as raised:
             storage.put("k", b"v")
-        assert SECRET not in str(raised.value) and "cannot write" in str(raised.value)
+        # botocore names the endpoint URL, user info and all, in a dropped connection's error
+        assert SECRET not in str(raised.value) and "http://***@127.0.0.1" in str(raised.value)
     finally:
         storage.close()
         proxy.close()

@@ -90,6 +90,12 @@ def _stat(pid: int) -> Optional[List[str]]:
         return None
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its parent does not)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
