@@ -95,11 +95,11 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     """The job is killed and a chunk of its newest checkpoint damaged, at world size 1: the
     restart falls back to the chain before it, trains every sample once and ends equal to the
     uninterrupted run."""
-    result = chaos.run(["--events", "1", "--kinds", "corrupt_chunk", "--steps", "160", "--interval", "10",
-                        "--delay-s", "0.8,1.2", "--nproc", "1", "--seed", "4", "--workdir", str(tmp_path)])
+    result = chaos.run(["--events", "1", "--kinds", "corrupt_chunk", "--steps", "80", "--interval", "10",
+                        "--delay-s", "0.3,0.5", "--nproc", "1", "--seed", "4", "--workdir", str(tmp_path)])
     assert result["events_by_kind"] == {"corrupt_chunk": 1}, result["events"]
     assert "damaged" in result["events"][0], result["events"]
     assert result["restores"] == 1 and result["fallbacks"] == 1, result["attempts"]
     assert result["lost_commits"] == 0, result["lost_commit_details"]
     assert result["samples_duplicated"] == 0 and result["samples_skipped"] == 0
-    assert result["trace_equals_reference"] and result["final_state_equal"] and result["final_steps"] == 160
+    assert result["trace_equals_reference"] and result["final_state_equal"] and result["final_steps"] == 80

@@ -12,8 +12,9 @@ once anything committed), until it reaches its last step:
   dropped connection); ``s3_outage``: every connection dropped for a few seconds, as a
   restarting server looks to its clients (moto keeps its objects only in memory, so the server
   itself is not restarted);
-- ``corrupt_chunk`` / ``corrupt_manifest``: the job is killed, then a byte of a chunk object /
-  a bit of the manifest of the newest committed checkpoint is flipped before the restart;
+- ``corrupt_chunk`` / ``corrupt_manifest``: once an older intact chain exists to fall back to,
+  the job is killed, then a byte of a chunk object / a bit of the manifest of the newest
+  committed checkpoint is flipped before the restart;
 - ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused.
 
 The same job uninterrupted, on a fresh bucket through the same proxy without faults, is the
@@ -84,7 +85,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     except ValueError:
         args.delay_s = ()
     if len(args.delay_s) != 2 or not 0 < args.delay_s[0] <= args.delay_s[1]:
-        p.error(f"--delay-s is not allowed as given; give LO,HI seconds with 0 < LO <= HI")
+        p.error("--delay-s is not allowed as given; give LO,HI seconds with 0 < LO <= HI")
     if not 0.0 <= args.fault_rate < 1.0:
         p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
     return args
@@ -228,13 +229,26 @@ class Chaos:
             time.sleep(0.1)
         return job.running()
 
+    def _fallback_exists(self, infos: List[Any]) -> bool:
+        """Whether damaging the newest intact chain of ``infos`` would leave an intact one."""
+        target = self.watch.newest_intact(infos, self.damaged)
+        return target is not None and self.watch.newest_intact(infos, self.damaged | {target.id}) is not None
+
+    def _await_fallback(self, job: Job, timeout: float = 120.0) -> None:
+        """Let ``job`` train until an older intact chain exists to fall back to (a slow machine
+        may not have committed two checkpoints after the drawn delay), or it ends, or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while job.running() and time.monotonic() < deadline and not self._fallback_exists(self.watch.scan()):
+            time.sleep(0.2)
+
     def _stop_and_corrupt(self, job: Job, kind: str) -> Dict[str, Any]:
+        self._await_fallback(job)
         job.kill()
         job.proc.wait()
         infos = self.watch.scan()
-        target = self.watch.newest_intact(infos, self.damaged)
-        if target is None or self.watch.newest_intact(infos, self.damaged | {target.id}) is None:
+        if not self._fallback_exists(infos):
             return {"skipped": "no older intact chain would be left to fall back to"}
+        target = self.watch.newest_intact(infos, self.damaged)
         if kind == "corrupt_chunk":
             key = chaos_job.corrupt_chunk(self.storage, target.id, self.rng)
         else:
