@@ -8,12 +8,36 @@ The public API (see README "Use cnr from your own training loop")::
     cnr.Subscriber(publish_uri, plain_model).poll()
 """
 
-from cnr.api import Checkpointer, PendingCheckpoint
-from cnr.errors import CheckpointError
-from cnr.load import load_state_dict
-from cnr.options import CheckpointOptions, PublishOptions
-from cnr.subscribe import Subscriber
-from cnr.types import CheckpointInfo, CheckpointKind
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Checkpointer", "CheckpointOptions", "CheckpointInfo", "CheckpointKind", "CheckpointError",
-           "PendingCheckpoint", "PublishOptions", "Subscriber", "load_state_dict"]
+# Public name -> the module defining it. Imported on first use (PEP 562), so that importing a
+# submodule (a background writer process loads cnr.upload) does not load torchrec with cnr.api.
+_EXPORTS = {
+    "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
+    "load_state_dict": "cnr.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
+    "Subscriber": "cnr.subscribe", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
+    from cnr.errors import CheckpointError  # noqa: F401
+    from cnr.load import load_state_dict  # noqa: F401
+    from cnr.options import CheckpointOptions, PublishOptions  # noqa: F401
+    from cnr.subscribe import Subscriber  # noqa: F401
+    from cnr.types import CheckpointInfo, CheckpointKind  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cnr' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

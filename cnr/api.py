@@ -36,12 +36,13 @@ from cnr.fallback import Skipped, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
 from cnr.manifest import Manifest
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.publish import VIEW as PUBLISH_VIEW, Publisher, check_publish_storage, default_publish_uri
+from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
+from cnr.publish_location import check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
 from cnr.upload import Writer
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ EXPORT_FORMATS = ("dcp",)  # cnr/export.py
 def _train(args: argparse.Namespace) -> int:
     from cnr.config import load_config
     from cnr.launch import launch
-    from cnr.train import prepare_job, run_rank
+    from cnr.job import prepare_job, run_job_rank
 
     config = load_config(args.config, args.set)
     job = prepare_job(config, args.storage, args.resume, args.nproc)
-    summary = launch(run_rank, args.nproc, job)
+    summary = launch(run_job_rank, args.nproc, job)
     if summary is not None:  # under torchrun only rank 0 has the summary
         print(json.dumps(summary, sort_keys=True), flush=True)
     return 0

@@ -18,7 +18,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr.config import Config
-from cnr.errors import ConfigError
+from cnr.job import check_device_support
 from cnr.models.dlrm import build_dlrm
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,6 @@ DENSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
 }
-# fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
-CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
-
 
 class ConfiguredSharder(EmbeddingBagCollectionSharder):
     """torchrec's EBC sharder, offering row-wise and table-row-wise on CPU too.
@@ -61,15 +58,6 @@ class ShardedModel:
     model: DistributedModelParallel
     dense_optimizer: torch.optim.Optimizer
     plan_text: str
-
-
-def check_device_support(config: Config, device: torch.device) -> None:
-    """Reject combinations fbgemm cannot run on ``device``, before any work starts."""
-    if device.type == "cpu" and config.train.sparse_optimizer not in CPU_SPARSE_OPTIMIZERS:
-        raise ConfigError(
-            f"train.sparse_optimizer = {config.train.sparse_optimizer!r} is not supported by fbgemm's fused "
-            f"kernels on CPU; allowed on CPU: {', '.join(CPU_SPARSE_OPTIMIZERS)} (adam needs CUDA)"
-        )
 
 
 def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:

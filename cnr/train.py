@@ -1,17 +1,16 @@
 """The main job: config -> sharded DLRM -> reader -> training loop -> checkpoints -> summary.
 
-``prepare_job`` runs in the launching process and rejects bad input before anything is written;
-``run_rank`` is the per-rank body; rank 0 returns the JSON summary the CLI prints last.
+``run_rank`` is the per-rank body (its job checked beforehand by cnr.job.prepare_job); rank 0
+returns the JSON summary the CLI prints last.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,100 +20,22 @@ from cnr.app_state import collect_state
 from cnr.checkpoint import SaveStats
 from cnr.config import Config
 from cnr.data import BatchSource, open_source, to_device
-from cnr.errors import CheckpointError, ConfigError, redact_logging
+from cnr.errors import CheckpointError, redact_logging
 from cnr.evaluate import evaluate
 from cnr.faults import maybe_crash
 from cnr.launch import rank_device
 from cnr.manifest import Manifest, newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.parallel import ShardedModel, build_sharded_model, check_device_support, train_step
-from cnr.policy import failure_rate
-from cnr.publish import Publisher, check_publish_storage, make_publisher, publish_uri
+from cnr.job import TrainJob
+from cnr.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.publish import Publisher, make_publisher
+from cnr.publish_location import publish_uri
 from cnr.state import global_names, state_digest
 from cnr.storage import open_storage
 from cnr.trace import SampleTrace, reset_trace
 from cnr.upload import Writer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainJob:
-    """Everything a rank needs; plain values so it pickles into spawned processes."""
-
-    config: Config
-    storage_uri: str
-    resume: bool
-
-
-def _saved_config(manifest: Manifest) -> Dict[str, Any]:
-    """The train config a checkpoint of cnr train recorded (its metadata; version 1 too)."""
-    saved = manifest.metadata.get("config")
-    if not isinstance(saved, dict):
-        raise ConfigError(f"--resume: checkpoint {manifest.id} was not written by cnr train (its metadata holds no "
-                          "config); restore it with cnr.Checkpointer from your own loop")
-    return saved
-
-
-def check_compatible(manifest: Manifest, config: Config) -> None:
-    """Raise ConfigError naming every difference between the checkpoint's job and ``config``."""
-    old = _saved_config(manifest)
-    problems: List[str] = []
-    old_model = old.get("model", {})
-    dim = old_model.get("embedding_dim")
-    have = {t["name"]: t for t in old_model.get("tables", []) if isinstance(t, dict)}
-    want = {t.name: t for t in config.model.tables}
-    for name in sorted(set(have) | set(want)):
-        h, w = have.get(name), want.get(name)
-        if h is None or w is None:
-            problems.append(f"table {name!r} is {'missing from the checkpoint' if h is None else 'not in the config'}")
-        elif (h.get("rows"), dim) != (w.rows, config.model.embedding_dim):
-            problems.append(f"table {name!r} is {h.get('rows')}x{dim} in the checkpoint but "
-                            f"{w.rows}x{config.model.embedding_dim} in the config")
-    # The reader cursor counts global batches of train.batch_size samples from one stream:
-    # any change here would make "the remaining batches" a different set of samples.
-    for section, key in (("model", "arch"), ("train", "sparse_optimizer"), ("train", "dense_optimizer"),
-                         ("train", "batch_size"), ("train", "seed"), ("data", "source"), ("data", "tsv_paths"),
-                         ("data", "ids_per_feature"), ("data", "power_law_exponent")):
-        before = old.get(section, {}).get(key)
-        now = getattr(getattr(config, section), key)
-        if before is not None and before != now:
-            why = "" if section == "model" or key.endswith("optimizer") else " (the reader cursor would point at different samples)"
-            problems.append(f"{section}.{key} is {before!r} in the checkpoint but {now!r} in the config{why}")
-    if problems:
-        raise ConfigError(f"--resume: checkpoint {manifest.id} does not match the model: " + "; ".join(problems))
-
-
-def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> TrainJob:
-    """Validate everything that can be checked before spawning ranks; writes nothing on error."""
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} is not allowed; it must be >= 1")
-    check_device_support(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    for path in list(config.data.tsv_paths) + list(config.data.eval_tsv_paths):
-        if not os.path.isfile(path):
-            raise ConfigError(f"data file {path!r} does not exist or is not a file")
-    if config.publish.enabled:
-        check_publish_storage(publish_uri(storage_uri, config), storage_uri if config.checkpoint.enabled else None,
-                              "publish.storage")
-    needs_storage = resume or config.checkpoint.enabled
-    if needs_storage:
-        storage = open_storage(storage_uri)
-        newest = newest_committed(storage)
-        if resume and newest is None:
-            raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
-        if resume and newest is not None:
-            check_compatible(newest, config)
-        if not resume and newest is not None and config.checkpoint.enabled:
-            raise ConfigError(
-                f"{storage.uri} already holds committed checkpoints (newest {newest.id}, step {newest.step}); "
-                "pass --resume to continue from it, or give --storage an empty location"
-            )
-        if config.checkpoint.enabled:
-            storage.check_writable()
-        storage.close()
-    if config.checkpoint.bit_policy == "failures":
-        failure_rate(config.checkpoint)  # reads the failure log now: a bad one is an error before any work
-    return TrainJob(config, storage_uri, resume)
 
 
 def _setup_logging(rank: int) -> None:

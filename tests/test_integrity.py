@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from cli_helpers import TINY, run_cnr, train
+from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
 from cnr.manifest import (
     list_checkpoints, manifest_key, parse_manifest, parse_rank_index, rank_index_key, read_manifest,

@@ -6,7 +6,6 @@ damaged middle link: its summary names the fallback, and it trains every sample 
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from cli_helpers import TINY
 from cnr.config import load_config
 from cnr.data import make_reader
-from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.parallel import build_sharded_model
 from cnr.app_state import collect_state
