@@ -35,6 +35,7 @@ DENSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
 }
 
+
 class ConfiguredSharder(EmbeddingBagCollectionSharder):
     """torchrec's EBC sharder, offering row-wise and table-row-wise on CPU too.
 

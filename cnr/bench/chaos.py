@@ -229,16 +229,18 @@ class Chaos:
             time.sleep(0.1)
         return job.running()
 
-    def _fallback_exists(self, infos: List[Any]) -> bool:
-        """Whether damaging the newest intact chain of ``infos`` would leave an intact one."""
+    def _damage_target(self, infos: List[Any]) -> Optional[Any]:
+        """The newest intact checkpoint of ``infos``, when damaging it leaves an intact chain."""
         target = self.watch.newest_intact(infos, self.damaged)
-        return target is not None and self.watch.newest_intact(infos, self.damaged | {target.id}) is not None
+        if target is None or self.watch.newest_intact(infos, self.damaged | {target.id}) is None:
+            return None
+        return target
 
     def _await_fallback(self, job: Job, timeout: float = 120.0) -> None:
         """Let ``job`` train until an older intact chain exists to fall back to (a slow machine
         may not have committed two checkpoints after the drawn delay), or it ends, or ``timeout``."""
         deadline = time.monotonic() + timeout
-        while job.running() and time.monotonic() < deadline and not self._fallback_exists(self.watch.scan()):
+        while job.running() and time.monotonic() < deadline and self._damage_target(self.watch.scan()) is None:
             time.sleep(0.2)
 
     def _stop_and_corrupt(self, job: Job, kind: str) -> Dict[str, Any]:
@@ -246,9 +248,9 @@ class Chaos:
         job.kill()
         job.proc.wait()
         infos = self.watch.scan()
-        if not self._fallback_exists(infos):
+        target = self._damage_target(infos)
+        if target is None:
             return {"skipped": "no older intact chain would be left to fall back to"}
-        target = self.watch.newest_intact(infos, self.damaged)
         if kind == "corrupt_chunk":
             key = chaos_job.corrupt_chunk(self.storage, target.id, self.rng)
         else:
