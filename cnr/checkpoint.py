@@ -95,7 +95,8 @@ class CheckpointEngine:
         self.stats = SaveStats()
         c = options
         # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.merge)
-        self.merger = Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last) if c.merge_every and rank == 0 else None
+        self.merger = (Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last, c.compression_chain())
+                       if c.merge_every and rank == 0 else None)
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
         self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
@@ -137,7 +138,7 @@ class CheckpointEngine:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
                             method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}),
-                            lease=self.lease)
+                            lease=self.lease, compression=c.compression_chain())
 
         snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))

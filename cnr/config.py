@@ -27,6 +27,7 @@ MALFORMED_POLICIES = ("reject", "skip")
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
 ON_DAMAGE = ("fallback", "fail")  # cnr.fallback
+COMPRESSIONS = ("zstd", "none")  # bytes->bytes stage over chunk payloads (cnr.codec.zstd)
 MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
 MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
 PUBLISH_BITS = (4, 8, 32)
@@ -138,8 +139,10 @@ class CheckpointConfig:
     ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
-    ``optimizer_bits``: 32, or 8 to quantize 2-D sparse optimizer state too (row-wise momentum
-    is one value per row and stays fp32). ``bit_policy``: "fixed" (``bits``) or "failures"
+    ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too: 2-D state row-wise
+    quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8).
+    ``compression``: "zstd" (lossless, over every chunk's payload, at ``compression_level``
+    1..19) or "none". ``bit_policy``: "fixed" (``bits``) or "failures"
     (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
@@ -163,6 +166,8 @@ class CheckpointConfig:
     bits: int = 32
     quant_method: str = ""
     optimizer_bits: int = 32
+    compression: str = "zstd"
+    compression_level: int = 3
     bit_policy: str = "fixed"
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
@@ -434,6 +439,9 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     _one_of("checkpoint.quant_method", c.quant_method, ("",) + STORED_QUANT_METHODS)
     _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
+    _one_of("checkpoint.compression", c.compression, COMPRESSIONS)
+    _require(c.compression_level in range(1, 20), f"config key 'checkpoint.compression_level' = "
+             f"{c.compression_level} is not allowed; allowed: 1..19")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
     _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")

@@ -22,12 +22,14 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.codec import array_encoding, check_chain_names
+from cnr.codec.spec import spec_from_json, spec_to_json
+from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.integrity import check_manifest_fields, check_sealed, seal, unseal
 from cnr.manifest_v1 import v1_app, v1_role, v1_upgrade
 from cnr.storage.base import Storage, validate_key
 from cnr.types import (
-    RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, Encoding, Role, TableSpec,
+    RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, CodecSpec, Encoding, Role, TableSpec,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,11 +37,11 @@ logger = logging.getLogger(__name__)
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 3
-"""Version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.integrity);
+VERSION = 4
+"""Version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.integrity);
 version 2 (the library API) records each tensor's role and table, the application's state per
 rank (``app``) and opaque application metadata; versions 1 (cnr train only) and 2 still read."""
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def checkpoint_prefix(ckpt_id: str) -> str:
@@ -185,6 +187,7 @@ def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
     d = asdict(c)
     d["tensor"] = d.pop("tensor_name")  # the format's name for it
     d["encoding"] = c.encoding.value
+    d["codecs"] = [spec_to_json(spec) for spec in c.codecs]
     if not c.offset:
         del d["offset"]  # a chunk alone in its object reads exactly as before packing existed
     return d
@@ -252,8 +255,22 @@ _CHUNK_FIELDS = {"key": str, "tensor": str, "rows": int, "row_start": int, "row_
                  "cols": int, "nbytes": int, "crc32": int, "encoding": str, "bits": int, "method": str}
 
 
-def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
-    r = _Reader(obj, where, _CHUNK_FIELDS, optional={"offset": int})
+def _parse_codecs(raw: List[Any], where: str) -> Tuple[CodecSpec, ...]:
+    """A chunk's codec chain: one registered array codec, then at most one bytes codec; their
+    parameters are checked against the chunk header when the chunk is read. Empty for a chunk
+    written before the codec seam (a manifest re-written since lists it so)."""
+    try:
+        chain = tuple(spec_from_json(obj, f"{where}.codecs") for obj in raw)
+        if chain:
+            check_chain_names([spec.name for spec in chain], where)
+    except CorruptChunkError as e:
+        raise CheckpointError(str(e)) from None
+    return chain
+
+
+def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str, version: int) -> ChunkRef:
+    fields = {**_CHUNK_FIELDS, "codecs": list} if version >= 4 else _CHUNK_FIELDS
+    r = _Reader(obj, where, fields, optional={"offset": int})
     key = r["key"]
     try:
         validate_key(key)
@@ -269,9 +286,12 @@ def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str) -> ChunkRef:
         raise CheckpointError(f"{where} encoding {r['encoding']!r} is not one of {[e.value for e in Encoding]}") from e
     if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"], r.get("offset", 0)) < 0:
         raise CheckpointError(f"{where} has a negative size or offset")
+    codecs = _parse_codecs(r["codecs"], where) if version >= 4 else ()
+    if codecs and array_encoding(codecs[0].name) != encoding:
+        raise CheckpointError(f"{where} encoding {encoding.value!r} does not match its codec {codecs[0].name!r}")
     return ChunkRef(key=key, tensor_name=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
                     col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
-                    encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0))
+                    encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0), codecs=codecs)
 
 
 def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str, TensorEntry]:
@@ -285,7 +305,8 @@ def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str
         r = _Reader(raw, f"{where}[{name!r}]", fields)
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in r["shape"]):
             raise CheckpointError(f"{where}[{name!r}] shape {r['shape']!r} must list non-negative integers")
-        chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name) for i, c in enumerate(r["chunks"]))
+        chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name, version)
+                       for i, c in enumerate(r["chunks"]))
         role, table = v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
         if (role in TABLE_ROLES) != (table is not None):
             raise CheckpointError(f"{where}[{name!r}] has role {role.value!r} but table {table!r}")
@@ -342,7 +363,7 @@ def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, 
 
 
 def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
-    """Parse and validate a manifest (versions 1 to 3); raise CheckpointError naming the first problem."""
+    """Parse and validate a manifest (versions 1 to 4); raise CheckpointError naming the first problem."""
     return _untrusted(_parse_manifest, blob, where)
 
 

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cnr.commit import check_coverage
-from cnr.encode import DTYPES, DecodedChunk, encode_quantized_chunk, encode_raw_chunk
+from cnr.encode import DTYPES, Compression, DecodedChunk, decode_chunk, encode_log8_chunk, encode_quantized_chunk, \
+    encode_raw_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id, read_manifest, resolve_chain
 from cnr.quantize import QuantizedRows
@@ -62,10 +63,14 @@ class _Rows:
     bits: int = 32
     method: str = ""
     half: Tuple[bool, bool] = (True, True)
+    encoding: Encoding = Encoding.RAW
 
 
 def _encoding_of(refs: List[ChunkRef], name: str) -> Tuple[Encoding, int, str]:
     kinds = sorted({(r.encoding.value, r.bits, r.method) for r in refs})
+    values = {(Encoding.LOG8.value, 8, "log8"), (Encoding.RAW.value, 32, "")}
+    if len(kinds) == 2 and set(kinds) == values:  # log8 rows a merge stored raw: both decode to exact values
+        return Encoding.LOG8, 8, "log8"
     if len(kinds) != 1:
         raise CheckpointError(f"tensor {name!r} is stored as {kinds} along the chain; merging it would mean "
                               "re-quantizing, so the chain is left as it is")
@@ -73,10 +78,12 @@ def _encoding_of(refs: List[ChunkRef], name: str) -> Tuple[Encoding, int, str]:
     return Encoding(encoding), bits, method
 
 
-def _new_rows(chunk: DecodedChunk, n: int, dtype: str, bits: int, method: str) -> _Rows:
+def _new_rows(chunk: DecodedChunk, n: int, dtype: str, kind: Tuple[Encoding, int, str]) -> _Rows:
     """Room for ``n`` rows shaped like the (first baseline) ``chunk``'s."""
+    encoding, bits, method = kind
     if chunk.quantized is None:
-        return _Rows(data=torch.empty((n,) + tuple(chunk.data.shape[1:]), dtype=DTYPES[dtype]), bits=bits)
+        return _Rows(data=torch.empty((n,) + tuple(chunk.data.shape[1:]), dtype=DTYPES[dtype]), bits=bits,
+                     encoding=encoding)
     width = chunk.quantized.codes.shape[1]
     return _Rows(codes=torch.empty((n, width), dtype=torch.uint8), scale=torch.empty(n), bias=torch.empty(n),
                  bits=bits, method=method)
@@ -97,13 +104,13 @@ def _place(rows: _Rows, chunk: DecodedChunk, at) -> None:
 def _merged_rows(storage: Storage, name: str, entry: TensorEntry, links: List[List[ChunkRef]]) -> _Rows:
     """Every row of one column slice: the baseline's, overwritten by each increment in order.
     Chunks are fetched and placed one at a time, so only the merged rows stay in memory."""
-    encoding, bits, method = _encoding_of([r for chunks in links for r in chunks], name)
+    kind = _encoding_of([r for chunks in links for r in chunks], name)
     n = entry.shape[0]
     rows: Optional[_Rows] = None
     covered = torch.zeros(n, dtype=torch.bool)
     for ref in links[0]:
         chunk = fetch_chunk(storage, ref, dequantize=False)
-        rows = rows or _new_rows(chunk, n, entry.dtype, bits, method)
+        rows = rows or _new_rows(chunk, n, entry.dtype, kind)
         at = slice(ref.row_start, ref.row_start + ref.rows)
         _place(rows, chunk, at)
         covered[at] = True
@@ -116,7 +123,17 @@ def _merged_rows(storage: Storage, name: str, entry: TensorEntry, links: List[Li
     return rows
 
 
-def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk_bytes: int) -> List[ChunkRef]:
+def _log8_or_raw(name: str, values: torch.Tensor, row_start: int, compression: Compression) -> Tuple[bytes, ChunkRef]:
+    """``values`` (decoded from log8 chunks) log8-coded again when that reproduces them bit for
+    bit (the grid depends on each chunk's range, so it may not), else stored raw: exact either way."""
+    blob, ref = encode_log8_chunk("", name, values, row_start, 0, compression=compression)
+    if torch.equal(decode_chunk(blob, ref).data, values):
+        return blob, ref
+    return encode_raw_chunk("", name, values, row_start, 0, compression=compression)
+
+
+def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk_bytes: int,
+                compression: Compression) -> List[ChunkRef]:
     """Encode ``rows`` as contiguous chunks of at most about ``chunk_bytes`` and store them."""
     col0, cols = columns
     if rows.data is not None:
@@ -128,12 +145,14 @@ def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk
     refs = []
     for lo, hi in row_blocks(n, row_bytes, chunk_bytes):
         start = time.time()
-        if rows.data is not None:
-            blob, ref = encode_raw_chunk("", name, rows.data[lo:hi], lo, col0)
+        if rows.encoding == Encoding.LOG8:
+            blob, ref = _log8_or_raw(name, rows.data[lo:hi], lo, compression)
+        elif rows.data is not None:
+            blob, ref = encode_raw_chunk("", name, rows.data[lo:hi], lo, col0, compression=compression)
         else:
             q = QuantizedRows(bits=rows.bits, method=rows.method, rows=hi - lo, dim=cols,
                               codes=rows.codes[lo:hi], scale=scale[lo:hi], bias=bias[lo:hi])
-            blob, ref = encode_quantized_chunk("", name, q, lo, col0)
+            blob, ref = encode_quantized_chunk("", name, q, lo, col0, compression=compression)
         refs.append(packer.add(blob, ref, start, time.time()))  # the packer names its object
     return refs
 
@@ -156,7 +175,8 @@ def _by_columns(chunks: Tuple[ChunkRef, ...]) -> Dict[_Columns, List[ChunkRef]]:
     return out
 
 
-def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manifest], chunk_bytes: int) -> TensorEntry:
+def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manifest], chunk_bytes: int,
+                 compression: Compression) -> TensorEntry:
     entries = [m.tensors.get(name) for m in chain]
     if any(e is None for e in entries):
         raise CheckpointError(f"tensor {name!r} is missing from a link of the chain")
@@ -169,15 +189,16 @@ def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manife
     for columns, base_chunks in sorted(per_link[0].items()):
         links = [base_chunks] + [link.get(columns, []) for link in per_link[1:]]
         rows = _merged_rows(storage, name, entries[0], links)
-        refs += _write_rows(packer, name, rows, columns, chunk_bytes)
+        refs += _write_rows(packer, name, rows, columns, chunk_bytes, compression)
     return dataclasses.replace(entries[-1], chunks=tuple(refs))
 
 
-def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int = 2) -> Manifest:
+def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int = 2,
+                compression: Compression = ()) -> Manifest:
     """Write and commit the merged full checkpoint standing for committed increment ``ckpt_id``.
 
     Chunks are stored as the writer stores them (cnr.upload: small ones packed, ``threads``
-    concurrent puts). Returns its manifest. Raises CheckpointError when ``ckpt_id`` has no chain
+    concurrent puts, re-encoded ones through ``compression``). Returns its manifest. Raises CheckpointError when ``ckpt_id`` has no chain
     to merge or its chain cannot be merged without re-quantizing; nothing is committed then.
     """
     target = read_manifest(storage, ckpt_id)
@@ -192,7 +213,7 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
             if entry.role not in TABLE_ROLES:
                 tensors[name] = dataclasses.replace(entry, chunks=tuple(_copy_whole(storage, packer, entry)))
             else:
-                tensors[name] = _merge_table(storage, packer, name, chain, chunk_bytes)
+                tensors[name] = _merge_table(storage, packer, name, chain, chunk_bytes, compression)
         packer.flush()
         uploader.wait()
     finally:
@@ -205,7 +226,8 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     return merged
 
 
-def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, keep_last: int) -> None:
+def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, keep_last: int,
+               compression: Compression = ()) -> None:
     """The merge process: merge, commit, run retention; exit 1 with the error logged on failure."""
     die_with_parent()
     name_this_process(MERGER)
@@ -213,7 +235,7 @@ def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, k
     storage = open_storage(storage_uri)
     try:
         start = time.perf_counter()
-        merged = merge_chain(storage, ckpt_id, chunk_bytes, threads)
+        merged = merge_chain(storage, ckpt_id, chunk_bytes, threads, compression)
         logger.info("merged the chain of %s into full checkpoint %s (%d bytes) in %.1f s",
                     ckpt_id, merged.id, merged.bytes, time.perf_counter() - start)
         retain_checkpoints(storage, keep_last)
@@ -228,8 +250,9 @@ class Merger:
     """Rank 0's background merges: at most one process at a time. A failed merge is logged (the
     merge process names its error, this its exit code); its chain stays valid."""
 
-    def __init__(self, storage_uri: str, chunk_bytes: int, threads: int, keep_last: int) -> None:
-        self._args = (storage_uri, chunk_bytes, threads, keep_last)
+    def __init__(self, storage_uri: str, chunk_bytes: int, threads: int, keep_last: int,
+                 compression: Compression = ()) -> None:
+        self._args = (storage_uri, chunk_bytes, threads, keep_last, tuple(compression))
         self._process: Optional[mp.process.BaseProcess] = None
         self._ckpt_id = ""
 
@@ -248,9 +271,10 @@ class Merger:
         self._reap()
         if self._process is not None:
             return False
-        uri, chunk_bytes, threads, keep_last = self._args
-        self._process = mp.get_context("spawn").Process(target=merge_main, name="cnr-merge", daemon=True,
-                                                         args=(uri, ckpt_id, chunk_bytes, threads, keep_last))
+        uri, chunk_bytes, threads, keep_last, compression = self._args
+        self._process = mp.get_context("spawn").Process(
+            target=merge_main, name="cnr-merge", daemon=True,
+            args=(uri, ckpt_id, chunk_bytes, threads, keep_last, compression))
         self._process.start()
         self._ckpt_id = ckpt_id
         logger.info("merging the chain of %s into a new baseline in the background", ckpt_id)

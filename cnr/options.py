@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Union
+from typing import Any, Dict, Mapping, Tuple, Union
 
 from cnr.errors import ConfigError
+from cnr.types import CodecSpec
 
 
 class OptionsError(ConfigError, ValueError):
@@ -32,7 +33,10 @@ class CheckpointOptions:
       history predictor expects it to pay off; cnr.policy).
     - ``bits``: embedding rows stored at 2, 3, 4, 8 bits (row-wise quantized) or 32 (exact);
       ``quant_method``: "adaptive", "naive", "symmetric" or "" (the width's default);
-      ``optimizer_bits``: 32, or 8 to quantize 2-D fused optimizer state too.
+      ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too (2-D state
+      row-wise, the 1-D row-wise Adagrad sum on a log grid, cnr.codec.log8).
+    - ``compression``: "zstd" (lossless, every chunk's payload, at ``compression_level`` 1..19)
+      or "none".
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
     - ``keep_last``: committed checkpoints kept after each commit with what their chains need
@@ -51,6 +55,8 @@ class CheckpointOptions:
     bits: int = 32
     quant_method: str = ""
     optimizer_bits: int = 32
+    compression: str = "zstd"
+    compression_level: int = 3
     bit_policy: str = "fixed"
     failures: Any = field(default_factory=_default_failures)
     expected_steps: int = 0
@@ -96,6 +102,12 @@ class CheckpointOptions:
         values: Dict[str, Any] = {k: v for k, v in dataclasses.asdict(section).items() if k in names}
         values["failures"] = section.failures
         return cls(**values, expected_steps=expected_steps)
+
+    def compression_chain(self) -> Tuple[CodecSpec, ...]:
+        """The bytes->bytes stages every chunk's payload goes through (cnr.codec)."""
+        from cnr.codec.zstd import zstd_spec  # zstandard loads only in processes that encode
+
+        return (zstd_spec(self.compression_level),) if self.compression == "zstd" else ()
 
     def to_dict(self) -> Dict[str, Union[str, int, float, Dict]]:
         return dataclasses.asdict(self)

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from cnr.codec.zstd import zstd_spec
 from cnr.checkpoint import pieces_to_write
 from cnr.handoff import RUNNING, HandOff, SettleMode, Settled, rank0_decides
 from cnr.app_state import AppState, whole_tables
@@ -253,7 +254,7 @@ class Publisher:
 
         def make_job(host) -> WriteJob:
             return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
-                            bits=p.bits, method=p.quant_method)
+                            bits=p.bits, method=p.quant_method, compression=(zstd_spec(),))
 
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
         seconds = self.handoff.submit(chosen, row_ids, [captured], make_job, plan)

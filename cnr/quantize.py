@@ -54,8 +54,10 @@ DEFAULT_NUM_BINS: Dict[int, int] = {2: 25, 3: 25, 4: 45, 8: 200}
 DEFAULT_RATIO: Dict[int, float] = {2: 0.5, 3: 0.2, 4: 0.2, 8: 0.16}
 MAX_NUM_BINS = 4096  # the search runs ~num_bins * ratio steps; more bins buy nothing measurable
 
-# Per-row parameter precision. Bias is always float32: a float16 bias cannot round-trip constant
-# rows exactly and loses precision on rows far from zero. Scale is float16 at 2/3/4 bits and
+# Per-row parameter precision. Bias is float16 at 2/3/4 bits when that is harmless for every row
+# of the call (_bias_dtype: constant rows stay exact, and rounding moves no row's grid by more
+# than 1/128 of its step), float32 otherwise: rows far from zero relative to their spread, and
+# every 8-bit call. Scale is float16 at 2/3/4 bits and
 # float32 at 8 bits (and at any width when some row's scale is not a normal float16 number, see
 # _scale_dtype). Measured with cnr.bench.quantize --param-study (20k rows x 64; mean l2 per row
 # relative to float32 scale + float32 bias; "s16b32" = float16 scale + float32 bias; bytes per
@@ -73,7 +75,10 @@ MAX_NUM_BINS = 4096  # the search runs ~num_bins * ratio steps; more bins buy no
 # So float16 scales cost nothing measurable below 8 bits and save 2 bytes per row (8% of a
 # 64-dim 2-bit row); at 8 bits they hurt small-valued rows (torchrec initialises huge tables
 # with values ~1e-4), and 2 bytes are only 3% of the row.
-BIAS_DTYPE: torch.dtype = torch.float32
+BIAS_DTYPE: torch.dtype = torch.float32  # the bias precision whenever _bias_dtype's test fails
+_FP16_HALF_ULP = 2.0 ** -11  # relative rounding error of a normal float16
+_FP16_HALF_SUBNORMAL = 2.0 ** -25  # absolute rounding error below float16's normal range
+_BIAS_SHIFT_OF_STEP = 1.0 / 128  # the grid shift a float16 bias may cause, as a fraction of the step
 _FP16_NORMAL = (torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max)
 
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
@@ -219,6 +224,24 @@ def _scale_dtype(bits: int, xmin: torch.Tensor, xmax: torch.Tensor) -> torch.dty
     logger.info("%d of %d rows have a scale outside float16's normal range; storing float32 scales",
                 int((~fits).sum()), fits.numel())
     return torch.float32
+
+
+def _bias_dtype(bits: int, xmin: torch.Tensor, xmax: torch.Tensor) -> torch.dtype:
+    """Bias precision for one call: float16 at <= 4 bits when every row either is constant with a
+    value float16 holds exactly, or has its values within float16's range and a step
+    ``(xmax - xmin) / qmax`` at least 128 times the float16 rounding error of a bias in its
+    range; float32 otherwise. An adaptive range is at most ``ratio`` narrower (<= 0.5), so the
+    grid shift stays below 1/64 of the stored step: far inside the step / 2 rounding error."""
+    if bits == 8 or xmin.numel() == 0:
+        return torch.float16 if bits != 8 and xmin.numel() == 0 else BIAS_DTYPE
+    magnitude = torch.maximum(xmin.abs(), xmax.abs())
+    if bool((magnitude > _FP16_NORMAL[1]).any()):
+        return BIAS_DTYPE
+    step = (xmax - xmin) / float((1 << bits) - 1)
+    rounding = magnitude * _FP16_HALF_ULP + _FP16_HALF_SUBNORMAL
+    constant = xmin == xmax
+    ok = torch.where(constant, xmin.half().float() == xmin, rounding <= step * _BIAS_SHIFT_OF_STEP)
+    return torch.float16 if bool(ok.all()) else BIAS_DTYPE
 
 
 def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -422,7 +445,7 @@ def quantize_rows_with_dtypes(
             raise ConfigError(f"{label}={dtype!r} is not allowed; allowed: torch.float16, torch.float32")
     x, xmin, xmax = _check_input(x, name)
     scale_dtype = scale_dtype or _scale_dtype(bits, xmin, xmax)
-    bias_dtype = bias_dtype or BIAS_DTYPE
+    bias_dtype = bias_dtype or _bias_dtype(bits, xmin, xmax)
     # torch's fp16 scoring only where its fp16 scale and bias are meaningful for every row.
     fp16_max = _FP16_NORMAL[1]
     torch_scoring = scale_dtype == torch.float16 and bool((xmin >= -fp16_max).all() & (xmax <= fp16_max).all())
@@ -464,8 +487,8 @@ def quantize_rows(
     ``method``: one of METHODS; ``bits``: one of BITS. ``num_bins``/``ratio`` tune the adaptive
     search only (None: DEFAULT_NUM_BINS / DEFAULT_RATIO for the bit-width). ``name`` prefixes
     error messages, e.g. "table t3 row 17 contains nan". Raises ConfigError for bad arguments
-    and for rows with nan/inf. Bias is stored as float32; scale as float16 at 2/3/4 bits unless
-    some row's scale is outside float16's normal range, float32 otherwise (see BIAS_DTYPE).
+    and for rows with nan/inf. Scale and bias are float16 at 2/3/4 bits unless some row needs
+    float32 (see _scale_dtype and _bias_dtype), float32 at 8 bits.
     """
     return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name)
 

@@ -85,6 +85,22 @@ class Encoding(str, enum.Enum):
     """Little-endian values of the declared dtype, unchanged."""
     QUANTIZED = "quantized"
     """Row-wise quantized codes, densely bit-packed, with per-row scale and bias."""
+    LOG8 = "log8"
+    """Non-negative values as 8-bit codes on a logarithmic grid (cnr.codec.log8): row-wise
+    optimizer accumulators such as the per-row Adagrad sum."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One stage of a chunk's codec chain, as recorded in the chunk header and the manifest.
+
+    ``name``: a registered codec (cnr.codec); ``params``: its parameters as sorted
+    ``(name, value)`` pairs of ints and strings, so that a spec is hashable and compares by value.
+    A chain is one array->bytes stage (raw, rowwise, log8) then any bytes->bytes stages (zstd).
+    """
+
+    name: str
+    params: Tuple[Tuple[str, object], ...] = ()
 
 
 class ShardingKind(str, enum.Enum):
@@ -133,6 +149,8 @@ class ChunkRef:
     ``offset``: where the chunk starts in the object ``key``; small chunks share one object
     (bytes ``[offset, offset + nbytes)`` of it), a large one is an object of its own (offset 0).
     ``tensor_name``: the stored tensor it is part of (``"tensor"`` in manifests and headers).
+    ``codecs``: the chunk's codec chain (empty for chunks written before the codec seam, whose
+    header alone describes them); ``encoding``/``bits``/``method`` summarise its first stage.
     """
 
     key: str
@@ -148,6 +166,7 @@ class ChunkRef:
     bits: int = 32
     method: str = ""
     offset: int = 0
+    codecs: Tuple[CodecSpec, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 from cnr.commit import commit_checkpoint
 from cnr.retention import retain_checkpoints
 from cnr.options import CheckpointOptions
-from cnr.encode import dtype_name, encode_quantized_chunk, encode_raw_chunk
+from cnr.codec.log8 import log8_applies
+from cnr.encode import dtype_name, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import NONFINITE, Cancelled, CnrError, NonFiniteStateError, redact, redact_logging
 from cnr import faults
 from cnr.faults import maybe_crash
@@ -41,7 +42,7 @@ from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, LeaseRef, Role, WriteStatus
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, CodecSpec, LeaseRef, Role, WriteStatus
 from cnr.proc import WRITER, name_this_process
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class WriteJob:
     """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
 
     ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
-    quantize 2-D sparse optimizer state as well. ``lease``: rank 0's lease on the storage
+    store fused optimizer state in 8 bits as well (see ``array_stage``); ``compression``: the
+    bytes->bytes stages of every chunk (cnr.codec.zstd). ``lease``: rank 0's lease on the storage
     (cnr.lease), checked right before the commit; None when the job holds none (benchmarks).
     """
 
@@ -71,6 +73,7 @@ class WriteJob:
     optimizer_bits: int = 32
     app: Dict[str, Any] = field(default_factory=dict)
     lease: Optional[LeaseRef] = None
+    compression: Tuple[CodecSpec, ...] = ()
 
 
 @dataclass
@@ -191,11 +194,14 @@ class Uploader:
 
 
 def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
-    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, 2-D sparse optimizer
-    state at ``job.optimizer_bits``, everything else (dense state, 1-D momentum) at 32."""
-    if piece.data.dim() != 2 or piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
+    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, fused optimizer state
+    (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at ``job.optimizer_bits``,
+    everything else (dense state) at 32."""
+    if piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
         return 32
-    return job.optimizer_bits if piece.role == Role.TABLE_STATE else job.bits
+    if piece.role == Role.TABLE_STATE and piece.data.dim() in (1, 2):
+        return job.optimizer_bits
+    return job.bits if piece.data.dim() == 2 else 32
 
 
 def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
@@ -209,15 +215,21 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
 
 
 def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
+    """One chunk of rows ``lo..hi-1`` of ``piece``: row-wise quantized, log8 or raw (see
+    quantized_bits), then through the job's compression."""
     ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
     start = row0 + lo if ids is None else 0
-    check_finite(piece, piece.data[lo:hi], start)
+    block = piece.data[lo:hi]
+    check_finite(piece, block, start)
     bits = quantized_bits(job, piece)
     if bits == 32:
-        return encode_raw_chunk(key, piece.name, piece.data[lo:hi], start, col0, row_ids=ids)
+        return encode_raw_chunk(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
+    if block.dim() == 1:  # a log8 candidate; a 1-D state with negative values stays exact
+        encode = encode_log8_chunk if log8_applies(block) else encode_raw_chunk
+        return encode(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
     method = job.method if bits == job.bits and job.method else None
-    q = quantize_rows(piece.data[lo:hi], bits, method=method or default_method(bits), name=piece.name)
-    return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids)
+    q = quantize_rows(block, bits, method=method or default_method(bits), name=piece.name)
+    return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids, compression=job.compression)
 
 
 class Packer:

@@ -59,17 +59,25 @@ def test_row_ids_are_stored_as_a_bitmap_when_ascending_and_smaller(ids, fmt, id_
     assert torch.equal(out.row_ids, row_ids) and torch.equal(out.data, data)
 
 
-def _rewrite(blob, ref, header, version=2):
+def _rewrite(blob, ref, header, version=3):
     new_header = json.dumps(header).encode()
     _, old_len = _header(blob)
     new_blob = blob[:4] + struct.pack("<HI", version, len(new_header)) + new_header + blob[10 + old_len:]
-    return new_blob, dataclasses.replace(ref, nbytes=len(new_blob))
+    codecs = ref.codecs if version >= 3 else ()  # manifests before the codec seam list none
+    return new_blob, dataclasses.replace(ref, nbytes=len(new_blob), codecs=codecs)
+
+
+def _as_legacy(header, encoding="raw", bits=32, quant=None):
+    """A format 3 header rewritten as format 2 wrote it."""
+    del header["codecs"]
+    return {**header, "encoding": encoding, "bits": bits, "quant": quant}
 
 
 def test_version_1_chunks_with_int64_ids_still_decode():
     ids = torch.tensor([3, 17, 18, 900], dtype=torch.int64)
     blob, ref = encode_raw_chunk("k", "model/t", torch.ones(4, 2), row_start=0, col_offset=0, row_ids=ids)
     header, _ = _header(blob)
+    header = _as_legacy(header)
     del header["ids"]
     out = decode_chunk(*_rewrite(blob, ref, header, version=1))
     assert torch.equal(out.row_ids, ids)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cli_helpers import MIXED_SHARDING, inspect, train
+from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, manifest_key, merged_id, newest_committed, read_manifest, resolve_chain
 from cnr.merge import _encoding_of, merge_chain
@@ -43,9 +44,11 @@ def _restored(storage: LocalStorage, chain: List[Manifest]) -> Dict[str, torch.T
 
 @pytest.fixture(scope="module")
 def quantized_chain(tmp_path_factory):
-    """A 4-bit consecutive chain at world size 2, one sharding type per table: full + 3 increments."""
+    """A 4-bit consecutive chain at world size 2, one sharding type per table: full + 3 increments,
+    the row-wise Adagrad sums log8-coded (optimizer_bits 8), every chunk zstd-compressed."""
     cwd = str(tmp_path_factory.mktemp("merge"))
-    train(cwd, "ck", *CONSECUTIVE, *MIXED_SHARDING, "--set", "checkpoint.bits=4", "--set", "train.steps=40", nproc=2)
+    train(cwd, "ck", *CONSECUTIVE, *MIXED_SHARDING, "--set", "checkpoint.bits=4", "--set", "checkpoint.optimizer_bits=8",
+          "--set", "train.steps=40", nproc=2)
     return cwd
 
 
@@ -74,7 +77,9 @@ def test_merged_baseline_restores_exactly_what_the_chain_restores(quantized_chai
     assert not storage.exists(manifest_key(merged_id(target.id)))
     assert [m.id for m in resolve_chain(storage, target)] == [m.id for m in chain]
 
-    merged = merge_chain(storage, target.id, chunk_bytes=4096)  # small chunks: many per tensor
+    assert {c.encoding for e in target.tensors.values() for c in e.chunks} >= {Encoding.LOG8, Encoding.QUANTIZED}
+    assert all(c.codecs[-1].name == "zstd" for e in target.tensors.values() for c in e.chunks)
+    merged = merge_chain(storage, target.id, chunk_bytes=4096, compression=(zstd_spec(),))  # many chunks per tensor
     assert merged.id == merged_id(target.id) and merged.kind.value == "full" and merged.base is None
     assert (merged.step, merged.app_ranks, merged.counters) == (target.step, target.app_ranks, target.counters)
     assert (merged.metadata, merged.tables) == (target.metadata, target.tables)
@@ -100,10 +105,12 @@ def _ref(bits: int, method: str = "adaptive", encoding: Encoding = Encoding.QUAN
     ([_ref(4), _ref(8, "naive")], False),  # the fallback to 8 bits mid-chain
     ([_ref(4), _ref(4, "naive")], False),
     ([_ref(32, "", Encoding.RAW), _ref(8, "naive")], False),
+    ([_ref(8, "log8", Encoding.LOG8), _ref(32, "", Encoding.RAW)], True),  # log8 rows a merge stored raw
 ])
 def test_a_chain_stored_two_ways_is_not_merged(refs, ok):
     if ok:
         assert _encoding_of(refs, "t")[1] == refs[0].bits
+        assert _encoding_of(refs, "t")[0] == refs[0].encoding
     else:
         with pytest.raises(CheckpointError, match="re-quantizing"):
             _encoding_of(refs, "t")

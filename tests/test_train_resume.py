@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -89,3 +90,21 @@ def test_a_chain_written_by_manifest_version_1_resumes_bit_exact(tmp_path):
                   "--set", "checkpoint.enabled=false")
     assert resumed["steps"] == 40 and resumed["restores"] == 1 and resumed["samples"] == 640
     assert resumed["state_sha256"] == fresh["state_sha256"]
+
+
+def test_a_quantized_chain_written_before_the_codec_seam_restores_as_it_did(tmp_path):
+    """tests/fixtures/v3_quantized: a 4-bit consecutive chain of manifest version 3 and chunk
+    format 2 (before codec chains existed). Restoring it gives exactly the state the code that
+    wrote it restored (summary_restored.json), so old chunks decode to the same values."""
+    import shutil
+
+    from cli_helpers import ROOT
+
+    fixture = os.path.join(ROOT, "tests", "fixtures", "v3_quantized")
+    shutil.copytree(os.path.join(fixture, "store"), tmp_path / "store")
+    with open(os.path.join(fixture, "summary_restored.json")) as f:
+        then = json.load(f)
+    now = train(str(tmp_path), "store", "--config", os.path.join(fixture, "config.yaml"), "--resume")
+    assert now["restored_checkpoint"] == then["restored_checkpoint"]
+    assert now["state_sha256"] == then["state_sha256"]
+    assert (now["eval_logloss"], now["eval_auc"]) == (then["eval_logloss"], then["eval_auc"])

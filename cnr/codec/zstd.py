@@ -1,0 +1,61 @@
+"""``zstd``: Zstandard over a chunk's whole payload (row ids, codes, scales, biases or raw
+values), a lossless bytes->bytes stage. Parameter ``level`` (1..19).
+
+Level table, measured by ``python -m cnr bench codecs`` on the chunks of a 2-bit full
+checkpoint of bench.yaml (80 MB; one core of this 2-core machine; ratio = payload / stored):
+
+    level   ratio   encode MB/s   decode MB/s
+    (filled in from the measurement; see docs/benchmarks.md)
+
+The payload's header records the decoded size, and the frame must declare exactly that size,
+so a crafted frame cannot make a reader allocate more than the chunk's own header promised.
+"""
+
+from __future__ import annotations
+
+import zstandard
+
+from cnr.codec.base import BytesCodec
+from cnr.codec.spec import make_spec, require_params
+from cnr.errors import CorruptChunkError
+from cnr.types import CodecSpec
+
+LEVELS = tuple(range(1, 20))
+DEFAULT_LEVEL = 3
+
+
+def zstd_spec(level: int = DEFAULT_LEVEL) -> CodecSpec:
+    """The spec of a zstd stage at ``level``."""
+    if level not in LEVELS:
+        raise ValueError(f"zstd level {level!r} is not allowed; allowed: 1..19")
+    return make_spec("zstd", level=level)
+
+
+class ZstdCodec(BytesCodec):
+    name = "zstd"
+
+    def __init__(self) -> None:
+        self._compressors = {}  # one compressor per level, reused: creating one costs ~0.1 ms
+
+    def check(self, spec: CodecSpec, where: str) -> None:
+        require_params(spec, {"level": LEVELS}, where)
+
+    def encode(self, spec: CodecSpec, data: bytes) -> bytes:
+        level = dict(spec.params)["level"]
+        if level not in self._compressors:
+            self._compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        return self._compressors[level].compress(data)
+
+    def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> bytes:
+        try:
+            declared = zstandard.get_frame_parameters(data).content_size
+            if declared in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+                raise CorruptChunkError(f"{where} zstd frame does not declare its size (the header says {size})")
+            if declared != size:
+                raise CorruptChunkError(f"{where} zstd frame declares {declared} bytes, the header says {size}")
+            out = zstandard.ZstdDecompressor().decompress(data)
+        except zstandard.ZstdError as e:
+            raise CorruptChunkError(f"{where} zstd payload does not decompress: {e}") from e
+        if len(out) != size:
+            raise CorruptChunkError(f"{where} zstd payload decompresses to {len(out)} bytes, the header says {size}")
+        return out

@@ -1,0 +1,205 @@
+"""The codec seam (cnr.codec): registry, specs, the zstd and log8 codecs, and chunks whose
+header chain is altered or hostile. Chunk framing itself is tested in test_encode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import zlib
+
+import pytest
+import torch
+import zstandard
+
+from cnr.codec import array_codec, array_encoding, bytes_codec, register
+from cnr.codec.log8 import log8_applies, log8_codes, log8_values
+from cnr.codec.spec import make_spec, spec_from_json, spec_to_json
+from cnr.codec.zstd import zstd_spec
+from cnr.encode import decode_chunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
+from cnr.errors import CorruptChunkError
+from cnr.quantize import _bias_dtype, quantize_rows
+from cnr.types import Encoding
+
+ZSTD = (zstd_spec(3),)
+
+
+def _header(blob: bytes):
+    _, _, n = struct.unpack_from("<4sHI", blob, 0)
+    return json.loads(blob[10:10 + n]), n
+
+
+def _with_header(blob: bytes, ref, header: dict, payload: bytes = None):
+    """``blob`` with ``header`` (and ``payload``, its CRC and size then recomputed), as a writer
+    that means harm would produce it: every checksum consistent."""
+    _, n = _header(blob)
+    payload = blob[10 + n:] if payload is None else payload
+    header = {**header, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)}
+    raw = json.dumps(header).encode()
+    new = blob[:4] + struct.pack("<HI", 3, len(raw)) + raw + payload
+    return new, dataclasses.replace(ref, nbytes=len(new), crc32=header["payload_crc32"])
+
+
+# --- registry and specs ---------------------------------------------------------------------
+
+def test_the_registry_names_what_it_reads():
+    assert array_encoding("rowwise") == Encoding.QUANTIZED and array_encoding("log8") == Encoding.LOG8
+    assert array_codec("raw").name == "raw" and bytes_codec("zstd").name == "zstd"
+    with pytest.raises(CorruptChunkError, match="array codec 'lz4' is not one this cnr reads: log8, raw, rowwise"):
+        array_codec("lz4")
+    with pytest.raises(CorruptChunkError, match="bytes codec 'raw' is not one this cnr reads: zstd"):
+        bytes_codec("raw")  # an array codec is not a bytes codec
+    with pytest.raises(ValueError, match="already registered"):
+        register("zstd", "cnr.codec.zstd", "ZstdCodec", None)
+
+
+@pytest.mark.parametrize("obj,message", [
+    ({"level": 3}, "string 'name'"),
+    ({"name": "zstd", "level": 3.0}, "not an int or a string"),
+    ({"name": "zstd", "level": True}, "not an int or a string"),
+    ("zstd", "string 'name'"),
+])
+def test_spec_json_is_strict(obj, message):
+    with pytest.raises(CorruptChunkError, match=message):
+        spec_from_json(obj, "here")
+
+
+def test_specs_are_canonical_and_round_trip():
+    a, b = make_spec("rowwise", bits=2, method="adaptive"), make_spec("rowwise", method="adaptive", bits=2)
+    assert a == b and hash(a) == hash(b)
+    assert spec_from_json(spec_to_json(a), "here") == a
+    with pytest.raises(ValueError, match="zstd level 0"):
+        zstd_spec(0)
+
+
+# --- zstd -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda c: encode_raw_chunk("k", "t", torch.randn(50, 8), 0, 0, compression=c),
+    lambda c: encode_raw_chunk("k", "t", torch.arange(40, dtype=torch.int64), 0, 0,
+                               row_ids=torch.arange(0, 400, 10), compression=c),
+    lambda c: encode_quantized_chunk("k", "t", quantize_rows(torch.randn(30, 16), 2), 7, 0,
+                                     row_ids=torch.tensor(sorted(set(range(0, 90, 3)))), compression=c),
+    lambda c: encode_log8_chunk("k", "t", torch.rand(64) * (torch.rand(64) > 0.5), 0, 0, compression=c),
+])
+def test_zstd_is_lossless_on_every_array_codec(make):
+    torch.manual_seed(0)
+    plain_blob, plain_ref = make(())
+    torch.manual_seed(0)  # the same values again
+    blob, ref = make(ZSTD)
+    assert ref.codecs == plain_ref.codecs + ZSTD and ref.encoding == plain_ref.encoding
+    plain, packed = decode_chunk(plain_blob, plain_ref, dequantize=False), decode_chunk(blob, ref, dequantize=False)
+    for field in ("data", "row_ids"):
+        a, b = getattr(plain, field), getattr(packed, field)
+        assert (a is None and b is None) or torch.equal(a, b)
+    if plain.quantized is not None:
+        assert torch.equal(plain.quantized.codes, packed.quantized.codes)
+
+
+def test_zstd_shrinks_what_repeats():
+    blob, ref = encode_raw_chunk("k", "t", torch.zeros(1000, 16), 0, 0, compression=ZSTD)
+    assert ref.nbytes < 1000 * 16 * 4 / 100
+
+
+def test_a_zstd_frame_claiming_another_size_is_refused():
+    blob, ref = encode_raw_chunk("k", "t", torch.zeros(100, 4), 0, 0, compression=ZSTD)
+    header, _ = _header(blob)
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)  # 10 MB from a few hundred bytes
+    with pytest.raises(CorruptChunkError, match="declares 10000000 bytes, the header says 1600"):
+        decode_chunk(*_with_header(blob, ref, header, bomb))
+    with pytest.raises(CorruptChunkError, match="does not declare its size"):
+        decode_chunk(*_with_header(blob, ref, header, b"\x28\xb5\x2f\xfd" + b"\x01" * 20))
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(range(256)) * 6 + bytes(64))
+    broken = frame[:-8] + bytes(8)  # the declared size is right, the blocks are not
+    with pytest.raises(CorruptChunkError, match="does not decompress|decompresses to"):
+        decode_chunk(*_with_header(blob, ref, header, broken))
+
+
+@pytest.mark.parametrize("codecs,message", [
+    ([{"name": "raw"}, {"name": "zstd", "level": 3}, {"name": "zstd", "level": 3}], "lists 3 codecs"),
+    ([{"name": "zstd", "level": 3}], "array codec 'zstd' is not one"),
+    ([{"name": "raw", "extra": 1}], "has parameters"),
+    ([{"name": "raw"}, {"name": "zstd", "level": 99}], "level=99 is not allowed"),
+    ([{"name": "rowwise", "bits": 2, "method": "adaptive", "scale": "float16", "bias": "float16"}],
+     "quantized rows must be float32 of shape"),
+    ([{"name": "log8", "lo": 5, "hi": 5}], "log8 grid lo=5 hi=5"),
+    ([], "lists 0 codecs"),
+])
+def test_hostile_codec_chains_are_refused_before_any_payload_is_read(codecs, message):
+    blob, ref = encode_raw_chunk("k", "t", torch.zeros(4, 2, dtype=torch.int64), 0, 0)
+    header, _ = _header(blob)
+    with pytest.raises(CorruptChunkError, match=message):
+        decode_chunk(*_with_header(blob, ref, {**header, "codecs": codecs}))
+
+
+def test_a_header_chain_that_differs_from_the_manifest_is_refused():
+    blob, ref = encode_raw_chunk("k", "t", torch.zeros(4, 2), 0, 0, compression=ZSTD)
+    with pytest.raises(CorruptChunkError, match="header codecs="):
+        decode_chunk(blob, dataclasses.replace(ref, codecs=(ref.codecs[0], zstd_spec(9))))
+
+
+# --- log8 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("octaves", [0, 1, 10, 20, 44, 90])
+def test_log8_error_is_within_its_bound_and_zero_stays_exact(octaves):
+    g = torch.Generator().manual_seed(octaves)
+    v = torch.exp2(torch.rand(5000, generator=g, dtype=torch.float64) * octaves - 7).float()
+    v[::7] = 0.0
+    codes, lo, hi = log8_codes(v)
+    back = log8_values(codes, lo, hi)
+    assert torch.equal(back[::7], v[::7]) and bool((codes[v > 0] > 0).all())
+    bound = 2.0 ** ((hi - lo) / 254 / 32) - 1
+    rel = ((back - v).abs() / v.clamp_min(1e-38))[v > 0]
+    assert float(rel.max()) <= bound * 1.0001 + 2e-7, (float(rel.max()), bound)
+    assert bool((torch.diff(back[torch.argsort(v)]) >= 0).all())  # order is kept
+
+
+def test_log8_takes_only_what_it_can_code():
+    assert log8_applies(torch.tensor([0.0, 1e-30, 3.0]))
+    for bad in (torch.tensor([1.0, -1e-9]), torch.tensor([float("inf")]), torch.ones(2, 2),
+                torch.ones(3, dtype=torch.float64)):
+        assert not log8_applies(bad)
+    with pytest.raises(ValueError, match="only 1-D float32 values"):
+        log8_codes(torch.tensor([1.0, -1.0]))
+    codes, lo, hi = log8_codes(torch.zeros(5))
+    assert not bool(codes.any()) and lo < hi
+
+
+def test_a_log8_chunk_is_one_byte_per_row():
+    v = torch.rand(10_000)
+    blob, ref = encode_log8_chunk("k", "t", v, 0, 0)
+    assert ref.encoding == Encoding.LOG8 and (ref.bits, ref.method) == (8, "log8")
+    assert 10_000 <= ref.nbytes < 10_000 + 400
+
+
+# --- float16 bias -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,bits,dtype", [
+    (torch.randn(100, 64), 2, torch.float16),
+    (torch.randn(100, 64), 4, torch.float16),
+    (torch.randn(100, 64), 8, torch.float32),  # 8 bits: 2 bytes are 3% of a row, the error is not
+    (torch.randn(100, 64) * 2 + 20, 2, torch.float16),  # step ~3: the rounding (~0.012) is < 1/128 of it
+    (torch.randn(100, 64) + 20, 4, torch.float32),  # step 0.4: it is not
+    (torch.full((3, 8), 0.5), 2, torch.float16),  # constant, exact in float16
+    (torch.full((3, 8), 0.1), 2, torch.float32),  # constant, not exact: stays exact in float32
+    (torch.randn(10, 8) * 1e5, 2, torch.float32),  # beyond float16's range
+    (torch.rand(100, 64) * 2e-3 - 1e-3, 2, torch.float16),  # torchrec's init of a 1M-row table
+])
+def test_bias_precision_rule(rows, bits, dtype):
+    assert _bias_dtype(bits, rows.amin(1), rows.amax(1)) == dtype
+    q = quantize_rows(rows, bits)
+    assert q.bias.dtype == dtype
+    if dtype == torch.float32 and bool((rows.amin(1) == rows.amax(1)).all()):
+        assert torch.equal(q.bias, rows[:, 0])  # constant rows round-trip exactly
+
+
+def test_float16_bias_costs_no_measurable_error():
+    """The grid shift is bounded by step / 64: the l2 error per row stays within 1% of fp32 bias."""
+    from cnr.quantize import l2_per_row, quantize_rows_with_dtypes
+
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    for bits in (2, 3, 4):
+        half = l2_per_row(x, quantize_rows(x, bits)).mean()
+        full = l2_per_row(x, quantize_rows_with_dtypes(x, bits, "adaptive", bias_dtype=torch.float32)).mean()
+        assert float(half) <= float(full) * 1.01, (bits, float(half), float(full))
