@@ -4,10 +4,12 @@ Like the paper's Figure 10 at CPU scale (configs/accuracy.yaml). Training is det
 the only difference between runs is the quantization: an uninterrupted run, then for each
 bit-width and failure count k a run that, at k evenly spaced checkpoint boundaries, writes a
 checkpoint at that bit-width, waits for it to commit, and restores the model from it (the
-embedding rows come back dequantized; optimizer and dense state are fp32). Reports the final
+embedding rows come back dequantized; dense state is fp32, and so is the fused optimizer state
+unless ``--set checkpoint.optimizer_bits=8``, log8 Adagrad sums). Reports the final
 eval logloss and AUC and their change relative to the uninterrupted run of the same seed,
 averaged over ``--seeds`` (one seed's trajectory moves by chance after any perturbation). A
-control row restores from fp32 checkpoints (``bits`` 32), which must change nothing at all.
+control row restores from fp32 checkpoints (``bits`` 32, optimizer state fp32 too), which must
+change nothing at all.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def failure_steps(steps: int, interval: int, k: int) -> List[int]:
 
 
 def _run(config: Config, bits: int, failures: List[int], workdir: str) -> Dict[str, Any]:
-    cfg = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, bits=bits, policy="full"))
+    # the fp32 control stores everything exactly, optimizer state included, whatever the config says
+    optimizer_bits = 32 if bits == 32 else config.checkpoint.optimizer_bits
+    cfg = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, bits=bits, policy="full",
+                                                                     optimizer_bits=optimizer_bits))
     sharded = build_sharded_model(cfg, torch.device("cpu"))
     reader = make_reader(cfg, 0, 1, None, "train")
     uri = os.path.join(workdir, f"seed{cfg.train.seed}-b{bits}-k{len(failures)}")  # one job, one location
