@@ -138,7 +138,8 @@ class CheckpointEngine:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
                             method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}),
-                            lease=self.lease, compression=c.compression_chain())
+                            lease=self.lease, compression=c.compression_chain(),
+                            small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits)
 
         snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))

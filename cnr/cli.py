@@ -84,17 +84,25 @@ def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
     manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
     if manifest is None:
         raise CheckpointError(f"no committed checkpoint in {storage.uri}")
-    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features), "placement": t.placement}
-              for t in manifest.tables]
+    from cnr.types import Role
+
+    widths = {}  # table -> the bit-widths its rows are stored at in this checkpoint (not its chain)
+    for entry in manifest.tensors.values():
+        if entry.role == Role.TABLE_ROWS:
+            widths.setdefault(entry.table, set()).update(c.bits for c in entry.chunks)
+    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features), "placement": t.placement,
+               "bits": sorted(widths.get(t.name, ()))} for t in manifest.tables]
     if as_json:
         print(json.dumps({"uri": storage.uri, "checkpoint": manifest.id, "tables": tables}, sort_keys=True))
         return 0
     width = max([5] + [len(t["name"]) for t in tables])
     print(f"checkpoint {manifest.id} (step {manifest.step}): {len(tables)} tables, "
           f"{sum(t['rows'] for t in tables)} rows")
-    print(f"{'table':<{width}} {'rows':>10} {'dim':>5} {'placement':<18} features")
+    print(f"{'table':<{width}} {'rows':>10} {'dim':>5} {'bits':>5} {'placement':<18} features")
     for t in tables:
-        print(f"{t['name']:<{width}} {t['rows']:>10} {t['dim']:>5} {t['placement'] or '-':<18} {','.join(t['features'])}")
+        bits = ",".join(map(str, t["bits"])) or "-"
+        print(f"{t['name']:<{width}} {t['rows']:>10} {t['dim']:>5} {bits:>5} {t['placement'] or '-':<18} "
+              f"{','.join(t['features'])}")
     return 0
 
 

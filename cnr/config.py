@@ -142,7 +142,10 @@ class CheckpointConfig:
     ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too: 2-D state row-wise
     quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8).
     ``compression``: "zstd" (lossless, over every chunk's payload, at ``compression_level``
-    1..19) or "none". ``bit_policy``: "fixed" (``bits``) or "failures"
+    1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of at most
+    ``small_table_rows`` rows (0: none) store their rows at no fewer than ``small_table_bits``
+    (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones (every row is looked up
+    often) and cost few bytes (cnr.upload.quantized_bits). ``bit_policy``: "fixed" (``bits``) or "failures"
     (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
@@ -168,6 +171,8 @@ class CheckpointConfig:
     optimizer_bits: int = 32
     compression: str = "zstd"
     compression_level: int = 3
+    small_table_rows: int = 0
+    small_table_bits: int = 8
     bit_policy: str = "fixed"
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
@@ -442,6 +447,10 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
     _one_of("checkpoint.compression", c.compression, COMPRESSIONS)
     _require(c.compression_level in range(1, 20), f"config key 'checkpoint.compression_level' = "
              f"{c.compression_level} is not allowed; allowed: 1..19")
+    _require(c.small_table_rows >= 0, f"config key 'checkpoint.small_table_rows' = {c.small_table_rows} is not "
+             "allowed; it must be >= 0 (0: no table is small)")
+    _require(c.small_table_bits in (3, 4, 8, 32), f"config key 'checkpoint.small_table_bits' = "
+             f"{c.small_table_bits} is not allowed; allowed: 3, 4, 8, 32")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
     _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")

@@ -37,6 +37,8 @@ class CheckpointOptions:
       row-wise, the 1-D row-wise Adagrad sum on a log grid, cnr.codec.log8).
     - ``compression``: "zstd" (lossless, every chunk's payload, at ``compression_level`` 1..19)
       or "none".
+    - ``small_table_rows``/``small_table_bits``: tables of at most ``small_table_rows`` rows
+      (0: none) are stored at no fewer than ``small_table_bits`` (3, 4, 8, 32) bits.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
     - ``keep_last``: committed checkpoints kept after each commit with what their chains need
@@ -57,6 +59,8 @@ class CheckpointOptions:
     optimizer_bits: int = 32
     compression: str = "zstd"
     compression_level: int = 3
+    small_table_rows: int = 0
+    small_table_bits: int = 8
     bit_policy: str = "fixed"
     failures: Any = field(default_factory=_default_failures)
     expected_steps: int = 0

@@ -74,6 +74,8 @@ class WriteJob:
     app: Dict[str, Any] = field(default_factory=dict)
     lease: Optional[LeaseRef] = None
     compression: Tuple[CodecSpec, ...] = ()
+    small_table_rows: int = 0
+    small_table_bits: int = 8
 
 
 @dataclass
@@ -194,14 +196,19 @@ class Uploader:
 
 
 def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
-    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, fused optimizer state
-    (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at ``job.optimizer_bits``,
-    everything else (dense state) at 32."""
+    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, or at least
+    ``job.small_table_bits`` for a table of at most ``job.small_table_rows`` rows; fused optimizer
+    state (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at
+    ``job.optimizer_bits``; everything else (dense state) at 32."""
     if piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
         return 32
     if piece.role == Role.TABLE_STATE and piece.data.dim() in (1, 2):
         return job.optimizer_bits
-    return job.bits if piece.data.dim() == 2 else 32
+    if piece.data.dim() != 2:
+        return 32
+    if piece.global_shape[0] <= job.small_table_rows:
+        return max(job.bits, job.small_table_bits)
+    return job.bits
 
 
 def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:

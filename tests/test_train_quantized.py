@@ -26,3 +26,20 @@ def test_quantized_checkpoints_resume_close_to_fp32(tmp_path, baseline_ws1, bits
         assert abs(resumed["eval_logloss"] - base["eval_logloss"]) / base["eval_logloss"] < 0.02
         assert abs(resumed["eval_auc"] - base["eval_auc"]) < 0.02
     assert first["bytes_written"] < first["full_fp32_bytes"]
+
+
+def test_small_tables_keep_more_bits_and_inspect_shows_each_tables_width(tmp_path):
+    """tiny.yaml: t2 (1000 rows) and t3 (500) are small; t0 and t1 stay at the job's 2 bits."""
+    import json
+
+    from cli_helpers import run_cnr
+
+    opts = ["--set", "checkpoint.bits=2", "--set", "checkpoint.small_table_rows=1000",
+            "--set", "checkpoint.small_table_bits=8"]
+    train(str(tmp_path), "ck", *opts, "--set", "train.steps=40")
+    rc, out, err = run_cnr(["inspect", "ck", "--tables", "--json"], str(tmp_path))
+    assert rc == 0, err[-2000:]
+    widths = {t["name"].split(".")[-2]: t["bits"] for t in json.loads(out.strip().splitlines()[-1])["tables"]}
+    assert widths == {"t0": [2], "t1": [2], "t2": [8], "t3": [8]}
+    resumed = train(str(tmp_path), "ck", *opts, "--resume")
+    assert resumed["restores"] == 1 and resumed["steps"] == 60
