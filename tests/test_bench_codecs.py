@@ -12,7 +12,8 @@ from cnr.errors import ConfigError
 
 
 def test_bench_codecs_measures_every_level_on_real_chunks(tmp_path):
-    rc, out, err = run_cnr(["bench", "codecs", "--config", TINY, "--interval", "10", "--levels", "1,19"],
+    rc, out, err = run_cnr(["bench", "codecs", "--config", TINY, "--interval", "10", "--levels", "1,19",
+                            "--min-encode-mb-s", "0"],
                            str(tmp_path), timeout=300)
     assert rc == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
@@ -25,7 +26,9 @@ def test_bench_codecs_measures_every_level_on_real_chunks(tmp_path):
                                                      abs=0.01)
         assert total["zstd_mb"] < total["payload_mb"] and total["ratio"] > 1
     assert result["levels"]["19"]["total"]["ratio"] >= result["levels"]["1"]["total"]["ratio"]
-    assert result["chosen_level"] in (1, 19)
+    # with no speed floor the chosen level is the one that compresses best (speeds vary by machine)
+    best = max(result["levels"], key=lambda lv: result["levels"][lv]["total"]["ratio"])
+    assert result["chosen_level"] == int(best) and result["chosen_ratio"] == result["levels"][best]["total"]["ratio"]
 
 
 @pytest.mark.parametrize("argv,message", [
