@@ -13,6 +13,7 @@ import torch
 from cnr.bitpack import packed_bytes_per_row, unpack
 from cnr import quantize
 from cnr.errors import ConfigError
+from cnr.types import STORED_QUANT_METHODS
 from cnr.quantize import (
     BITS,
     DEFAULT_NUM_BINS,
@@ -380,6 +381,11 @@ def test_benchmark_runs_on_a_rows_file(tmp_path: Path) -> None:
     assert {e["set"] for e in out["table"]} == {"rows_file", "normal", "student_t3"}
     assert out["l2_ratio_vs_torch_2bit"] <= 1.0 and out["l2_ratio_vs_torch_4bit"] <= 1.0
     assert out["adaptive_beats_naive"] == {2: True, 4: True}
+    for e in out["table"]:  # what a checkpoint spends: the stored chunk (zstd, header) of the storable methods
+        if e["method"] in STORED_QUANT_METHODS + ("torch_greedy",):  # torch's rows store as adaptive ones
+            assert 0 < e["stored_bytes_per_row"] < e["bytes_per_row"] + 3  # zstd, plus a header over 300 rows
+        else:
+            assert e["stored_bytes_per_row"] is None
     with pytest.raises(ConfigError, match="multiple of"):
         run(["--rows-file", str(path), "--dim", "17"])  # rejected before any training starts
     with pytest.raises(ConfigError, match="--train-steps -1"):

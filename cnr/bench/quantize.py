@@ -6,7 +6,8 @@ Usage: ``python -m cnr.bench.quantize [--rows N] [--dim D] [--seed S] [--rows-fi
 ``--rows-file`` reads raw little-endian float32 rows ``[rows, dim]`` (e.g. trained embeddings);
 without it two synthetic sets are used: N(0, 1) and Student-t(3) (heavy-tailed) rows.
 Extra studies: ``--ratio-sweep`` (4-bit ratio choice) and ``--param-study`` (fp16 vs fp32
-per-row scale/bias). Throughput is rows per second of wall time (best of ``--repeat`` runs for
+per-row scale/bias). ``stored_bytes_per_row``: the rows as one stored chunk through the
+default zstd stage, header included (the bytes a checkpoint spends on them). Throughput is rows per second of wall time (best of ``--repeat`` runs for
 adaptive and torch's op, one run otherwise), with torch's thread setting as is for both sides
 (torch's greedy prepack runs serially regardless; other load on the machine hurts the
 multi-threaded side far more, so the 1-minute load average is recorded).
@@ -26,7 +27,10 @@ import numpy as np
 import torch
 
 from cnr.bitpack import packed_bytes_per_row
+from cnr.codec.zstd import zstd_spec
+from cnr.encode import encode_quantized_chunk
 from cnr.errors import ConfigError
+from cnr.types import STORED_QUANT_METHODS
 from cnr.quantize import (
     BITS,
     DEFAULT_NUM_BINS,
@@ -125,12 +129,22 @@ def torch_greedy(x: torch.Tensor, bits: int, num_bins: int, ratio: float) -> Qua
                          scale=params[:, 0].contiguous(), bias=params[:, 1].contiguous())
 
 
+def _stored_bytes_per_row(q: QuantizedRows) -> Optional[float]:
+    """Bytes per row of ``q`` stored as one chunk through the default zstd stage (cnr.encode),
+    header included; None for a method checkpoints cannot store."""
+    if q.method not in STORED_QUANT_METHODS:
+        return None
+    blob, _ = encode_quantized_chunk("k", "t", q, 0, 0, compression=(zstd_spec(),))
+    return len(blob) / q.rows
+
+
 def _entry(set_name: str, method: str, bits: int, x: torch.Tensor, q: QuantizedRows, seconds: float,
            num_bins: Optional[int] = None, ratio: Optional[float] = None) -> Dict[str, object]:
     rows = x.shape[0]
     return {"set": set_name, "method": method, "bits": bits, "num_bins": num_bins, "ratio": ratio,
             "l2_mean": float(l2_per_row(x, q).mean()), "rows_per_s": rows / seconds,
-            "bytes_per_row": q.nbytes / rows}
+            "bytes_per_row": q.nbytes / rows, "stored_bytes_per_row": _stored_bytes_per_row(q),
+            "bias": str(q.bias.dtype).replace("torch.", "") if q.bias is not None else None}
 
 
 def _measure_set(set_name: str, x: torch.Tensor, args: argparse.Namespace) -> List[Dict[str, object]]:
@@ -239,10 +253,11 @@ def _run(args: argparse.Namespace) -> Dict[str, object]:
 
 def _format(result: Dict[str, object]) -> str:
     """Human-readable table plus the headline figures."""
-    lines = [f"{'set':<12}{'method':<14}{'bits':>5}{'l2 mean':>12}{'rows/s':>12}{'B/row':>8}"]
+    lines = [f"{'set':<12}{'method':<14}{'bits':>5}{'l2 mean':>12}{'rows/s':>12}{'B/row':>8}{'zstd B/row':>11}"]
     for e in result["table"]:
+        stored = f"{e['stored_bytes_per_row']:>11.2f}" if e["stored_bytes_per_row"] is not None else f"{'-':>11}"
         lines.append(f"{e['set']:<12}{e['method']:<14}{e['bits']:>5}{e['l2_mean']:>12.5f}"
-                     f"{e['rows_per_s']:>12.0f}{e['bytes_per_row']:>8.1f}")
+                     f"{e['rows_per_s']:>12.0f}{e['bytes_per_row']:>8.1f}{stored}")
     heads = {k: v for k, v in result.items() if k not in ("table", "ratio_sweep_4bit", "param_study")}
     return "\n".join(lines) + "\n" + json.dumps(heads, indent=1, default=str)
 
