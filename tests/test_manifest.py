@@ -39,12 +39,28 @@ def test_roundtrip():
     assert '"offset"' not in manifest_to_bytes(m).decode()
 
 
+def test_codec_chains_roundtrip():
+    from cnr.codec.spec import make_spec
+    from cnr.codec.zstd import zstd_spec
+
+    name = "model/x.embedding_bags.t0.weight"
+    m = _manifest()
+    chain = (make_spec("raw"), zstd_spec(5))
+    chunk = dataclasses.replace(m.tensors[name].chunks[0], codecs=chain)
+    m = dataclasses.replace(m, tensors={name: dataclasses.replace(m.tensors[name], chunks=(chunk,))})
+    assert parse_manifest(manifest_to_bytes(m)).tensors[name].chunks[0].codecs == chain
+
+
 def test_packed_chunk_offset_roundtrip():
     name = "model/x.embedding_bags.t0.weight"
     m = _manifest()
     packed = dataclasses.replace(m.tensors[name].chunks[0], offset=4096)
     m = dataclasses.replace(m, tensors={name: dataclasses.replace(m.tensors[name], chunks=(packed,))})
     assert parse_manifest(manifest_to_bytes(m)).tensors[name].chunks[0].offset == 4096
+
+
+def _chunk0(obj):
+    return obj["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0]
 
 
 def _mutate(fn):
@@ -82,6 +98,15 @@ def _mutate(fn):
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(offset="8"), "'offset'"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"]["chunks"][0].update(surprise=True), "unknown fields"),
         (lambda o: o["tensors"]["model/x.embedding_bags.t0.weight"].update(shape=[4, -2]), "non-negative"),
+        # version 4: each chunk's codec chain, checked by name here and against its header on read
+        (lambda o: _chunk0(o).pop("codecs"), "missing fields \\['codecs'\\]"),
+        (lambda o: _chunk0(o).update(codecs=[{"name": "lz4"}]), "array codec 'lz4' is not one this cnr reads"),
+        (lambda o: _chunk0(o).update(codecs=[{"name": "zstd", "level": 3}]), "array codec 'zstd'"),
+        (lambda o: _chunk0(o).update(codecs=[{"name": "raw"}, {"name": "raw"}]), "bytes codec 'raw'"),
+        (lambda o: _chunk0(o).update(codecs=[{"name": "rowwise", "bits": 2, "method": "adaptive", "scale": "float16",
+                                              "bias": "float16"}]), "encoding 'raw' does not match its codec 'rowwise'"),
+        (lambda o: _chunk0(o).update(codecs=[{"level": 3}]), "string 'name'"),
+        (lambda o: _chunk0(o).update(codecs="raw"), "'codecs'"),
     ],
 )
 def test_strict_parsing(mutation, message):
