@@ -129,7 +129,7 @@ def _log8_or_raw(name: str, values: torch.Tensor, row_start: int, compression: C
     blob, ref = encode_log8_chunk("", name, values, row_start, 0, compression=compression)
     if torch.equal(decode_chunk(blob, ref).data, values):
         return blob, ref
-    return encode_raw_chunk("", name, values, row_start, 0, compression=compression)
+    return encode_raw_chunk("", name, values, row_start, 0)  # raw chunks are not compressed (cnr.upload._encode_block)
 
 
 def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk_bytes: int,
@@ -148,7 +148,7 @@ def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk
         if rows.encoding == Encoding.LOG8:
             blob, ref = _log8_or_raw(name, rows.data[lo:hi], lo, compression)
         elif rows.data is not None:
-            blob, ref = encode_raw_chunk("", name, rows.data[lo:hi], lo, col0, compression=compression)
+            blob, ref = encode_raw_chunk("", name, rows.data[lo:hi], lo, col0)  # uncompressed, as the writer stores raw rows
         else:
             q = QuantizedRows(bits=rows.bits, method=rows.method, rows=hi - lo, dim=cols,
                               codes=rows.codes[lo:hi], scale=scale[lo:hi], bias=bias[lo:hi])

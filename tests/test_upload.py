@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,3 +38,18 @@ def _job(bits=2, optimizer_bits=32, small_rows=0, small_bits=8) -> WriteJob:
 ])
 def test_each_piece_is_stored_at_its_width(job, piece, bits):
     assert quantized_bits(job, piece) == bits
+
+
+@pytest.mark.parametrize("piece,codecs", [
+    (_piece(Role.TABLE_ROWS, 40, 8), ["rowwise", "zstd"]),
+    (_piece(Role.TABLE_STATE, 40), ["log8", "zstd"]),
+    (_piece(Role.DENSE, 40, 8), ["raw"]),  # raw values are not compressed: the CPU costs more than it saves
+])
+def test_quantized_and_log8_chunks_are_compressed_raw_ones_are_not(piece, codecs):
+    from cnr.codec.zstd import zstd_spec
+    from cnr.upload import _encode_block
+
+    piece.data.copy_(torch.rand(piece.data.shape))
+    job = dataclasses.replace(_job(optimizer_bits=8), compression=(zstd_spec(),))
+    _, ref = _encode_block(job, piece, "k", 0, 40, 0, 0)
+    assert [spec.name for spec in ref.codecs] == codecs
