@@ -141,12 +141,13 @@ class CheckpointConfig:
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too: 2-D state row-wise
     quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8).
-    ``compression``: "zstd" (lossless, over every chunk's payload, at ``compression_level``
-    1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of at most
-    ``small_table_rows`` rows (0: none) store their rows at no fewer than ``small_table_bits``
-    (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones (every row is looked up
-    often) and cost few bytes (cnr.upload.quantized_bits). ``bit_policy``: "fixed" (``bits``) or "failures"
-    (chosen from the expected failures, ``failures``). ``commit_timeout_s``: how long rank 0's
+    ``compression``: "zstd" (lossless, over quantized and log8 chunks' payloads, at
+    ``compression_level`` 1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of
+    at most ``small_table_rows`` rows (0: none) store their rows at no fewer than
+    ``small_table_bits`` (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones
+    (every row is looked up often) and cost few bytes (cnr.upload.quantized_bits).
+    ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
+    ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
     their chains need, delete the rest (0: keep everything). ``merge_every``: with the

@@ -35,8 +35,8 @@ class CheckpointOptions:
       ``quant_method``: "adaptive", "naive", "symmetric" or "" (the width's default);
       ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too (2-D state
       row-wise, the 1-D row-wise Adagrad sum on a log grid, cnr.codec.log8).
-    - ``compression``: "zstd" (lossless, every chunk's payload, at ``compression_level`` 1..19)
-      or "none".
+    - ``compression``: "zstd" (lossless, quantized and log8 chunks' payloads, at
+      ``compression_level`` 1..19) or "none".
     - ``small_table_rows``/``small_table_bits``: tables of at most ``small_table_rows`` rows
       (0: none) are stored at no fewer than ``small_table_bits`` (3, 4, 8, 32) bits.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
@@ -108,7 +108,7 @@ class CheckpointOptions:
         return cls(**values, expected_steps=expected_steps)
 
     def compression_chain(self) -> Tuple[CodecSpec, ...]:
-        """The bytes->bytes stages every chunk's payload goes through (cnr.codec)."""
+        """The bytes->bytes stages of quantized and log8 chunks' payloads (cnr.codec)."""
         from cnr.codec.zstd import zstd_spec  # zstandard loads only in processes that encode
 
         return (zstd_spec(self.compression_level),) if self.compression == "zstd" else ()
