@@ -129,7 +129,7 @@ def _log8_or_raw(name: str, values: torch.Tensor, row_start: int, compression: C
     blob, ref = encode_log8_chunk("", name, values, row_start, 0, compression=compression)
     if torch.equal(decode_chunk(blob, ref).data, values):
         return blob, ref
-    return encode_raw_chunk("", name, values, row_start, 0)  # raw chunks are not compressed (cnr.upload._encode_block)
+    return encode_raw_chunk("", name, values, row_start, 0)  # raw chunks are not compressed (cnr.codec.choose.encode_block)
 
 
 def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk_bytes: int,

@@ -32,17 +32,16 @@ import torch.multiprocessing as mp
 from cnr.commit import commit_checkpoint
 from cnr.retention import retain_checkpoints
 from cnr.options import CheckpointOptions
-from cnr.codec.log8 import log8_applies
-from cnr.encode import dtype_name, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
-from cnr.errors import NONFINITE, Cancelled, CnrError, NonFiniteStateError, redact, redact_logging
+from cnr.codec.choose import encode_block
+from cnr.encode import dtype_name
+from cnr.errors import Cancelled, CnrError, redact, redact_logging
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, object_key, failed_key, rank_index_key, rank_index_to_bytes
-from cnr.quantize import default_method, quantize_rows
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, CodecSpec, LeaseRef, Role, WriteStatus
+from cnr.types import CheckpointKind, ChunkRef, CodecSpec, LeaseRef, WriteStatus
 from cnr.proc import WRITER, name_this_process
 
 logger = logging.getLogger(__name__)
@@ -55,10 +54,10 @@ class WriteJob:
     """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
 
     ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
-    store fused optimizer state in 8 bits as well (see ``quantized_bits``); ``compression``: the
-    bytes->bytes stages of quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as
-    they are, see _encode_block). ``small_table_rows``/``small_table_bits``: see
-    quantized_bits. ``lease``: rank 0's lease on the storage (cnr.lease), checked right before
+    store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stages of
+    quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as they are);
+    ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
+    cnr.codec.choose decides per piece). ``lease``: rank 0's lease on the storage (cnr.lease), checked right before
     the commit; None when the job holds none (benchmarks).
     """
 
@@ -197,56 +196,6 @@ class Uploader:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
-    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, or at least
-    ``job.small_table_bits`` for a table of at most ``job.small_table_rows`` rows; fused optimizer
-    state (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at
-    ``job.optimizer_bits``; everything else (dense state) at 32."""
-    if piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
-        return 32
-    if piece.role == Role.TABLE_STATE and piece.data.dim() in (1, 2):
-        return job.optimizer_bits
-    if piece.data.dim() != 2:
-        return 32
-    if piece.global_shape[0] <= job.small_table_rows:
-        return max(job.bits, job.small_table_bits)
-    return job.bits
-
-
-def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
-    """Raise NonFiniteStateError when a floating block holds NaN or inf (checked here, in the
-    writer, where every byte is read anyway: never in the trainer's stall)."""
-    if block.is_floating_point() and not bool(torch.isfinite(block).all()):
-        bad = int((~torch.isfinite(block)).sum())
-        raise NonFiniteStateError(f"tensor {piece.name!r} holds {bad} {NONFINITE} in its rows from {first_row} on: "
-                                  "a diverged state is not checkpointed, the newest committed checkpoint stays the "
-                                  "last finite one")
-
-
-def _encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int, col0: int):
-    """One chunk of rows ``lo..hi-1`` of ``piece``: row-wise quantized or log8 (see
-    quantized_bits), then through the job's compression; or raw, exact and uncompressed.
-
-    Why raw chunks (fp32 tables at 32 bits, dense state, a 1-D state log8 cannot code) skip
-    the compression: zstd level 3 shrinks fp32 values by 7.6% at 587 MB/s of one core (``bench
-    codecs``); on an fp32 full checkpoint of bench.yaml that made the writer's commit 1.57x a
-    plain put of the same bytes (3.28 s against 2.07 s, ``bench upload``) instead of about
-    1.0x. Quantized rows hold 8x fewer bytes per row to compress, for 5-13% saved.
-    """
-    ids = piece.row_ids[lo:hi] if piece.row_ids is not None else None
-    start = row0 + lo if ids is None else 0
-    block = piece.data[lo:hi]
-    check_finite(piece, block, start)
-    bits = quantized_bits(job, piece)
-    if bits != 32 and block.dim() == 2:
-        method = job.method if bits == job.bits and job.method else None
-        q = quantize_rows(block, bits, method=method or default_method(bits), name=piece.name)
-        return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids, compression=job.compression)
-    if bits != 32 and log8_applies(block):  # a 1-D state with negative values stays raw, exact
-        return encode_log8_chunk(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
-    return encode_raw_chunk(key, piece.name, block, start, col0, row_ids=ids)
-
-
 class Packer:
     """Names each encoded chunk's object: a chunk of at least ``limit / PACK_FRACTION`` bytes is
     an object of its own; smaller ones go back to back into shared objects of up to ``limit``
@@ -303,7 +252,7 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
             encode_start = time.time()
-            blob, ref = _encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
+            blob, ref = encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
             refs.append(packer.add(blob, ref, encode_start, time.time()))
             written += ref.nbytes
         have = tensors.get(piece.name)

@@ -18,7 +18,8 @@ from cnr.restore import fetch_chunk
 from cnr.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ShardRegion, WriteStatus
-from cnr.upload import WriteJob, Writer, check_finite
+from cnr.codec.choose import check_finite
+from cnr.upload import WriteJob, Writer
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
+from cnr.errors import CorruptChunkError
 from cnr.types import CodecSpec, Encoding
 
 DTYPES: Dict[str, torch.dtype] = {

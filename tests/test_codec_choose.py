@@ -1,4 +1,4 @@
-"""cnr.upload's choice of how each piece is stored (a pure function of the job and the piece)."""
+"""cnr.codec.choose: how the writer stores each piece (pure functions of the job and the piece)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from cnr.codec.choose import encode_block, quantized_bits
+from cnr.codec.zstd import zstd_spec
 from cnr.snapshot import HostPiece
 from cnr.types import CheckpointKind, Role, ShardRegion
-from cnr.upload import WriteJob, quantized_bits
+from cnr.upload import WriteJob
 
 
 def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPiece:
@@ -46,10 +48,7 @@ def test_each_piece_is_stored_at_its_width(job, piece, bits):
     (_piece(Role.DENSE, 40, 8), ["raw"]),  # raw values are not compressed: the CPU costs more than it saves
 ])
 def test_quantized_and_log8_chunks_are_compressed_raw_ones_are_not(piece, codecs):
-    from cnr.codec.zstd import zstd_spec
-    from cnr.upload import _encode_block
-
     piece.data.copy_(torch.rand(piece.data.shape))
     job = dataclasses.replace(_job(optimizer_bits=8), compression=(zstd_spec(),))
-    _, ref = _encode_block(job, piece, "k", 0, 40, 0, 0)
+    _, ref = encode_block(job, piece, "k", 0, 40, 0, 0)
     assert [spec.name for spec in ref.codecs] == codecs
