@@ -28,11 +28,11 @@ from typing import Any, Dict, List, Tuple
 import zstandard
 
 from cnr.bench.common import ROOT, argv_list, base_parser
-from cnr.encode import stored_payload
+from cnr.encode import decode_chunk, stored_payload
 from cnr.errors import CnrError, ConfigError
 from cnr.manifest import newest_committed, resolve_chain
-from cnr.restore import fetch_chunk
 from cnr.storage import open_storage
+from cnr.types import ByteRange
 
 LEVELS = (1, 3, 6, 9, 19)
 
@@ -82,8 +82,8 @@ def _payloads(store: str) -> List[Tuple[str, bytes]]:
     for manifest in resolve_chain(storage, newest_committed(storage)):
         for entry in manifest.tensors.values():
             for ref in entry.chunks:
-                fetch_chunk(storage, ref, dequantize=False)  # verified, and a real chunk of this kind
-                blob = storage.get(ref.key)[ref.offset:ref.offset + ref.nbytes]
+                blob = storage.get(ref.key, ByteRange(ref.offset, ref.nbytes))
+                decode_chunk(blob, ref, dequantize=False)  # verified: a real chunk of this kind
                 out.append((f"{manifest.kind.value}/{ref.encoding.value}", bytes(stored_payload(blob))))
     return out
 
