@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cnr.commit import check_coverage
-from cnr.encode import DTYPES, Compression, DecodedChunk, decode_chunk, encode_log8_chunk, encode_quantized_chunk, \
-    encode_raw_chunk
+from cnr.codec.log8 import log8_codes, log8_values
+from cnr.encode import DTYPES, Compression, DecodedChunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id, read_manifest, resolve_chain
 from cnr.quantize import QuantizedRows
@@ -126,9 +126,9 @@ def _merged_rows(storage: Storage, name: str, entry: TensorEntry, links: List[Li
 def _log8_or_raw(name: str, values: torch.Tensor, row_start: int, compression: Compression) -> Tuple[bytes, ChunkRef]:
     """``values`` (decoded from log8 chunks) log8-coded again when that reproduces them bit for
     bit (the grid depends on each chunk's range, so it may not), else stored raw: exact either way."""
-    blob, ref = encode_log8_chunk("", name, values, row_start, 0, compression=compression)
-    if torch.equal(decode_chunk(blob, ref).data, values):
-        return blob, ref
+    codes, lo, hi = log8_codes(values)
+    if torch.equal(log8_values(codes, lo, hi), values):  # the codec's own kernels: no chunk round trip
+        return encode_log8_chunk("", name, values, row_start, 0, compression=compression)
     return encode_raw_chunk("", name, values, row_start, 0)  # raw chunks are not compressed (cnr.codec.choose.encode_block)
 
 

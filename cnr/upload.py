@@ -57,8 +57,8 @@ class WriteJob:
     store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stages of
     quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as they are);
     ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
-    cnr.codec.choose decides per piece). ``lease``: rank 0's lease on the storage (cnr.lease), checked right before
-    the commit; None when the job holds none (benchmarks).
+    cnr.codec.choose decides per piece). ``lease``: rank 0's lease on the storage (cnr.lease),
+    checked right before the commit; None when the job holds none (benchmarks).
     """
 
     ckpt_id: str
