@@ -145,7 +145,7 @@ class CheckpointConfig:
     ``compression_level`` 1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of
     at most ``small_table_rows`` rows (0: none) store their rows at no fewer than
     ``small_table_bits`` (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones
-    (every row is looked up often) and cost few bytes (cnr.upload.quantized_bits).
+    (every row is looked up often) and cost few bytes (cnr.codec.choose.quantized_bits).
     ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
     ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
