@@ -172,7 +172,7 @@ class CheckpointEngine:
         """Kind and base of the next checkpoint (rank 0; cnr.policy.next_kind)."""
         policy = self.options.policy
         have_base = self.tracker is not None and self.chain.last_full is not None
-        kind = next_kind(policy, self.chain.chain_bytes, have_base)
+        kind = next_kind(policy, self.chain.chain_bytes, have_base, self.options.max_chain_ratio)
         if kind == CheckpointKind.FULL:
             return kind, None
         # a consecutive increment builds on the checkpoint before it, the others on the baseline

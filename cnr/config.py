@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from cnr.errors import ConfigError
-from cnr.policy import POLICIES
+from cnr.policy import CAPPED_POLICIES, POLICIES
 from cnr.types import STORED_QUANT_METHODS, ShardingKind, TableSpec
 
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
@@ -152,7 +152,10 @@ class CheckpointConfig:
     after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
     their chains need, delete the rest (0: keep everything). ``merge_every``: with the
     consecutive policy, merge the chain into a new full baseline in the background once this
-    many increments followed the newest one (cnr.merge; 0: never). ``lease_ttl_s``: a job holds
+    many increments followed the newest one (cnr.merge; 0: never). ``max_chain_ratio``: with
+    the intermittent or consecutive policy, a new baseline whenever the next checkpoint's chain
+    (what its restore reads) is predicted to exceed this many times its baseline's bytes (0: no
+    cap; else > 1; cnr.policy.predicted_chain_ratio). ``lease_ttl_s``: a job holds
     its storage location's lease (cnr.lease), renewed every quarter of this; another machine may
     take over a crashed job's location this long after its last renewal. ``on_damage``: a
     ``--resume`` whose newest committed checkpoint does not verify restores the newest one that
@@ -178,6 +181,7 @@ class CheckpointConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
     merge_every: int = 0
+    max_chain_ratio: float = 0.0
     lease_ttl_s: float = 60.0
     on_damage: str = "fallback"
 
@@ -458,6 +462,11 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
     _require(c.merge_every == 0 or c.policy == "consecutive",
              f"config key 'checkpoint.merge_every' = {c.merge_every} needs checkpoint.policy 'consecutive', not "
              f"{c.policy!r}: only consecutive increments form chains to merge")
+    _require(c.max_chain_ratio == 0 or c.max_chain_ratio > 1, f"config key 'checkpoint.max_chain_ratio' = "
+             f"{c.max_chain_ratio} is not allowed; it must be 0 (no cap) or > 1 (a chain reads its baseline at least)")
+    _require(c.max_chain_ratio == 0 or c.policy in CAPPED_POLICIES,
+             f"config key 'checkpoint.max_chain_ratio' = {c.max_chain_ratio} needs checkpoint.policy "
+             f"{' or '.join(repr(p) for p in CAPPED_POLICIES)}, not {c.policy!r}: the others never choose a new baseline")
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
     _one_of("checkpoint.on_damage", c.on_damage, ON_DAMAGE)

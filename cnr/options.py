@@ -43,6 +43,8 @@ class CheckpointOptions:
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
     - ``keep_last``: committed checkpoints kept after each commit with what their chains need
       (0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
+    - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
+      chain (what a restore reads) is predicted to exceed this many baselines' bytes (0: no cap).
     - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``restore_threads``: concurrent
       puts per writer / objects fetched at once per rank on restore.
     - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
@@ -66,6 +68,7 @@ class CheckpointOptions:
     expected_steps: int = 0
     keep_last: int = 2
     merge_every: int = 0
+    max_chain_ratio: float = 0.0
     chunk_bytes: int = 16 * 1024 * 1024
     upload_threads: int = 2
     restore_threads: int = 2

@@ -6,6 +6,9 @@ Kinds (Check-N-Run §4.1, §4.1.1): ``full`` takes a full checkpoint every time;
 takes one full baseline, then increments of the rows touched since it; ``consecutive`` takes
 increments of the rows touched since the previous checkpoint (restore replays the chain);
 ``intermittent`` is one-shot with the history predictor choosing when to take a new baseline.
+A chain cap (``max_chain_ratio``) bounds the bytes a restore reads, as a multiple of its
+baseline: intermittent and consecutive take a new baseline when the next chain is predicted to
+exceed it (storage held per kept checkpoint, traded against write bandwidth).
 
 Bit-width (§5.2.1): expected failures = failure rate per node-hour x nodes x expected hours; the
 smallest bit-width whose tolerated restore count covers them is chosen, else 8 bits. Once more
@@ -45,17 +48,44 @@ def intermittent_wants_full(chain_bytes: Sequence[int]) -> bool:
     return sum(sizes) <= (i + 1) * sizes[-1]
 
 
-def next_kind(policy: str, chain_bytes: Sequence[int], have_base: bool) -> CheckpointKind:
+CAPPED_POLICIES = ("intermittent", "consecutive")
+
+
+def predicted_chain_ratio(policy: str, chain_bytes: Sequence[int]) -> float:
+    """The bytes a restore of the next increment would read, as a multiple of the baseline's.
+
+    ``chain_bytes`` as in ``intermittent_wants_full`` (sizes S_i as fractions of the baseline,
+    S_0 = 0 for the baseline itself). One-shot increments hold every row touched since the
+    baseline, so they grow; the next is extrapolated linearly, S_i + (S_i - S_{i-1}), which
+    over-predicts a touched set that saturates. A consecutive restore reads every link, and the
+    next link is predicted as large as the last: 1 + S_1 + ... + S_i + S_i. With no increment
+    yet there is nothing to extrapolate from, and the answer is 1.
+    """
+    if len(chain_bytes) < 2 or chain_bytes[0] <= 0:
+        return 1.0
+    sizes = [0.0] + [b / float(chain_bytes[0]) for b in chain_bytes[1:]]
+    if policy == "consecutive":
+        return 1.0 + sum(sizes) + sizes[-1]
+    return 1.0 + sizes[-1] + max(0.0, sizes[-1] - sizes[-2])
+
+
+def next_kind(policy: str, chain_bytes: Sequence[int], have_base: bool,
+              max_chain_ratio: float = 0.0) -> CheckpointKind:
     """Kind of the next checkpoint under ``policy`` (one of POLICIES).
 
     ``have_base``: a committed full baseline exists for this job (else the next one is full);
-    ``chain_bytes``: bytes of that baseline and of every committed increment since it.
+    ``chain_bytes``: bytes of that baseline and of every committed increment since it;
+    ``max_chain_ratio``: with intermittent or consecutive, a new baseline once the next chain
+    is predicted to read more than this many baselines' bytes (0: no cap).
     """
     if policy not in POLICIES:
         raise ConfigError(f"checkpoint policy {policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
     if policy == "full" or not have_base:
         return CheckpointKind.FULL
     if policy == "intermittent" and intermittent_wants_full(chain_bytes):
+        return CheckpointKind.FULL
+    if max_chain_ratio > 0 and policy in CAPPED_POLICIES \
+            and predicted_chain_ratio(policy, chain_bytes) > max_chain_ratio:
         return CheckpointKind.FULL
     return CheckpointKind.INCREMENTAL
 

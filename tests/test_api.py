@@ -49,7 +49,7 @@ def _run(rank, world_size, arg):
     app_state = {"model": dmp, "optim": adam, "sched": sched, "shapes": Shapes()}
     if arg.get("loader", True):
         app_state["loader"] = loader
-    options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0)
+    options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0, max_chain_ratio=arg.get("max_chain_ratio", 0.0))
     result = {}
     with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
         info = ckpt.restore()
@@ -158,3 +158,16 @@ def test_kill_and_resume_at_world_size_1_then_restore_at_2(tmp_path, policy):
     assert set(one.pop("fused_lr").tolist()) == set(two.pop("fused_lr").tolist()) == {torch.tensor(0.1 / 4).item()}
     _assert_same(one, two)
     assert torch.load(tmp_path / "c.pt")["loader"].tolist() == [4, 4]
+
+
+def test_a_chain_cap_takes_new_baselines_and_restores(tmp_path):
+    """max_chain_ratio just above 1: after each increment the next chain is predicted to read more
+    than the cap, so consecutive alternates full and incremental; the newest one restores exactly."""
+    uri = str(tmp_path / "ck")
+    run = {"uri": uri, "policy": "consecutive", "max_chain_ratio": 1.01}
+    kinds = launch(_run, 1, {**run, "steps": 5, "saves": [2, 3, 4, 5], "out": str(tmp_path / "a.pt")})
+    assert [kinds[str(s)] for s in (2, 3, 4, 5)] == ["full", "incremental", "full", "incremental"]
+    manifests = cnr_manifests(uri)
+    assert manifests[3].base == manifests[2].id and len(manifests[3].chain_bytes) == 2
+    launch(_run, 1, {**run, "steps": 5, "saves": [], "out": str(tmp_path / "b.pt")})
+    _assert_same(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))

@@ -38,11 +38,15 @@ def test_summary_picks_the_best_policy_at_the_bit_width_for_one_failure():
 
 def test_bench_policies_runs_real_training(tmp_path):
     rc, out, err = run_cnr(["bench", "policies", "--config", TINY, "--intervals", "3", "--bits", "2",
-                            "--policies", "one_shot,consecutive"], str(tmp_path), timeout=600)
+                            "--policies", "one_shot,consecutive,intermittent", "--max-chain-ratio", "1.01"],
+                           str(tmp_path), timeout=600)
     assert rc == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     rows = {r["policy"]: r for r in result["policy_table"]}
-    assert set(rows) == {"one_shot", "consecutive"} and result["intervals"] == 3
+    assert set(rows) == {"one_shot", "consecutive", "intermittent", "intermittent<=1.01"} and result["intervals"] == 3
+    # the cap just above one baseline: a new baseline as soon as there is an increment to predict from
+    capped = rows.pop("intermittent<=1.01")
+    assert capped["kinds"] == "FiF" and capped["peak_storage_bytes"] < rows["intermittent"]["peak_storage_bytes"]
     for r in rows.values():
         assert r["checkpoints"] == 3 and r["kinds"] == "Fii" and r["bits"] == 2 and r["failed"] == 0
         # the report, from manifests, agrees with what the writers counted
@@ -61,4 +65,6 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch):
     monkeypatch.setattr(policies_bench, "launch", lambda *a, **k: started.append("launch"))
     with pytest.raises(ConfigError, match="sometimes"):
         policies_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--policies", "sometimes"])
+    with pytest.raises(ConfigError, match="--max-chain-ratio 0.5"):
+        policies_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--max-chain-ratio", "0.5"])
     assert started == [] and not (tmp_path / "w").exists()

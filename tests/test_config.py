@@ -70,6 +70,10 @@ def test_overrides_apply():
         ("checkpoint.small_table_bits=2", "'checkpoint.small_table_bits' = 2 is not allowed; allowed: 3, 4, 8, 32"),
         ("checkpoint.merge_every=-1", "'checkpoint.merge_every' = -1 is not allowed; it must be >= 0"),
         ("checkpoint.merge_every=2", "needs checkpoint.policy 'consecutive', not 'intermittent'"),
+        ("checkpoint.max_chain_ratio=1", "'checkpoint.max_chain_ratio' = 1.0 is not allowed; it must be 0 (no cap) or > 1"),
+        ("checkpoint.max_chain_ratio=-2", "'checkpoint.max_chain_ratio' = -2.0 is not allowed"),
+        ("checkpoint.max_chain_ratio=.nan", "'checkpoint.max_chain_ratio' = nan is not allowed"),
+        ("checkpoint.max_chain_ratio=x", "'checkpoint.max_chain_ratio' must be a number"),
         ("checkpoint.bit_policy=failures", "needs exactly one of 'checkpoint.failures.rate_per_node_hour'"),
         ("checkpoint.failures={rate_per_node_hour: -0.5}", "'checkpoint.failures.rate_per_node_hour' = -0.5"),
         ("checkpoint.failures={tolerated_restores: {5: 1}}", "maps bit-widths 2, 3, 4 to restore counts"),
@@ -110,3 +114,10 @@ def test_numbers_yaml_reads_as_strings_are_numbers(text, value):
 def test_other_strings_are_still_not_numbers(text):
     with pytest.raises(ConfigError, match="'train.sparse_lr' must be a number"):
         load_config(_TINY, [f"train.sparse_lr={text}"])
+
+
+def test_chain_cap_needs_a_policy_that_takes_new_baselines():
+    with pytest.raises(ConfigError, match="'checkpoint.max_chain_ratio' = 1.5 needs checkpoint.policy 'intermittent' "
+                                          "or 'consecutive', not 'one_shot'"):
+        load_config(TINY, ["checkpoint.policy=one_shot", "checkpoint.max_chain_ratio=1.5"])
+    assert load_config(TINY, ["checkpoint.policy=consecutive", "checkpoint.max_chain_ratio=1.5"]).checkpoint.max_chain_ratio == 1.5

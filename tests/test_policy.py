@@ -6,7 +6,8 @@ import pytest
 
 from cnr.errors import ConfigError
 from cnr.policy import (
-    BitDecision, apply_observed, choose_bits, decide_bits, intermittent_wants_full, next_kind, rate_from_failure_log,
+    BitDecision, apply_observed, choose_bits, decide_bits, intermittent_wants_full, next_kind, predicted_chain_ratio,
+    rate_from_failure_log,
     read_failure_log,
 )
 from cnr.types import CheckpointKind
@@ -43,6 +44,34 @@ def test_intermittent_predictor_on_hand_computed_sizes(chain_bytes, full):
 ])
 def test_next_kind(policy, chain_bytes, have_base, kind):
     assert next_kind(policy, chain_bytes, have_base) == kind
+
+
+@pytest.mark.parametrize("policy,chain_bytes,ratio", [
+    ("intermittent", [], 1.0),
+    ("intermittent", [1000], 1.0),                # no increment to extrapolate from
+    ("intermittent", [1000, 200], 1.4),           # 0.2 + 0.2 (growth from the baseline's 0)
+    ("intermittent", [1000, 200, 300], 1.4),      # 0.3 + 0.1
+    ("intermittent", [1000, 300, 300], 1.3),      # no growth
+    ("intermittent", [1000, 300, 250], 1.25),     # shrinking predicts no shrink
+    ("consecutive", [1000, 200], 1.4),            # 1 + 0.2 + the next as large as the last
+    ("consecutive", [1000, 200, 100, 300], 1.9),  # 1 + 0.6 + 0.3
+    ("intermittent", [0, 200], 1.0),              # an empty baseline: no prediction
+])
+def test_predicted_chain_ratio(policy, chain_bytes, ratio):
+    assert predicted_chain_ratio(policy, chain_bytes) == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("policy,chain_bytes,cap,kind", [
+    ("intermittent", [1000, 200], 1.3, CheckpointKind.FULL),        # the predictor alone says increment
+    ("intermittent", [1000, 200], 1.4, CheckpointKind.INCREMENTAL),  # exactly at the cap is allowed
+    ("intermittent", [1000, 200], 0.0, CheckpointKind.INCREMENTAL),  # 0: no cap
+    ("intermittent", [1000], 1.01, CheckpointKind.INCREMENTAL),      # nothing to predict from
+    ("consecutive", [1000, 200, 100, 300], 1.8, CheckpointKind.FULL),
+    ("consecutive", [1000, 200, 100, 300], 2.0, CheckpointKind.INCREMENTAL),
+    ("one_shot", [1000, 900], 1.1, CheckpointKind.INCREMENTAL),      # one-shot never takes a new baseline
+])
+def test_chain_cap_takes_a_new_baseline(policy, chain_bytes, cap, kind):
+    assert next_kind(policy, chain_bytes, True, cap) == kind
 
 
 def test_unknown_policy_is_named():

@@ -17,6 +17,11 @@ checkpoint and everything its restore reads) over the run, which is what retenti
 newest chain holds. The baseline writes a full fp32 checkpoint every interval and keeps the
 newest one.
 
+``--max-chain-ratio R`` (default 1.3; 0: none) adds an intermittent cell per bit-width with the
+chain cap ``checkpoint.max_chain_ratio = R`` (its policy reads "intermittent<=R"): it trades
+write bandwidth for storage, taking a new baseline before a restore would read more than R
+baselines' bytes.
+
 ``bw_reduction_best``/``capacity_reduction_best``: the best policy at the bit-width chosen for
 at most 1 expected failure (cnr.policy.choose_bits with the default tolerances).
 """
@@ -76,8 +81,25 @@ class CellTracker:
         return self.shared.capture_row_ids(bits)
 
 
-def _cells(policies: List[str], bits: List[int]) -> List[Tuple[str, int]]:
-    return [(p, b) for p in policies for b in bits]
+Cell = Tuple[str, int, float]  # policy, bit-width, checkpoint.max_chain_ratio (0: no cap)
+
+
+def _cells(policies: List[str], bits: List[int], cap: float) -> List[Cell]:
+    cells = [(p, b, 0.0) for p in policies for b in bits]
+    if cap > 0 and "intermittent" in policies:
+        cells += [("intermittent", b, cap) for b in bits]
+    return cells
+
+
+def _label(cell: Cell) -> str:
+    """The cell's policy as the table shows it."""
+    policy, _, cap = cell
+    return f"{policy}<={cap:g}" if cap > 0 else policy
+
+
+def _name(cell: Cell) -> str:
+    """The cell's storage directory and key."""
+    return f"{_label(cell)}-{cell[1]}"
 
 
 def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
@@ -85,14 +107,15 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     from cnr.parallel import train_step
 
     config: Config = arg["config"]
-    cells = [f"{p}-{b}" for p, b in arg["cells"]]
+    cells = [_name(cell) for cell in arg["cells"]]
     sharded = build_sharded_model(config, torch.device("cpu"))
     tracker = RowTracker(sharded.model, views=[f"{c}:{v}" for c in cells for v in ("checkpoint", "baseline")])
     tracker.install()
     buffers = HostBuffers()
     ckpts = {}
-    for (policy, bits), cell in zip(arg["cells"], cells):
-        c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed")
+    for (policy, bits, cap), cell in zip(arg["cells"], cells):
+        c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed",
+                                max_chain_ratio=cap)
         ckpt = CheckpointEngine(os.path.join(arg["workdir"], cell), CheckpointOptions.from_config(c), rank,
                                 world_size, CellTracker(tracker, cell))
         ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
@@ -116,15 +139,15 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     return {"cells": stats, "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
 
 
-def _cell_row(workdir: str, policy: str, bits: int, stats: Dict[str, int]) -> Dict[str, Any]:
-    store = open_storage(os.path.join(workdir, f"{policy}-{bits}"))
+def _cell_row(workdir: str, cell: Cell, stats: Dict[str, int]) -> Dict[str, Any]:
+    store = open_storage(os.path.join(workdir, _name(cell)))
     try:
         data = collect(store)
     finally:
         store.close()
     totals = data.totals()
     return {
-        "policy": policy, "bits": bits, "checkpoints": totals["checkpoints"], "failed": stats["failed"],
+        "policy": _label(cell), "bits": cell[1], "checkpoints": totals["checkpoints"], "failed": stats["failed"],
         "kinds": "".join("F" if p.entry.kind == "full" else "i" for p in data.points),
         "avg_bytes_per_interval": int(totals["avg_written_per_interval"]),
         "avg_data_bytes_per_interval": int(sum(p.entry.data_bytes for p in data.points) / len(data.points)),
@@ -172,20 +195,24 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--intervals", type=int, default=12, help="checkpoint intervals (>= 2)")
     parser.add_argument("--bits", default="2,3,4,8,32", help="comma-separated bit-widths")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    parser.add_argument("--max-chain-ratio", type=float, default=1.3,
+                        help="chain cap of the extra intermittent cells (0: no such cells; else > 1)")
     args = parser.parse_args(argv_list(argv))
     bits = [int(b) for b in args.bits.split(",")]
     policies = args.policies.split(",")
     bad = [p for p in policies if p not in POLICIES] + [str(b) for b in bits if b not in (2, 3, 4, 8, 32)]
+    if not (args.max_chain_ratio == 0 or args.max_chain_ratio > 1):
+        bad.append(f"--max-chain-ratio {args.max_chain_ratio}")
     if bad or args.intervals < 2:
         raise ConfigError(f"bench policies: {bad or args.intervals} not allowed; policies {', '.join(POLICIES)}, "
-                          "bits 2, 3, 4, 8, 32, --intervals >= 2")
+                          "bits 2, 3, 4, 8, 32, --intervals >= 2, --max-chain-ratio 0 or > 1")
     config = load_config(args.config, args.set)  # validates before any work
-    cells = _cells(policies, bits)
+    cells = _cells(policies, bits, args.max_chain_ratio)
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-policies-")
     try:
         out = launch(_run_cells, 1, {"config": config, "cells": cells, "workdir": workdir,
                                      "steps": args.intervals * config.checkpoint.interval})
-        table = [_cell_row(workdir, p, b, out["cells"][f"{p}-{b}"]) for p, b in cells]
+        table = [_cell_row(workdir, cell, out["cells"][_name(cell)]) for cell in cells]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
