@@ -55,8 +55,10 @@ class BitWidthPlanner:
 
     def _decide(self, step_seconds: float) -> BitDecision:
         f = self.options.failures
+        # optimizer_bits 0 leaves the optimizer state's width to the same budget
+        log8 = f.log8_tolerated_restores if self.options.optimizer_bits == 0 else -1
         return decide_bits(self.rate, self.nodes, self.options.expected_steps, step_seconds,
-                           f.tolerated_restores, self.restores)
+                           f.tolerated_restores, self.restores, log8)
 
     def _log(self, fmt: str) -> None:
         if self.rank == 0 and self.decision is not None:

@@ -22,7 +22,7 @@ from cnr.handoff import HandOff, SettleMode, rank0_decides
 from cnr.manifest import make_id
 from cnr.options import CheckpointOptions
 from cnr.merge import Merger
-from cnr.policy import BitDecision, fixed_bits, next_kind
+from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
@@ -137,7 +137,8 @@ class CheckpointEngine:
         def make_job(host: List[HostPiece]) -> WriteJob:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
-                            method=c.quant_method, optimizer_bits=c.optimizer_bits, app=dict(app or {}),
+                            method=c.quant_method, app=dict(app or {}),
+                            optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
                             lease=self.lease, compression=c.compression_chain(),
                             small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits)
 

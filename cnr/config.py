@@ -105,6 +105,12 @@ def _default_tolerated() -> Dict[int, int]:
     return {2: 3, 3: 20, 4: 20}
 
 
+# From `bench accuracy` at 2 bits (README): log8 Adagrad sums are within the seed noise after 1
+# and 3 restores (-0.45%/-0.30% logloss, against -0.39%/-0.32% with fp32 sums), and cost about
+# 0.2 points at 10 and 20.
+LOG8_TOLERATED_RESTORES = 3
+
+
 @dataclass(frozen=True)
 class FailureConfig:
     """Inputs of ``checkpoint.bit_policy: failures`` (Check-N-Run §5.2.1).
@@ -114,6 +120,8 @@ class FailureConfig:
     ``nodes``: nodes of this job (0: the world size). ``step_seconds``: expected seconds per
     step (0: measured over the first interval). ``tolerated_restores``: bit-width (2, 3, 4) ->
     the most restores from checkpoints at that width the accuracy budget allows.
+    ``log8_tolerated_restores``: the most expected failures at which ``checkpoint.optimizer_bits``
+    0 stores fused optimizer state in 8 bits (log8); beyond them it stays fp32.
     """
 
     rate_per_node_hour: float = 0.0
@@ -122,6 +130,7 @@ class FailureConfig:
     nodes: int = 0
     step_seconds: float = 0.0
     tolerated_restores: Dict[int, int] = field(default_factory=_default_tolerated)
+    log8_tolerated_restores: int = LOG8_TOLERATED_RESTORES
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,8 @@ class CheckpointConfig:
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
     ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too: 2-D state row-wise
-    quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8).
+    quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8);
+    0 (with ``bit_policy: failures``) lets the failure budget choose 8 or 32 (cnr.policy).
     ``compression``: "zstd" (lossless, over quantized and log8 chunks' payloads, at
     ``compression_level`` 1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of
     at most ``small_table_rows`` rows (0: none) store their rows at no fewer than
@@ -448,7 +458,10 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     _one_of("checkpoint.quant_method", c.quant_method, ("",) + STORED_QUANT_METHODS)
-    _require(c.optimizer_bits in (8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not allowed; allowed: 8, 32")
+    _require(c.optimizer_bits in (0, 8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not "
+             "allowed; allowed: 8, 32, or 0 (chosen from the failure budget, with bit_policy 'failures')")
+    _require(c.optimizer_bits != 0 or c.bit_policy == "failures", "config key 'checkpoint.optimizer_bits' = 0 "
+             f"(chosen from the failure budget) needs checkpoint.bit_policy 'failures', not {c.bit_policy!r}")
     _one_of("checkpoint.compression", c.compression, COMPRESSIONS)
     _require(c.compression_level in range(1, 20), f"config key 'checkpoint.compression_level' = "
              f"{c.compression_level} is not allowed; allowed: 1..19")
@@ -498,6 +511,8 @@ def _validate_failures(f: FailureConfig, bit_policy: str) -> None:
     _require(bool(f.tolerated_restores) and all(b in (2, 3, 4) and n >= 0 for b, n in f.tolerated_restores.items()),
              f"config key '{k}.tolerated_restores' = {f.tolerated_restores!r} is not allowed; it maps bit-widths "
              "2, 3, 4 to restore counts >= 0, e.g. {2: 1, 3: 3, 4: 20}")
+    _require(f.log8_tolerated_restores >= 0, f"config key '{k}.log8_tolerated_restores' = "
+             f"{f.log8_tolerated_restores} is not allowed; it must be >= 0")
     if bit_policy == "failures":
         _require((f.rate_per_node_hour > 0) != bool(f.log),
                  f"checkpoint.bit_policy 'failures' needs exactly one of '{k}.rate_per_node_hour' (> 0) or "

@@ -34,7 +34,8 @@ class CheckpointOptions:
     - ``bits``: embedding rows stored at 2, 3, 4, 8 bits (row-wise quantized) or 32 (exact);
       ``quant_method``: "adaptive", "naive", "symmetric" or "" (the width's default);
       ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too (2-D state
-      row-wise, the 1-D row-wise Adagrad sum on a log grid, cnr.codec.log8).
+      row-wise, the 1-D row-wise Adagrad sum on a log grid, cnr.codec.log8), or 0 to let the
+      failure budget choose (``bit_policy`` "failures").
     - ``compression``: "zstd" (lossless, quantized and log8 chunks' payloads, at
       ``compression_level`` 1..19) or "none".
     - ``small_table_rows``/``small_table_bits``: tables of at most ``small_table_rows`` rows

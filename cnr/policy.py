@@ -11,8 +11,11 @@ baseline: intermittent and consecutive take a new baseline when the next chain i
 exceed it (storage held per kept checkpoint, traded against write bandwidth).
 
 Bit-width (§5.2.1): expected failures = failure rate per node-hour x nodes x expected hours; the
-smallest bit-width whose tolerated restore count covers them is chosen, else 8 bits. Once more
-failures are observed than expected, every later checkpoint uses 8 bits.
+smallest bit-width whose tolerated restore count covers them is chosen, else 8 bits. The same
+budget chooses how fused optimizer state is stored when ``optimizer_bits`` is 0: 8 bits (the
+row-wise Adagrad sum on cnr.codec.log8's grid) while the expected failures stay within the
+restores log8 is known to tolerate, else fp32. Once more failures are observed than expected,
+every later checkpoint uses 8-bit rows and fp32 optimizer state.
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class BitDecision:
     ``expected_failures`` = ``rate_per_node_hour`` x ``nodes`` x ``expected_hours``, where
     ``expected_hours`` = ``steps`` x ``step_seconds`` / 3600. ``observed_failures``: restores so far.
     ``fallback``: more failures were observed than expected, so 8 bits from then on.
+    ``optimizer_bits``: how fused optimizer state is stored when the job leaves it to the budget
+    (``optimizer_bits`` 0): 8 or 32. Decisions recorded before it existed read as 32.
     """
 
     mode: str
@@ -172,22 +177,35 @@ class BitDecision:
     steps: int = 0
     step_seconds: float = 0.0
     fallback: bool = False
+    optimizer_bits: int = 32
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
     @staticmethod
     def from_dict(obj: Mapping[str, Any]) -> "BitDecision":
-        """Inverse of to_dict; raises ValueError on a field that is missing or unknown."""
+        """Inverse of to_dict; raises ValueError on a field that is unknown or missing (fields
+        added later, ``LATER_FIELDS``, may be missing: they take their defaults)."""
         names = set(BitDecision.__dataclass_fields__)
-        if set(obj) != names:
+        if not names - LATER_FIELDS <= set(obj) <= names:
             raise ValueError(f"bit_width fields {sorted(obj)} differ from {sorted(names)}")
         return BitDecision(**dict(obj))
 
 
+LATER_FIELDS = frozenset({"optimizer_bits"})  # absent from decisions recorded before #14
+
+
+def choose_optimizer_bits(expected: float, log8_tolerated: int) -> int:
+    """8 (log8 row-wise Adagrad sums) when ``expected`` failures are within the restores log8
+    is measured to tolerate, else 32."""
+    return 8 if expected <= log8_tolerated else 32
+
+
 def decide_bits(rate_per_node_hour: float, nodes: int, steps: int, step_seconds: float,
-                tolerated_restores: Mapping[int, int], observed_failures: int) -> BitDecision:
-    """A fresh decision from the failure inputs (mode "failures")."""
+                tolerated_restores: Mapping[int, int], observed_failures: int,
+                log8_tolerated: int = -1) -> BitDecision:
+    """A fresh decision from the failure inputs (mode "failures"). ``log8_tolerated``: the most
+    restores log8 optimizer state tolerates (-1: never chosen, the state stays fp32)."""
     hours = steps * step_seconds / 3600.0
     expected = expected_failures(rate_per_node_hour, nodes, hours)
     bits = choose_bits(expected, tolerated_restores)
@@ -196,23 +214,35 @@ def decide_bits(rate_per_node_hour: float, nodes: int, steps: int, step_seconds:
               f"{hours:.3g} h ({steps} steps x {step_seconds:.3g} s); tolerated restores: {table}; "
               f"{bits} bits is the smallest width that covers it" if bits != FALLBACK_BITS else
               f"expected failures {expected:.3g} exceed every tolerance ({table}): 8 bits")
+    optimizer_bits = choose_optimizer_bits(expected, log8_tolerated)
+    if log8_tolerated >= 0:
+        reason += (f"; optimizer state {'log8' if optimizer_bits == 8 else 'fp32'} "
+                   f"(log8 tolerates <= {log8_tolerated} restores)")
     decision = BitDecision("failures", bits, reason, expected, observed_failures, rate_per_node_hour, nodes,
-                           hours, steps, step_seconds)
+                           hours, steps, step_seconds, optimizer_bits=optimizer_bits)
     return apply_observed(decision, observed_failures)
 
 
 def apply_observed(decision: BitDecision, observed_failures: int) -> BitDecision:
     """``decision`` updated with the failures observed so far: once they exceed the estimate,
-    8 bits for every later checkpoint (sticky: a decision that fell back stays at 8 bits)."""
+    8-bit rows and fp32 optimizer state for every later checkpoint (sticky: a decision that fell
+    back stays there)."""
     if decision.mode != "failures":
         return decision
     if decision.fallback or observed_failures > decision.expected_failures:
         reason = decision.reason if decision.fallback else (
             f"{observed_failures} failures observed exceed the {decision.expected_failures:.3g} expected: "
-            f"falling back from {decision.bits} to {FALLBACK_BITS} bits for every later checkpoint")
+            f"falling back from {decision.bits} to {FALLBACK_BITS} bits (optimizer state fp32) for every "
+            "later checkpoint")
         return BitDecision(**{**decision.to_dict(), "bits": max(decision.bits, FALLBACK_BITS), "reason": reason,
-                              "observed_failures": observed_failures, "fallback": True})
+                              "observed_failures": observed_failures, "fallback": True, "optimizer_bits": 32})
     return BitDecision(**{**decision.to_dict(), "observed_failures": observed_failures})
+
+
+def stored_optimizer_bits(configured: int, decision: BitDecision) -> int:
+    """How fused optimizer state is stored: ``checkpoint.optimizer_bits`` (8 or 32), or the
+    decision's choice when it is 0 (left to the failure budget)."""
+    return configured or decision.optimizer_bits
 
 
 def fixed_bits(bits: int) -> BitDecision:

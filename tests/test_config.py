@@ -65,7 +65,10 @@ def test_overrides_apply():
         ("checkpoint.keep_last=-1", "'checkpoint.keep_last' = -1"),
         ("checkpoint.compression=lz4", "'checkpoint.compression' = 'lz4' is not allowed; allowed: zstd, none"),
         ("checkpoint.compression_level=20", "'checkpoint.compression_level' = 20 is not allowed; allowed: 1..19"),
-        ("checkpoint.optimizer_bits=4", "'checkpoint.optimizer_bits' = 4 is not allowed; allowed: 8, 32"),
+        ("checkpoint.optimizer_bits=4", "'checkpoint.optimizer_bits' = 4 is not allowed; allowed: 8, 32, or 0"),
+        ("checkpoint.optimizer_bits=0", "'checkpoint.optimizer_bits' = 0 (chosen from the failure budget) needs "
+                                        "checkpoint.bit_policy 'failures', not 'fixed'"),
+        ("checkpoint.failures={log8_tolerated_restores: -1}", "'checkpoint.failures.log8_tolerated_restores' = -1"),
         ("checkpoint.small_table_rows=-1", "'checkpoint.small_table_rows' = -1 is not allowed; it must be >= 0"),
         ("checkpoint.small_table_bits=2", "'checkpoint.small_table_bits' = 2 is not allowed; allowed: 3, 4, 8, 32"),
         ("checkpoint.merge_every=-1", "'checkpoint.merge_every' = -1 is not allowed; it must be >= 0"),

@@ -113,6 +113,39 @@ def test_fallback_to_8_bits_once_failures_exceed_the_estimate_and_it_sticks():
     assert (again.bits, again.fallback, again.reason) == (8, True, fell.reason)
 
 
+@pytest.mark.parametrize("rate,log8_tolerated,optimizer_bits", [
+    (0.5, 3, 8),     # 0.5 expected failures, log8 tolerates 3
+    (3.0, 3, 8),     # at the tolerance
+    (3.5, 3, 32),    # beyond it
+    (0.5, 0, 32),    # 0 tolerated: never (a failure-free job expects > 0 failures here)
+    (0.5, -1, 32),   # not left to the budget
+])
+def test_the_budget_chooses_how_optimizer_state_is_stored(rate, log8_tolerated, optimizer_bits):
+    d = decide_bits(rate, 1, 3600, 1.0, {2: 3, 3: 20, 4: 20}, 0, log8_tolerated)
+    assert d.optimizer_bits == optimizer_bits
+    assert ("optimizer state" in d.reason) is (log8_tolerated >= 0)
+
+
+def test_the_fallback_stores_optimizer_state_fp32_and_explicit_widths_win():
+    from cnr.policy import stored_optimizer_bits
+
+    d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0, log8_tolerated=3)
+    assert (d.bits, d.optimizer_bits) == (2, 8)
+    fell = apply_observed(d, 1)
+    assert (fell.bits, fell.optimizer_bits, fell.fallback) == (8, 32, True) and "optimizer state fp32" in fell.reason
+    assert [stored_optimizer_bits(c, d) for c in (0, 8, 32)] == [8, 8, 32]
+    assert [stored_optimizer_bits(c, fell) for c in (0, 8, 32)] == [32, 8, 32]
+
+
+def test_decisions_recorded_before_the_optimizer_choice_read_as_fp32():
+    old = decide_bits(1, 1, 1, 1, PAPER, 0).to_dict()
+    del old["optimizer_bits"]
+    assert BitDecision.from_dict(old).optimizer_bits == 32
+    del old["bits"]  # a field that was always there stays required
+    with pytest.raises(ValueError, match="differ"):
+        BitDecision.from_dict(old)
+
+
 def test_fixed_decisions_never_fall_back():
     from cnr.policy import fixed_bits
 

@@ -61,7 +61,12 @@ def test_consecutive_chain_restores_across_world_sizes(tmp_path, runs_ws2):
 
 
 FAILURES = ["--set", "checkpoint.bit_policy=failures", "--set", "checkpoint.failures.rate_per_node_hour=1.5",
-            "--set", "checkpoint.failures.step_seconds=180"]
+            "--set", "checkpoint.failures.step_seconds=180", "--set", "checkpoint.optimizer_bits=0"]
+
+
+def _state_encodings(m) -> set:
+    """How the manifest's fused optimizer state (the row-wise Adagrad sums) is stored."""
+    return {c.encoding.value for t in m.tensors.values() if t.role.value == "table_state" for c in t.chunks}
 
 
 def test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts(tmp_path):
@@ -71,6 +76,8 @@ def test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts(tmp_
     m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
     assert m.bit_width["expected_failures"] == pytest.approx(1.5) and m.bit_width["bits"] == 2
     assert m.bits == 2 and not m.bit_width["fallback"]
+    # optimizer_bits 0: 1.5 expected failures are within log8's 3 tolerated restores
+    assert m.bit_width["optimizer_bits"] == 8 and _state_encodings(m) == {"log8"}
     # the estimate is the job's: a resume keeps it (a different step time in the config changes nothing)
     s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=40", "--set",
               "checkpoint.failures.step_seconds=1", "--resume")
@@ -79,6 +86,7 @@ def test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts(tmp_
     assert s["checkpoint_bits"] == 8
     m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
     assert m.bit_width["fallback"] and m.bits == 8
+    assert m.bit_width["optimizer_bits"] == 32 and _state_encodings(m) == {"raw"}  # the fallback's fp32 sums
     assert "2 failures observed exceed the 1.5 expected" in m.bit_width["reason"]
     s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=80", "--resume")  # the restart keeps 8 bits
     assert s["checkpoint_bits"] == 8
