@@ -35,7 +35,8 @@ from cnr.errors import CheckpointError, CnrError
 from cnr.fallback import Skipped, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
 from cnr.manifest import Manifest
-from cnr.options import CheckpointOptions, PublishOptions
+from cnr.codec.choose import resolve_table_bits
+from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish_location import check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
@@ -101,6 +102,10 @@ class Checkpointer:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
         self.app = AppState(app_state, self.rank)
+        try:  # before anything is opened: a bad name is refused with nothing to undo
+            table_bits = resolve_table_bits(self.options.table_bits, [(t.id, t.name) for t in self.app.tables])
+        except ValueError as e:
+            raise OptionsError(f"CheckpointOptions.{e}") from None
         self.metadata = dict(metadata or {})
         self.storage = open_storage(uri)
         self.uri = self.storage.uri
@@ -132,6 +137,7 @@ class Checkpointer:
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options))
         self.engine.lease = self.lease.ref if self.lease is not None else None
+        self.engine.table_bits = table_bits
         self._closed = False
 
     # ---- restore -------------------------------------------------------------------------

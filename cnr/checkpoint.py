@@ -22,7 +22,7 @@ from cnr.handoff import HandOff, SettleMode, rank0_decides
 from cnr.manifest import make_id
 from cnr.options import CheckpointOptions
 from cnr.merge import Merger
-from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits
+from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
@@ -100,6 +100,9 @@ class CheckpointEngine:
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
         self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
+        # options.table_bits keyed by table id (cnr.codec.choose.resolve_table_bits; the
+        # Checkpointer knows the tables and sets it)
+        self.table_bits: Dict[str, int] = {}
 
     @property
     def writer(self) -> Writer:
@@ -140,7 +143,8 @@ class CheckpointEngine:
                             method=c.quant_method, app=dict(app or {}),
                             optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
                             lease=self.lease, compression=c.compression_chain(),
-                            small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits)
+                            small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
+                            table_bits=table_widths_in_force(self.table_bits, self.bit_width))
 
         snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))

@@ -156,6 +156,9 @@ class CheckpointConfig:
     at most ``small_table_rows`` rows (0: none) store their rows at no fewer than
     ``small_table_bits`` (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones
     (every row is looked up often) and cost few bytes (cnr.codec.choose.quantized_bits).
+    ``table_bits``: table name -> the width (2, 3, 4, 8, 32) its rows are stored at instead of
+    ``bits`` and the small-table rule, e.g. a plan from ``bench tables``; after the fallback
+    to 8 bits no table goes below 8.
     ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
     ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
@@ -187,6 +190,7 @@ class CheckpointConfig:
     compression_level: int = 3
     small_table_rows: int = 0
     small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
     bit_policy: str = "fixed"
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2
@@ -446,6 +450,10 @@ def validate(config: Config) -> None:
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
     validate_checkpoint(c)
+    names = [t.name for t in m.tables]
+    unknown = sorted(set(c.table_bits) - set(names))
+    _require(not unknown, f"config key 'checkpoint.table_bits' names {shown(unknown[0]) if unknown else ''}, which is "
+             f"not a table of model.tables; tables: {shown(', '.join(names))}")
     _validate_publish(config.publish)
 
 
@@ -469,6 +477,10 @@ def validate_checkpoint(c: "CheckpointConfig") -> None:
              "allowed; it must be >= 0 (0: no table is small)")
     _require(c.small_table_bits in (3, 4, 8, 32), f"config key 'checkpoint.small_table_bits' = "
              f"{c.small_table_bits} is not allowed; allowed: 3, 4, 8, 32")
+    _require(isinstance(c.table_bits, dict) and all(isinstance(k, str) and k and v in (2, 3, 4, 8, 32)
+                                                    and not isinstance(v, bool) for k, v in c.table_bits.items()),
+             f"config key 'checkpoint.table_bits' = {shown(c.table_bits)} is not allowed; it maps table names to "
+             "bit-widths 2, 3, 4, 8 or 32, e.g. {t_0: 4, t_1: 2}")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
     _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")

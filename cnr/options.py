@@ -40,6 +40,10 @@ class CheckpointOptions:
       ``compression_level`` 1..19) or "none".
     - ``small_table_rows``/``small_table_bits``: tables of at most ``small_table_rows`` rows
       (0: none) are stored at no fewer than ``small_table_bits`` (3, 4, 8, 32) bits.
+    - ``table_bits``: table -> the width (2, 3, 4, 8, 32) its rows are stored at instead
+      (a plan from ``bench tables``). A table is named by its id (as ``cnr inspect --tables``
+      shows it) or by torchrec's table name when that is unique; the Checkpointer refuses
+      names that match no table or several. Never below 8 after the fallback to 8 bits.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
     - ``keep_last``: committed checkpoints kept after each commit with what their chains need
@@ -64,6 +68,7 @@ class CheckpointOptions:
     compression_level: int = 3
     small_table_rows: int = 0
     small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
     bit_policy: str = "fixed"
     failures: Any = field(default_factory=_default_failures)
     expected_steps: int = 0

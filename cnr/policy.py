@@ -245,6 +245,14 @@ def stored_optimizer_bits(configured: int, decision: BitDecision) -> int:
     return configured or decision.optimizer_bits
 
 
+def table_widths_in_force(table_bits: Mapping[str, int], decision: BitDecision) -> Dict[str, int]:
+    """A per-table plan (table -> width) as the decision allows it: after the fallback, no
+    table below 8 bits."""
+    if not decision.fallback:
+        return dict(table_bits)
+    return {t: max(b, FALLBACK_BITS) for t, b in table_bits.items()}
+
+
 def fixed_bits(bits: int) -> BitDecision:
     return BitDecision("fixed", bits, f"checkpoint.bits = {bits}")
 

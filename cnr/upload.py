@@ -57,7 +57,8 @@ class WriteJob:
     store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stages of
     quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as they are);
     ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
-    cnr.codec.choose decides per piece). ``lease``: rank 0's lease on the storage (cnr.lease),
+    cnr.codec.choose decides per piece); ``table_bits``: table id -> its rows' width, over both.
+    ``lease``: rank 0's lease on the storage (cnr.lease),
     checked right before the commit; None when the job holds none (benchmarks).
     """
 
@@ -77,6 +78,7 @@ class WriteJob:
     compression: Tuple[CodecSpec, ...] = ()
     small_table_rows: int = 0
     small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -171,3 +171,21 @@ def test_a_chain_cap_takes_new_baselines_and_restores(tmp_path):
     assert manifests[3].base == manifests[2].id and len(manifests[3].chain_bytes) == 2
     launch(_run, 1, {**run, "steps": 5, "saves": [], "out": str(tmp_path / "b.pt")})
     _assert_same(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
+
+
+def _plan(rank, world_size, arg):
+    dmp, adam, sched = build(world_size)
+    try:
+        cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": adam}, cnr.CheckpointOptions(table_bits=arg["plan"]))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("plan,message", [
+    ({"t0": 2}, "CheckpointOptions.table_bits key 't0' names 3 tables"),  # both towers' modules have a "t0"
+    ({"nope": 2}, "CheckpointOptions.table_bits key 'nope' matches no table"),
+])
+def test_a_table_plan_naming_no_single_table_is_refused_before_anything_is_opened(tmp_path, plan, message):
+    out = launch(_plan, 1, {"uri": str(tmp_path / "ck"), "plan": plan})
+    assert message in out["error"] and not (tmp_path / "ck").exists()

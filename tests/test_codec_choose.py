@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from cnr.codec.choose import encode_block, quantized_bits
+from cnr.codec.choose import encode_block, quantized_bits, resolve_table_bits
 from cnr.codec.zstd import zstd_spec
 from cnr.snapshot import HostPiece
 from cnr.types import CheckpointKind, Role, ShardRegion
@@ -20,9 +20,9 @@ def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPie
     return HostPiece("p", shape, region, False, torch.zeros(shape, dtype=dtype), None, role, "t" if role != Role.DENSE else None)
 
 
-def _job(bits=2, optimizer_bits=32, small_rows=0, small_bits=8) -> WriteJob:
+def _job(bits=2, optimizer_bits=32, small_rows=0, small_bits=8, table_bits=None) -> WriteJob:
     return WriteJob("0000000001-x", 1, CheckpointKind.FULL, None, 0, 1, [], bits=bits, optimizer_bits=optimizer_bits,
-                    small_table_rows=small_rows, small_table_bits=small_bits)
+                    small_table_rows=small_rows, small_table_bits=small_bits, table_bits=table_bits or {})
 
 
 @pytest.mark.parametrize("job,piece,bits", [
@@ -37,6 +37,11 @@ def _job(bits=2, optimizer_bits=32, small_rows=0, small_bits=8) -> WriteJob:
     (_job(optimizer_bits=32), _piece(Role.TABLE_STATE, 10, 8), 32),
     (_job(optimizer_bits=8), _piece(Role.TABLE_STATE, 10, 8), 8),
     (_job(small_rows=10**9), _piece(Role.DENSE, 10, 8), 32),  # dense state is never quantized
+    (_job(table_bits={"t": 3}), _piece(Role.TABLE_ROWS, 1000, 8), 3),  # the table's own width
+    (_job(small_rows=1000, table_bits={"t": 2}), _piece(Role.TABLE_ROWS, 10, 8), 2),  # over the small-table rule
+    (_job(bits=8, table_bits={"t": 32}), _piece(Role.TABLE_ROWS, 10, 8), 32),
+    (_job(table_bits={"other": 8}), _piece(Role.TABLE_ROWS, 10, 8), 2),
+    (_job(optimizer_bits=8, table_bits={"t": 32}), _piece(Role.TABLE_STATE, 10), 8),  # rows only, not their state
 ])
 def test_each_piece_is_stored_at_its_width(job, piece, bits):
     assert quantized_bits(job, piece) == bits
@@ -52,3 +57,27 @@ def test_quantized_and_log8_chunks_are_compressed_raw_ones_are_not(piece, codecs
     job = dataclasses.replace(_job(optimizer_bits=8), compression=(zstd_spec(),))
     _, ref = encode_block(job, piece, "k", 0, 40, 0, 0)
     assert [spec.name for spec in ref.codecs] == codecs
+
+
+TABLES = [("model/ebc.embedding_bags.t0.weight", "t0"), ("model/ebc.embedding_bags.t1.weight", "t1"),
+          ("tower/ebc.embedding_bags.t1.weight", "t1")]
+
+
+@pytest.mark.parametrize("plan,resolved", [
+    ({}, {}),
+    ({"t0": 4}, {"model/ebc.embedding_bags.t0.weight": 4}),  # torchrec's name, when one table has it
+    ({"tower/ebc.embedding_bags.t1.weight": 2, "model/ebc.embedding_bags.t0.weight": 8},
+     {"tower/ebc.embedding_bags.t1.weight": 2, "model/ebc.embedding_bags.t0.weight": 8}),
+])
+def test_table_names_resolve_to_ids(plan, resolved):
+    assert resolve_table_bits(plan, TABLES) == resolved
+
+
+@pytest.mark.parametrize("plan,message", [
+    ({"t9": 4}, "table_bits key 't9' matches no table; tables: model/ebc"),
+    ({"t1": 4}, "table_bits key 't1' names 2 tables (model/ebc.embedding_bags.t1.weight, "
+                "tower/ebc.embedding_bags.t1.weight); give the id"),
+])
+def test_unknown_and_ambiguous_table_names_are_refused(plan, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_table_bits(plan, TABLES)

@@ -66,6 +66,10 @@ def test_overrides_apply():
         ("checkpoint.compression=lz4", "'checkpoint.compression' = 'lz4' is not allowed; allowed: zstd, none"),
         ("checkpoint.compression_level=20", "'checkpoint.compression_level' = 20 is not allowed; allowed: 1..19"),
         ("checkpoint.optimizer_bits=4", "'checkpoint.optimizer_bits' = 4 is not allowed; allowed: 8, 32, or 0"),
+        ("checkpoint.table_bits={t0: 5}", "'checkpoint.table_bits' = {'t0': 5} is not allowed; it maps table names to bit-widths 2, 3, 4, 8 or 32"),
+        ("checkpoint.table_bits=[t0]", "'checkpoint.table_bits' must be a mapping"),
+        ("checkpoint.table_bits={t0: true}", "table_bits['t0']\" must be an integer, got True"),
+        ("checkpoint.table_bits={t9: 4}", "'checkpoint.table_bits' names 't9', which is not a table of model.tables; tables: 't0, t1, t2, t3'"),
         ("checkpoint.optimizer_bits=0", "'checkpoint.optimizer_bits' = 0 (chosen from the failure budget) needs "
                                         "checkpoint.bit_policy 'failures', not 'fixed'"),
         ("checkpoint.failures={log8_tolerated_restores: -1}", "'checkpoint.failures.log8_tolerated_restores' = -1"),

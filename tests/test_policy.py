@@ -137,6 +137,15 @@ def test_the_fallback_stores_optimizer_state_fp32_and_explicit_widths_win():
     assert [stored_optimizer_bits(c, fell) for c in (0, 8, 32)] == [32, 8, 32]
 
 
+def test_a_per_table_plan_never_goes_below_8_bits_after_the_fallback():
+    from cnr.policy import table_widths_in_force
+
+    plan = {"a": 2, "b": 4, "c": 32}
+    d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0)
+    assert table_widths_in_force(plan, d) == plan
+    assert table_widths_in_force(plan, apply_observed(d, 1)) == {"a": 8, "b": 8, "c": 32}
+
+
 def test_decisions_recorded_before_the_optimizer_choice_read_as_fp32():
     old = decide_bits(1, 1, 1, 1, PAPER, 0).to_dict()
     del old["optimizer_bits"]

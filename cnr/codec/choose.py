@@ -4,7 +4,7 @@ a cnr.upload.WriteJob), run in the writer process, never in the stall."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Mapping, Tuple
 
 import torch
 
@@ -19,17 +19,35 @@ if TYPE_CHECKING:  # cnr.upload imports this module
     from cnr.upload import WriteJob
 
 
+def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str, str]]) -> Dict[str, int]:
+    """``table_bits`` keyed by table id. ``tables``: every table's (id, torchrec name). A key is a
+    table's id, or the torchrec name of exactly one table; raises ValueError naming a key that
+    matches no table or several."""
+    tables = list(tables)
+    out: Dict[str, int] = {}
+    for key, bits in table_bits.items():
+        ids = [i for i, name in tables if key == i] or [i for i, name in tables if key == name]
+        if len(ids) != 1:
+            what = "matches no table" if not ids else f"names {len(ids)} tables ({', '.join(sorted(ids))}); give the id"
+            raise ValueError(f"table_bits key {key!r} {what}; tables: {', '.join(i for i, _ in tables)}")
+        out[ids[0]] = bits
+    return out
+
+
 def quantized_bits(job: "WriteJob", piece: HostPiece) -> int:
-    """Bit-width ``piece`` is stored at: table weights at ``job.bits``, or at least
-    ``job.small_table_bits`` for a table of at most ``job.small_table_rows`` rows; fused optimizer
-    state (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at
-    ``job.optimizer_bits``; everything else (dense state) at 32."""
+    """Bit-width ``piece`` is stored at: table weights at ``job.table_bits[table]`` when the
+    table has an entry, else at ``job.bits``, or at least ``job.small_table_bits`` for a table
+    of at most ``job.small_table_rows`` rows; fused optimizer state (2-D row-wise quantized,
+    1-D row-wise on cnr.codec.log8's grid) at ``job.optimizer_bits``; everything else (dense
+    state) at 32."""
     if piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
         return 32
     if piece.role == Role.TABLE_STATE and piece.data.dim() in (1, 2):
         return job.optimizer_bits
     if piece.data.dim() != 2:
         return 32
+    if piece.table in job.table_bits:
+        return job.table_bits[piece.table]
     if piece.global_shape[0] <= job.small_table_rows:
         return max(job.bits, job.small_table_bits)
     return job.bits
