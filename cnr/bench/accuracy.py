@@ -5,10 +5,12 @@ the only difference between runs is the quantization: an uninterrupted run, then
 bit-width and failure count k a run that, at k evenly spaced checkpoint boundaries, writes a
 checkpoint at that bit-width, waits for it to commit, and restores the model from it (the
 embedding rows come back dequantized; dense state is fp32, and so is the fused optimizer state
-unless ``--set checkpoint.optimizer_bits=8``, log8 Adagrad sums). Reports the final
+unless ``--set checkpoint.optimizer_bits=8``, log8 Adagrad sums; ``--set
+checkpoint.table_bits=...`` stores each table at its own width instead, e.g. a plan from
+``bench tables``). Reports the final
 eval logloss and AUC and their change relative to the uninterrupted run of the same seed,
 averaged over ``--seeds`` (one seed's trajectory moves by chance after any perturbation). A
-control row restores from fp32 checkpoints (``bits`` 32, optimizer state fp32 too), which must
+control row restores from fp32 checkpoints (``bits`` 32, optimizer state and every table fp32 too), which must
 change nothing at all.
 """
 
@@ -47,10 +49,12 @@ def failure_steps(steps: int, interval: int, k: int) -> List[int]:
 
 
 def _run(config: Config, bits: int, failures: List[int], workdir: str) -> Dict[str, Any]:
-    # the fp32 control stores everything exactly, optimizer state included, whatever the config says
-    optimizer_bits = 32 if bits == 32 else config.checkpoint.optimizer_bits
-    cfg = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, bits=bits, policy="full",
-                                                                     optimizer_bits=optimizer_bits))
+    # the fp32 control stores everything exactly, optimizer state and every table included,
+    # whatever the config says (a checkpoint.table_bits plan applies to the other cells)
+    control = bits == 32
+    cfg = dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, bits=bits, policy="full", optimizer_bits=32 if control else config.checkpoint.optimizer_bits,
+        table_bits={} if control else config.checkpoint.table_bits))
     sharded = build_sharded_model(cfg, torch.device("cpu"))
     reader = make_reader(cfg, 0, 1, None, "train")
     uri = os.path.join(workdir, f"seed{cfg.train.seed}-b{bits}-k{len(failures)}")  # one job, one location
