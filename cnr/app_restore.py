@@ -22,7 +22,8 @@ import torch
 from cnr.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, sharded_modules, stateful_name
 from cnr.encode import DTYPES
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, resolve_chain
+from cnr.manifest import Manifest
+from cnr.catalog import resolve_chain
 from cnr.restore import check_no_extra_tensors, restore_chain, restore_rng
 from cnr.state import StatePiece, global_names, whole_piece
 from cnr.storage.base import Storage

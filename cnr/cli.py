@@ -30,7 +30,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from cnr.manifest import list_checkpoints
+    from cnr.catalog import list_checkpoints
     from cnr.storage import open_storage
 
     storage = open_storage(args.uri)
@@ -79,7 +79,7 @@ def _inspect_verify(storage, as_json: bool) -> int:
 def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
     """The embedding tables (every EBC and EC table of every module) a checkpoint holds."""
     from cnr.errors import CheckpointError
-    from cnr.manifest import newest_committed, read_manifest
+    from cnr.catalog import newest_committed, read_manifest
 
     manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
     if manifest is None:

@@ -15,9 +15,9 @@ from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
 from cnr.lease import check_held
 from cnr.manifest import (
-    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, marker_error, merge_rank_indexes,
-    parse_rank_index, rank_index_key,
+    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes, parse_rank_index, rank_index_key,
 )
+from cnr.catalog import marker_error
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, Role
 

@@ -28,7 +28,8 @@ import torch
 
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.load import load_state_dict
-from cnr.manifest import Manifest, newest_committed, read_manifest
+from cnr.manifest import Manifest
+from cnr.catalog import newest_committed, read_manifest
 from cnr.storage import open_storage
 from cnr.types import Role
 

@@ -36,7 +36,8 @@ from cnr.app_state import AppState
 from cnr.config import ON_DAMAGE
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.handoff import rank0_decides
-from cnr.manifest import MERGED_SUFFIX, Manifest, committed_ids, manifest_key, read_manifest, resolve_chain
+from cnr.manifest import MERGED_SUFFIX, Manifest, manifest_key
+from cnr.catalog import committed_ids, read_manifest, resolve_chain
 from cnr.storage.base import Storage
 from cnr.verify import DAMAGE, check_rank_indexes
 

@@ -16,7 +16,8 @@ import torch
 
 from cnr.config import Config
 from cnr.errors import ConfigError
-from cnr.manifest import Manifest, newest_committed
+from cnr.manifest import Manifest
+from cnr.catalog import newest_committed
 from cnr.policy import failure_rate
 from cnr.publish_location import check_publish_storage, publish_uri
 from cnr.storage import open_storage

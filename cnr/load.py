@@ -9,7 +9,7 @@ import torch
 
 from cnr.encode import DTYPES
 from cnr.errors import CheckpointError
-from cnr.manifest import newest_committed, read_manifest, resolve_chain
+from cnr.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.restore import restore_chain
 from cnr.state import whole_piece
 from cnr.storage import open_storage

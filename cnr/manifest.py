@@ -24,12 +24,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from cnr.codec import array_encoding, check_chain_names
 from cnr.codec.spec import spec_from_json, spec_to_json
-from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
+from cnr.errors import CheckpointError, CorruptChunkError
 from cnr.integrity import check_manifest_fields, check_sealed, seal, unseal
 from cnr.manifest_v1 import v1_app, v1_role, v1_upgrade
-from cnr.storage.base import Storage, validate_key
+from cnr.storage.base import validate_key
 from cnr.types import (
-    RNG_PREFIX, TABLE_ROLES, CheckpointInfo, CheckpointKind, CheckpointStatus, ChunkRef, CodecSpec, Encoding, Role, TableSpec,
+    RNG_PREFIX, TABLE_ROLES, CheckpointKind, ChunkRef, CodecSpec, Encoding, Role, TableSpec,
 )
 
 logger = logging.getLogger(__name__)
@@ -444,127 +444,3 @@ def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
                                       f"vs {entry.shape}/{entry.dtype}/{entry.role.value}")
             merged[name] = dataclasses.replace(have, chunks=have.chunks + entry.chunks)
     return merged
-
-
-# ---- listing ---------------------------------------------------------------------------------
-
-def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
-    key = manifest_key(ckpt_id)
-    manifest = parse_manifest(storage.get(key), where=f"{storage.uri}/{key}")
-    if manifest.id != ckpt_id:
-        raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
-    return manifest
-
-
-def checkpoint_ids(storage: Storage) -> List[str]:
-    """Ids of every checkpoint with anything stored, committed or not, oldest step first."""
-    ids = {k.split("/")[1] for k in storage.list(ROOT) if k.count("/") >= 2}
-    return sorted(ids)
-
-
-def marker_error(storage: Storage, key: str) -> str:
-    """The error a failure marker (``failed_key``) records, shortened to 2000 characters."""
-    try:
-        return str(json.loads(storage.get(key).decode()).get("error", "failed"))[:2000]
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return "failed (unreadable marker)"
-
-
-def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
-    """The error recorded for a failed checkpoint (or one of its ranks), else None."""
-    for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/failed-rank-" in k]:
-        if storage.exists(key):
-            return marker_error(storage, key)
-    return None
-
-
-def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Manifest]]]:
-    """Every checkpoint in storage, oldest first, with its manifest (None unless committed)."""
-    found: List[Tuple[CheckpointInfo, Optional[Manifest]]] = []
-    for ckpt_id in checkpoint_ids(storage):
-        step = int(ckpt_id.split("-")[0]) if ckpt_id.split("-")[0].isdigit() else -1
-        if not storage.exists(manifest_key(ckpt_id)):
-            nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
-            error = failure_of(storage, ckpt_id)
-            status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
-            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
-            continue
-        try:
-            m = read_manifest(storage, ckpt_id)
-        except CheckpointError as e:  # one damaged manifest must not hide the others
-            logger.warning("checkpoint %s is damaged: %s", ckpt_id, e)
-            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.DAMAGED, 0, 0, 0,
-                                         error=str(e)), None))
-            continue
-        found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                                     method=m.method), m))
-    return found
-
-
-def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
-    """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
-    return [info for info, _ in scan_checkpoints(storage)]
-
-
-def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
-    """The manifests to apply in order to restore ``manifest``: its full baseline first.
-
-    Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
-    consecutive increment the checkpoint before it. Every link must be committed and older. A link
-    whose chain was merged (a committed ``merged_id(link)``, cnr.merge) is replaced by the merged
-    full checkpoint, which holds the same state, and the walk ends there without reading that
-    link (``chain_links`` walks the same way over a listing).
-    """
-    if manifest.kind != CheckpointKind.FULL:
-        merged = _read_if_committed(storage, merged_id(manifest.id))
-        if merged is not None:
-            return [_checked_merged(merged, manifest)]
-    chain = [manifest]
-    while chain[0].kind != CheckpointKind.FULL:
-        head = chain[0]
-        if not head.base:
-            raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
-        merged = _read_if_committed(storage, merged_id(head.base))
-        if merged is not None:
-            chain.insert(0, _checked_merged(merged, head))
-            break
-        base = _read_if_committed(storage, head.base)
-        if base is None:
-            raise CheckpointError(f"checkpoint {manifest.id} needs {head.base} (the base of {head.id}), "
-                                  f"which is not committed in {storage.uri}")
-        if base.step >= head.step:
-            raise CheckpointError(f"base {base.id} of {head.id} is not older than the increment")
-        chain.insert(0, base)
-    return chain
-
-
-def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
-    try:
-        return read_manifest(storage, ckpt_id)
-    except KeyNotFoundError:
-        return None
-
-
-def _checked_merged(merged: Manifest, after: Manifest) -> Manifest:
-    """A merged baseline found while resolving ``after``'s chain: full, and no newer than it."""
-    if merged.kind != CheckpointKind.FULL or merged.step > after.step:
-        raise CheckpointError(f"{merged.id} is not a full checkpoint at or before step {after.step}")
-    return merged
-
-
-def committed_ids(storage: Storage) -> List[str]:
-    """Ids of every checkpoint with a manifest (readable or not), newest first."""
-    return [i for i in reversed(checkpoint_ids(storage)) if storage.exists(manifest_key(i))]
-
-
-def newest_committed(storage: Storage) -> Optional[Manifest]:
-    """The committed checkpoint with the highest step whose manifest reads, or None. A damaged
-    newer manifest is skipped with a warning naming it."""
-    for ckpt_id in committed_ids(storage):
-        try:
-            return read_manifest(storage, ckpt_id)
-        except KeyNotFoundError:
-            continue  # deleted by retention since the listing
-        except CheckpointError as e:
-            logger.warning("skipping damaged checkpoint %s: %s", ckpt_id, e)
-    return None

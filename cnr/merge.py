@@ -34,7 +34,8 @@ from cnr.commit import check_coverage
 from cnr.codec.log8 import log8_codes, log8_values
 from cnr.encode import DTYPES, Compression, DecodedChunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id, read_manifest, resolve_chain
+from cnr.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id
+from cnr.catalog import read_manifest, resolve_chain
 from cnr.quantize import QuantizedRows
 from cnr.restore import fetch_chunk
 from cnr.retention import retain_checkpoints

@@ -44,7 +44,8 @@ from cnr.handoff import RUNNING, HandOff, SettleMode, Settled, rank0_decides
 from cnr.app_state import AppState, whole_tables
 from cnr.config import Config
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.manifest import make_id, newest_committed
+from cnr.manifest import make_id
+from cnr.catalog import newest_committed
 from cnr.publish_location import publish_uri
 from cnr.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
 from cnr.state import StatePiece

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
-from cnr.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key, scan_checkpoints
+from cnr.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key
+from cnr.catalog import scan_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo

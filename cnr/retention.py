@@ -29,7 +29,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, failed_key, list_checkpoints, manifest_key
+from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, failed_key, manifest_key
+from cnr.catalog import list_checkpoints
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 

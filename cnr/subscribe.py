@@ -35,7 +35,8 @@ from cnr.commit import check_coverage
 from cnr.encode import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
 from cnr.module_target import ModuleTarget
-from cnr.manifest import ROOT, Manifest, read_manifest, resolve_chain
+from cnr.manifest import ROOT, Manifest
+from cnr.catalog import read_manifest, resolve_chain
 from cnr.restore import fetch_chunk
 from cnr.storage import open_storage
 from cnr.storage.base import Storage

@@ -24,7 +24,8 @@ from cnr.errors import CheckpointError, redact_logging
 from cnr.evaluate import evaluate
 from cnr.faults import maybe_crash
 from cnr.launch import rank_device
-from cnr.manifest import Manifest, newest_committed
+from cnr.manifest import Manifest
+from cnr.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.job import TrainJob
 from cnr.parallel import ShardedModel, build_sharded_model, train_step

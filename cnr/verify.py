@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.manifest import (
-    MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key, read_manifest, resolve_chain, scan_checkpoints,
-)
+from cnr.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key
+from cnr.catalog import read_manifest, resolve_chain, scan_checkpoints
 from cnr.restore import fetch_chunk
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus

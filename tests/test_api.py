@@ -76,7 +76,7 @@ def _run(rank, world_size, arg):
 
 def cnr_manifests(uri: str):
     """The committed manifests under ``uri``, oldest first."""
-    from cnr.manifest import list_checkpoints, read_manifest
+    from cnr.catalog import list_checkpoints, read_manifest
     from cnr.storage import open_storage
 
     storage = open_storage(uri)

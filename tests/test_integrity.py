@@ -15,9 +15,8 @@ import pytest
 
 from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
-from cnr.manifest import (
-    list_checkpoints, manifest_key, parse_manifest, parse_rank_index, rank_index_key, read_manifest,
-)
+from cnr.manifest import manifest_key, parse_manifest, parse_rank_index, rank_index_key
+from cnr.catalog import list_checkpoints, read_manifest
 from cnr.retention import plan_retention
 from cnr.storage.local import LocalStorage
 from cnr.train import check_reader_position

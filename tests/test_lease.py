@@ -125,7 +125,7 @@ def _api_rank(rank, world_size, arg):
 
 def test_checkpointer_that_lost_its_lease_commits_nothing(tmp_path):
     from cnr.launch import launch
-    from cnr.manifest import list_checkpoints
+    from cnr.catalog import list_checkpoints
     from cnr.storage import open_storage
 
     uri = str(tmp_path / "store")

@@ -9,10 +9,8 @@ import pytest
 
 from cnr.errors import CheckpointError
 from cnr.integrity import seal
-from cnr.manifest import (
-    Manifest, TensorEntry, list_checkpoints, make_id, manifest_key, manifest_to_bytes, newest_committed,
-    parse_manifest, read_manifest,
-)
+from cnr.manifest import Manifest, TensorEntry, make_id, manifest_key, manifest_to_bytes, parse_manifest
+from cnr.catalog import list_checkpoints, newest_committed, read_manifest
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpec
 

@@ -11,7 +11,8 @@ import torch
 from cli_helpers import MIXED_SHARDING, inspect, train
 from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, manifest_key, merged_id, newest_committed, read_manifest, resolve_chain
+from cnr.manifest import Manifest, manifest_key, merged_id
+from cnr.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.merge import _encoding_of, merge_chain
 from cnr.restore import restore_chain
 from cnr.state import StatePiece

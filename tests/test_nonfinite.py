@@ -12,7 +12,8 @@ import torch
 
 from cli_helpers import train
 from cnr.errors import NONFINITE, NonFiniteStateError
-from cnr.manifest import list_checkpoints, manifest_key, read_manifest, resolve_chain
+from cnr.manifest import manifest_key
+from cnr.catalog import list_checkpoints, read_manifest, resolve_chain
 from cnr.options import CheckpointOptions
 from cnr.restore import fetch_chunk
 from cnr.snapshot import HostPiece

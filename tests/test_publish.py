@@ -13,7 +13,7 @@ from cnr.cli import main
 from cnr.config import load_config
 from cnr.errors import ConfigError
 from cnr.inference import InferenceModel
-from cnr.manifest import list_checkpoints, newest_committed, resolve_chain
+from cnr.catalog import list_checkpoints, newest_committed, resolve_chain
 from cnr.publish import plan_publish_retention
 from cnr.restore import restore_chain
 from cnr.state import StatePiece

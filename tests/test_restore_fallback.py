@@ -18,7 +18,8 @@ from cnr.app_state import AppState
 from cnr.config import load_config
 from cnr.errors import CheckpointError
 from cnr.launch import RankFailed, launch
-from cnr.manifest import list_checkpoints, manifest_key, read_manifest
+from cnr.manifest import manifest_key
+from cnr.catalog import list_checkpoints, read_manifest
 from cnr.state import gather_global
 from cnr.storage.local import LocalStorage
 from cnr.trace import load_trace

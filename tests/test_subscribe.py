@@ -28,7 +28,8 @@ from cnr.data import make_reader
 from cnr.evaluate import evaluate
 from cnr.inference import InferenceModel
 from cnr.launch import launch
-from cnr.manifest import manifest_key, read_manifest
+from cnr.manifest import manifest_key
+from cnr.catalog import read_manifest
 from cnr.parallel import build_sharded_model
 from cnr.publish import make_publisher
 from cnr.app_state import collect_state

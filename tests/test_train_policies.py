@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cli_helpers import MIXED_SHARDING, inspect, train
-from cnr.manifest import read_manifest
+from cnr.catalog import read_manifest
 from cnr.storage.local import LocalStorage
 
 

@@ -45,7 +45,8 @@ from cnr.bench import chaos_job
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.bench.common import ROOT, argv_list
-from cnr.manifest import chain_links, scan_checkpoints
+from cnr.manifest import chain_links
+from cnr.catalog import scan_checkpoints
 from cnr.storage.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
 from cnr.trace import load_trace

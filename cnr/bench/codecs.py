@@ -30,7 +30,7 @@ import zstandard
 from cnr.bench.common import ROOT, argv_list, base_parser
 from cnr.encode import decode_chunk, stored_payload
 from cnr.errors import CnrError, ConfigError
-from cnr.manifest import newest_committed, resolve_chain
+from cnr.catalog import newest_committed, resolve_chain
 from cnr.storage import open_storage
 from cnr.types import ByteRange
 

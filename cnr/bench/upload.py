@@ -44,7 +44,8 @@ from cnr.config import Config
 from cnr.data import make_reader
 from cnr.errors import ConfigError
 from cnr.launch import launch
-from cnr.manifest import checkpoint_prefix, manifest_key, newest_committed, rank_index_key, resolve_chain
+from cnr.manifest import checkpoint_prefix, manifest_key, rank_index_key
+from cnr.catalog import newest_committed, resolve_chain
 from cnr.parallel import ShardedModel, build_sharded_model
 from cnr.restore import restore_chain
 from cnr.app_state import collect_state
