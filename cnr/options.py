@@ -1,6 +1,6 @@
 """``CheckpointOptions``: every knob of a checkpoint engine, validated when constructed.
 
-The same rules as the ``checkpoint`` section of ``cnr train``'s config (cnr.config.validate);
+The same rules as the ``checkpoint`` section of ``cnr train``'s config (cnr.config_checks.validate);
 an error names the option as ``CheckpointOptions.<name>``.
 """
 
@@ -84,7 +84,8 @@ class CheckpointOptions:
     on_damage: str = "fallback"
 
     def __post_init__(self) -> None:
-        from cnr.config import CheckpointConfig, FailureConfig, _build, validate_checkpoint
+        from cnr.config import CheckpointConfig, FailureConfig, _build
+        from cnr.config_checks import validate_checkpoint
 
         if isinstance(self.failures, Mapping):
             try:
@@ -149,7 +150,8 @@ class PublishOptions:
     keep_bases: int = 2
 
     def __post_init__(self) -> None:
-        from cnr.config import PublishConfig, _validate_publish
+        from cnr.config import PublishConfig
+        from cnr.config_checks import _validate_publish
 
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
