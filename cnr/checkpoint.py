@@ -144,7 +144,7 @@ class CheckpointEngine:
                             optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
                             lease=self.lease, compression=c.compression_chain(),
                             small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
-                            table_bits=table_widths_in_force(self.table_bits, self.bit_width))
+                            table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 
         snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))

@@ -157,7 +157,9 @@ class CheckpointConfig:
     (every row is looked up often) and cost few bytes (cnr.codec.choose.quantized_bits).
     ``table_bits``: table name -> the width (2, 3, 4, 8, 32) its rows are stored at instead of
     ``bits`` and the small-table rule, e.g. a plan from ``bench tables``; after the fallback
-    to 8 bits no table goes below 8.
+    to 8 bits no table goes below 8. ``table_plan_width``: the uniform width that plan stands
+    in for (0: any): checkpoints at another width (a failure decision for more failures, or
+    the fallback) store every table at that width instead.
     ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
     ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
@@ -190,6 +192,7 @@ class CheckpointConfig:
     small_table_rows: int = 0
     small_table_bits: int = 8
     table_bits: Dict[str, int] = field(default_factory=dict)
+    table_plan_width: int = 0
     bit_policy: str = "fixed"
     failures: FailureConfig = field(default_factory=FailureConfig)
     keep_last: int = 2

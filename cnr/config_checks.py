@@ -111,6 +111,8 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
                                                     and not isinstance(v, bool) for k, v in c.table_bits.items()),
              f"config key 'checkpoint.table_bits' = {shown(c.table_bits)} is not allowed; it maps table names to "
              "bit-widths 2, 3, 4, 8 or 32, e.g. {t_0: 4, t_1: 2}")
+    _require(c.table_plan_width in (0, 2, 3, 4, 8), f"config key 'checkpoint.table_plan_width' = "
+             f"{c.table_plan_width} is not allowed; allowed: 0 (the plan applies at any width), 2, 3, 4, 8")
     _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
     _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
     _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")

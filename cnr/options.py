@@ -44,6 +44,8 @@ class CheckpointOptions:
       (a plan from ``bench tables``). A table is named by its id (as ``cnr inspect --tables``
       shows it) or by torchrec's table name when that is unique; the Checkpointer refuses
       names that match no table or several. Never below 8 after the fallback to 8 bits.
+      ``table_plan_width``: the uniform width the plan stands in for (0: any); at another
+      width (chosen by the failure budget, or the fallback) every table is stored at it.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
     - ``keep_last``: committed checkpoints kept after each commit with what their chains need
@@ -69,6 +71,7 @@ class CheckpointOptions:
     small_table_rows: int = 0
     small_table_bits: int = 8
     table_bits: Dict[str, int] = field(default_factory=dict)
+    table_plan_width: int = 0
     bit_policy: str = "fixed"
     failures: Any = field(default_factory=_default_failures)
     expected_steps: int = 0

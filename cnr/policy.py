@@ -245,9 +245,13 @@ def stored_optimizer_bits(configured: int, decision: BitDecision) -> int:
     return configured or decision.optimizer_bits
 
 
-def table_widths_in_force(table_bits: Mapping[str, int], decision: BitDecision) -> Dict[str, int]:
-    """A per-table plan (table -> width) as the decision allows it: after the fallback, no
-    table below 8 bits."""
+def table_widths_in_force(table_bits: Mapping[str, int], decision: BitDecision, plan_width: int = 0) -> Dict[str, int]:
+    """A per-table plan (table -> width) as the decision allows it. ``plan_width``: the uniform
+    width the plan stands in for (0: any); a decision for another width (more failures
+    expected, or the fallback) stores every table at that width instead. After the fallback
+    no table goes below 8 bits."""
+    if plan_width and decision.bits != plan_width:
+        return {}
     if not decision.fallback:
         return dict(table_bits)
     return {t: max(b, FALLBACK_BITS) for t, b in table_bits.items()}

@@ -27,8 +27,10 @@ def test_bench_tables_measures_every_table_and_plans_below_the_uniform_bytes(tmp
     assert r["plan_impact"] <= r["uniform"]["3"]["impact"]
     assert r["plan_bytes"] <= r["uniform"]["3"]["bytes"]
     assert r["set_table_bits"].startswith("checkpoint.table_bits={t0: ")
+    assert r["set_table_plan_width"] == "checkpoint.table_plan_width=3"
     # the printed plan is a valid override for the same config
-    rc, out, err = run_cnr(["bench", "tables", "--config", TINY, "--set", "train.steps=1", "--set", r["set_table_bits"]],
+    rc, out, err = run_cnr(["bench", "tables", "--config", TINY, "--set", "train.steps=1", "--set", r["set_table_bits"],
+                            "--set", r["set_table_plan_width"]],
                            str(tmp_path), timeout=300)
     assert rc == 0, err[-3000:]
 

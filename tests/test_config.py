@@ -70,6 +70,7 @@ def test_overrides_apply():
         ("checkpoint.table_bits=[t0]", "'checkpoint.table_bits' must be a mapping"),
         ("checkpoint.table_bits={t0: true}", "table_bits['t0']\" must be an integer, got True"),
         ("checkpoint.table_bits={t9: 4}", "'checkpoint.table_bits' names 't9', which is not a table of model.tables; tables: 't0, t1, t2, t3'"),
+        ("checkpoint.table_plan_width=32", "'checkpoint.table_plan_width' = 32 is not allowed; allowed: 0 (the plan"),
         ("checkpoint.optimizer_bits=0", "'checkpoint.optimizer_bits' = 0 (chosen from the failure budget) needs "
                                         "checkpoint.bit_policy 'failures', not 'fixed'"),
         ("checkpoint.failures={log8_tolerated_restores: -1}", "'checkpoint.failures.log8_tolerated_restores' = -1"),

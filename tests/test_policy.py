@@ -144,6 +144,10 @@ def test_a_per_table_plan_never_goes_below_8_bits_after_the_fallback():
     d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0)
     assert table_widths_in_force(plan, d) == plan
     assert table_widths_in_force(plan, apply_observed(d, 1)) == {"a": 8, "b": 8, "c": 32}
+    # a plan for the width the budget chose applies; at any other width, none does
+    assert table_widths_in_force(plan, d, plan_width=2) == plan  # 0.5 expected failures: 2 bits
+    assert table_widths_in_force(plan, decide_bits(2.0, 1, 3600, 1.0, PAPER, 0), plan_width=2) == {}  # 3 bits
+    assert table_widths_in_force(plan, apply_observed(d, 1), plan_width=2) == {}  # the fallback: 8 bits
 
 
 def test_decisions_recorded_before_the_optimizer_choice_read_as_fp32():

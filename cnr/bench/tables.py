@@ -8,7 +8,8 @@ checkpoint stores them) and measures the impact (lookup-weighted squared error, 
 all lookups of the run) and the bytes of a full checkpoint's rows. ``--bits B``: the width the
 failure budget chose; the plan is the cheapest set of widths whose total impact is at most that
 of B for every table. Prints the plan as ``table_bits`` (for ``--set
-checkpoint.table_bits=...``), its bytes and impact against every uniform width, and per table
+checkpoint.table_bits=...``, with ``checkpoint.table_plan_width=B``: under the failure policy it
+applies while the budget chooses B), its bytes and impact against every uniform width, and per table
 its rows, share of lookups, impact per width and chosen width.
 """
 
@@ -101,4 +102,5 @@ def run(argv: List[str]) -> Dict[str, Any]:
         m["nbytes"] = {str(b): v for b, v in m["nbytes"].items()}
     plan = "{" + ", ".join(f"{n}: {b}" for n, b in summary["table_bits"].items()) + "}"
     return {"bench": "tables", "config": args.config.rsplit("/", 1)[-1], "steps": config.train.steps,
-            **summary, "set_table_bits": f"checkpoint.table_bits={plan}", "tables": measured}
+            **summary, "set_table_bits": f"checkpoint.table_bits={plan}",
+            "set_table_plan_width": f"checkpoint.table_plan_width={args.bits}", "tables": measured}
