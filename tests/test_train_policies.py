@@ -64,6 +64,15 @@ FAILURES = ["--set", "checkpoint.bit_policy=failures", "--set", "checkpoint.fail
             "--set", "checkpoint.failures.step_seconds=180", "--set", "checkpoint.optimizer_bits=0"]
 
 
+def _table_widths(m) -> dict:
+    """Per table (torchrec's name): the widths its stored rows have."""
+    out: dict = {}
+    for t in m.tensors.values():
+        if t.role.value == "table_rows":
+            out.setdefault(t.table.split(".")[-2], set()).update(c.bits for c in t.chunks)
+    return out
+
+
 def _state_encodings(m) -> set:
     """How the manifest's fused optimizer state (the row-wise Adagrad sums) is stored."""
     return {c.encoding.value for t in m.tensors.values() if t.role.value == "table_state" for c in t.chunks}
@@ -71,22 +80,26 @@ def _state_encodings(m) -> set:
 
 def test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts(tmp_path):
     # 20 steps x 180 s = 1 h x 1 node x 1.5/node-hour: 1.5 expected failures -> 2 bits (<= 3 tolerated)
-    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=20")
+    # t0 has a plan for the 2-bit budget: 4 bits while 2 is chosen
+    plan = ["--set", "checkpoint.table_bits={t0: 4}", "--set", "checkpoint.table_plan_width=2"]
+    s = train(str(tmp_path), "ck", *FAILURES, *plan, "--set", "train.steps=20")
     assert s["checkpoint_bits"] == 2
     m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
     assert m.bit_width["expected_failures"] == pytest.approx(1.5) and m.bit_width["bits"] == 2
     assert m.bits == 2 and not m.bit_width["fallback"]
     # optimizer_bits 0: 1.5 expected failures are within log8's 3 tolerated restores
     assert m.bit_width["optimizer_bits"] == 8 and _state_encodings(m) == {"log8"}
+    assert _table_widths(m) == {"t0": {4}, "t1": {2}, "t2": {2}, "t3": {2}}
     # the estimate is the job's: a resume keeps it (a different step time in the config changes nothing)
     s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=40", "--set",
               "checkpoint.failures.step_seconds=1", "--resume")
     assert s["checkpoint_bits"] == 2 and s["restores"] == 1
-    s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=60", "--resume")  # 2 failures > 1.5
+    s = train(str(tmp_path), "ck", *FAILURES, *plan, "--set", "train.steps=60", "--resume")  # 2 failures > 1.5
     assert s["checkpoint_bits"] == 8
     m = _manifest(str(tmp_path), "ck", s["last_checkpoint"])
     assert m.bit_width["fallback"] and m.bits == 8
     assert m.bit_width["optimizer_bits"] == 32 and _state_encodings(m) == {"raw"}  # the fallback's fp32 sums
+    assert set().union(*_table_widths(m).values()) == {8}  # the plan was for 2 bits: every table at 8
     assert "2 failures observed exceed the 1.5 expected" in m.bit_width["reason"]
     s = train(str(tmp_path), "ck", *FAILURES, "--set", "train.steps=80", "--resume")  # the restart keeps 8 bits
     assert s["checkpoint_bits"] == 8
