@@ -232,8 +232,8 @@ def apply_observed(decision: BitDecision, observed_failures: int) -> BitDecision
     if decision.fallback or observed_failures > decision.expected_failures:
         reason = decision.reason if decision.fallback else (
             f"{observed_failures} failures observed exceed the {decision.expected_failures:.3g} expected: "
-            f"falling back from {decision.bits} to {FALLBACK_BITS} bits (optimizer state fp32) for every "
-            "later checkpoint")
+            f"falling back from {decision.bits} to {FALLBACK_BITS} bits for every later checkpoint "
+            "(optimizer state left to the budget: fp32)")
         return BitDecision(**{**decision.to_dict(), "bits": max(decision.bits, FALLBACK_BITS), "reason": reason,
                               "observed_failures": observed_failures, "fallback": True, "optimizer_bits": 32})
     return BitDecision(**{**decision.to_dict(), "observed_failures": observed_failures})

@@ -132,7 +132,7 @@ def test_the_fallback_stores_optimizer_state_fp32_and_explicit_widths_win():
     d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0, log8_tolerated=3)
     assert (d.bits, d.optimizer_bits) == (2, 8)
     fell = apply_observed(d, 1)
-    assert (fell.bits, fell.optimizer_bits, fell.fallback) == (8, 32, True) and "optimizer state fp32" in fell.reason
+    assert (fell.bits, fell.optimizer_bits, fell.fallback) == (8, 32, True) and "optimizer state left to the budget: fp32" in fell.reason
     assert [stored_optimizer_bits(c, d) for c in (0, 8, 32)] == [8, 8, 32]
     assert [stored_optimizer_bits(c, fell) for c in (0, 8, 32)] == [32, 8, 32]
 
