@@ -74,9 +74,10 @@ def plan_widths(tables: Mapping[str, TableCosts], widths: Sequence[int], budget:
     return plan
 
 
-def plan_for_width(tables: Mapping[str, TableCosts], widths: Sequence[int], bits: int) -> Dict[str, int]:
-    """The plan at the impact of ``bits`` for every table: ``plan_widths`` with that budget, or
-    ``bits`` everywhere when the greedy plan would not save bytes."""
+def plan_for_width(tables: Mapping[str, TableCosts], widths: Sequence[int], bits: int,
+                   fraction: float = 1.0) -> Dict[str, int]:
+    """The plan at ``fraction`` of the impact of ``bits`` for every table: ``plan_widths`` with
+    that budget, or ``bits`` everywhere when the greedy plan would not save bytes."""
     same = {name: bits for name in tables}
-    plan = plan_widths(tables, widths, uniform(tables, bits)["impact"])
+    plan = plan_widths(tables, widths, fraction * uniform(tables, bits)["impact"])
     return plan if totals(tables, plan)["nbytes"] < totals(tables, same)["nbytes"] else same

@@ -35,7 +35,12 @@ def test_bench_tables_measures_every_table_and_plans_below_the_uniform_bytes(tmp
     assert rc == 0, err[-3000:]
 
 
-def test_bad_width_is_refused_before_any_run(monkeypatch):
+@pytest.mark.parametrize("argv,message", [
+    (["--bits", "5"], "--bits 5 is not allowed; allowed: 2, 3, 4, 8"),
+    (["--impact-fraction", "0"], "--impact-fraction 0.0 is not allowed; it must be in"),
+    (["--impact-fraction", "1.5"], "--impact-fraction 1.5"),
+])
+def test_bad_arguments_are_refused_before_any_run(monkeypatch, argv, message):
     monkeypatch.setattr(tables_bench, "launch", lambda *a, **k: pytest.fail("ran despite a bad argument"))
-    with pytest.raises(ConfigError, match="--bits 5 is not allowed; allowed: 2, 3, 4, 8"):
-        tables_bench.run(["--config", TINY, "--bits", "5"])
+    with pytest.raises(ConfigError, match=message):
+        tables_bench.run(["--config", TINY] + argv)

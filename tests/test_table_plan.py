@@ -49,3 +49,10 @@ def test_a_width_past_the_next_is_taken_when_the_next_buys_nothing():
 def test_the_uniform_width_when_a_plan_saves_nothing():
     tables = {"a": _table(1000, 1.0), "b": _table(1000, 1.0)}  # identical tables: nothing to trade
     assert plan_for_width(tables, WIDTHS, 3) == {"a": 3, "b": 3}
+
+
+def test_a_smaller_fraction_of_the_budget_buys_wider_widths():
+    tables = {"big": _table(100_000, 0.2), "mid": _table(5_000, 1.0), "tiny": _table(20, 1.0)}
+    full, half = plan_for_width(tables, WIDTHS, 3), plan_for_width(tables, WIDTHS, 3, fraction=0.5)
+    assert totals(tables, half)["impact"] <= 0.5 * uniform(tables, 3)["impact"]
+    assert totals(tables, half)["nbytes"] > totals(tables, full)["nbytes"]

@@ -134,7 +134,8 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     for ckpt in ckpts.values():
         ckpt.finish()
     stats = {cell: {"bytes_written": k.stats.bytes_written, "checkpoints": k.stats.checkpoints,
-                    "failed": k.stats.failed, "max_background_s": max(k.stats.background_seconds, default=0.0)}
+                    "failed": k.stats.failed, "max_background_s": max(k.stats.background_seconds, default=0.0),
+                    "total_background_s": sum(k.stats.background_seconds)}
              for cell, k in ckpts.items()}
     return {"cells": stats, "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
 
@@ -156,6 +157,7 @@ def _cell_row(workdir: str, cell: Cell, stats: Dict[str, int]) -> Dict[str, Any]
         "capacity_reduction": round(totals["capacity_reduction"], 3),
         "bytes_written_by_writer": stats["bytes_written"],
         "max_background_s": round(stats["max_background_s"], 2),
+        "mean_background_s": round(stats["total_background_s"] / max(1, stats["checkpoints"]), 2),
     }
 
 
@@ -180,6 +182,7 @@ def summarize(table: List[Dict[str, Any]], tolerated: Dict[int, int], interval_t
         "capacity_reduction_best_policy": best_cap["policy"] if best_cap else None,
         "intermittent_not_worse_than_one_shot": not_worse,
         "max_background_s": max((r["max_background_s"] for r in table), default=None),
+        "max_mean_background_s": max((r.get("mean_background_s", 0.0) for r in table), default=None),
         "interval_train_s": round(interval_train_s, 2),
         "targets_met": {
             "bw_reduction_best>=40": bool(best_bw and best_bw["bw_reduction"] >= 40),
@@ -187,6 +190,9 @@ def summarize(table: List[Dict[str, Any]], tolerated: Dict[int, int], interval_t
             "intermittent<=one_shot": all(not_worse.values()) if not_worse else None,
             "writer_keeps_up": all(r["max_background_s"] < interval_train_s for r in table),
         },
+        # not a target: on average the writer needs less than an interval, so a checkpoint slower
+        # than one (a full one) delays only the boundary after it, never the ones after that
+        "writer_keeps_up_on_average": all(r.get("mean_background_s", 0.0) < interval_train_s for r in table),
     }
 
 

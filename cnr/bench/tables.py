@@ -6,8 +6,8 @@ for its ``train.steps`` at world size 1, counting every lookup of every row. The
 table and candidate width (2, 3, 4, 8), it quantizes the table's rows (adaptive row-wise, as a
 checkpoint stores them) and measures the impact (lookup-weighted squared error, normalised by
 all lookups of the run) and the bytes of a full checkpoint's rows. ``--bits B``: the width the
-failure budget chose; the plan is the cheapest set of widths whose total impact is at most that
-of B for every table. Prints the plan as ``table_bits`` (for ``--set
+failure budget chose; the plan is the cheapest set of widths whose total impact is at most
+``--impact-fraction`` (default 1) of that of B for every table. Prints the plan as ``table_bits`` (for ``--set
 checkpoint.table_bits=...``, with ``checkpoint.table_plan_width=B``: under the failure policy it
 applies while the budget chooses B), its bytes and impact against every uniform width, and per table
 its rows, share of lookups, impact per width and chosen width.
@@ -66,16 +66,17 @@ def _measure(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def summarize(measured: Dict[str, Dict[str, Any]], bits: int) -> Dict[str, Any]:
-    """The plan at ``bits``' impact and how it compares with every uniform width (pure)."""
+def summarize(measured: Dict[str, Dict[str, Any]], bits: int, fraction: float = 1.0) -> Dict[str, Any]:
+    """The plan at ``fraction`` of ``bits``' impact and how it compares with every uniform width (pure)."""
     # widths arrive as JSON keys (strings) from the rank
     tables = {n: TableCosts({int(b): v for b, v in m["impact"].items()}, {int(b): v for b, v in m["nbytes"].items()})
               for n, m in measured.items()}
     widths = sorted(next(iter(tables.values())).impact)
-    plan = plan_for_width(tables, widths, bits)
+    plan = plan_for_width(tables, widths, bits, fraction)
     got, same = totals(tables, plan), uniform(tables, bits)
     return {
         "bits": bits,
+        "impact_fraction": fraction,
         "table_bits": plan,
         "plan_bytes": int(got["nbytes"]), "plan_impact": got["impact"],
         "uniform": {str(b): {"bytes": int(uniform(tables, b)["nbytes"]), "impact": uniform(tables, b)["impact"]}
@@ -90,12 +91,16 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.set_defaults(config=ACCURACY_CONFIG)
     parser.add_argument("--bits", type=int, default=3, help="the uniform width to match (2, 3, 4, 8)")
+    parser.add_argument("--impact-fraction", type=float, default=1.0,
+                        help="the plan's budget: this fraction (0, 1] of the uniform width's impact")
     args = parser.parse_args(argv_list(argv))
     if args.bits not in WIDTHS:
         raise ConfigError(f"bench tables: --bits {args.bits} is not allowed; allowed: 2, 3, 4, 8")
+    if not 0 < args.impact_fraction <= 1:
+        raise ConfigError(f"bench tables: --impact-fraction {args.impact_fraction} is not allowed; it must be in (0, 1]")
     config = load_config(args.config, args.set)
     measured = launch(_measure, 1, {"config": config, "widths": list(WIDTHS)})
-    summary = summarize(measured, args.bits)
+    summary = summarize(measured, args.bits, args.impact_fraction)
     for name, m in measured.items():
         m["chosen"] = summary["table_bits"][name]
         m["impact"] = {str(b): v for b, v in m["impact"].items()}
