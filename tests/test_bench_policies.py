@@ -41,7 +41,8 @@ def test_summary_picks_the_best_policy_at_the_bit_width_for_one_failure():
 
 def test_bench_policies_runs_real_training(tmp_path):
     rc, out, err = run_cnr(["bench", "policies", "--config", TINY, "--intervals", "3", "--bits", "2",
-                            "--policies", "one_shot,consecutive,intermittent", "--max-chain-ratio", "1.01"],
+                            "--policies", "one_shot,consecutive,intermittent", "--max-chain-ratio", "1.01",
+                            "--set", "checkpoint.table_bits={t0: 8}", "--workdir", str(tmp_path / "w")],
                            str(tmp_path), timeout=600)
     assert rc == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
@@ -60,9 +61,18 @@ def test_bench_policies_runs_real_training(tmp_path):
     # the one-shot increments hold every row since the baseline, so more than the consecutive ones
     assert rows["one_shot"]["avg_data_bytes_per_interval"] > rows["consecutive"]["avg_data_bytes_per_interval"]
     assert result["bw_reduction_best"] == max(r["bw_reduction"] for r in rows.values())
-    assert 0 < result["max_background_s"] == max(r["max_background_s"] for r in rows.values())
+    assert 0 < result["max_background_s"] == max(r["max_background_s"] for r in result["policy_table"])
     for r in rows.values():
         assert 0 < r["mean_background_s"] <= r["max_background_s"]
+    # a table plan reaches the engines: t0 at 8 bits, the others at the cell's 2
+    from cnr.catalog import list_checkpoints, read_manifest
+    from cnr.storage.local import LocalStorage
+
+    store = LocalStorage(str(tmp_path / "w" / "consecutive-2"))
+    first = read_manifest(store, list_checkpoints(store)[0].id)
+    widths = {t.table.split(".")[-2]: {c.bits for c in t.chunks} for t in first.tensors.values()
+              if t.role.value == "table_rows"}
+    assert widths == {"t0": {8}, "t1": {2}, "t2": {2}, "t3": {2}}
 
 
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch):

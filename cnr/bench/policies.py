@@ -49,7 +49,8 @@ from cnr.parallel import build_sharded_model
 from cnr.policy import choose_bits
 from cnr.report import collect
 from cnr.snapshot import HostBuffers
-from cnr.app_state import collect_state
+from cnr.app_state import AppState, collect_state
+from cnr.codec.choose import resolve_table_bits
 from cnr.storage import open_storage
 from cnr.tracker import Captured, RowTracker
 
@@ -112,6 +113,9 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     tracker = RowTracker(sharded.model, views=[f"{c}:{v}" for c in cells for v in ("checkpoint", "baseline")])
     tracker.install()
     buffers = HostBuffers()
+    # the engines are used directly (no Checkpointer), so a table plan is resolved here
+    app = AppState({"model": sharded.model, "optim": sharded.dense_optimizer}, rank)
+    table_bits = resolve_table_bits(config.checkpoint.table_bits, [(t.id, t.name) for t in app.tables])
     ckpts = {}
     for (policy, bits, cap), cell in zip(arg["cells"], cells):
         c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed",
@@ -119,6 +123,7 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
         ckpt = CheckpointEngine(os.path.join(arg["workdir"], cell), CheckpointOptions.from_config(c), rank,
                                 world_size, CellTracker(tracker, cell))
         ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
+        ckpt.table_bits = table_bits
         ckpts[cell] = ckpt
     reader = make_reader(config, rank, world_size, None, split="train")
     start, train_seconds = time.perf_counter(), 0.0
