@@ -26,9 +26,13 @@ def test_sigint_to_the_launcher_stops_the_job(tmp_path):
     store = str(tmp_path / "ck")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("CNR_FAULT_INJECT", None)
+    # A shell without job control starts background commands with SIGINT ignored, and an ignored
+    # disposition survives exec: Python then installs no KeyboardInterrupt handler. The launcher
+    # gets the default disposition, as a command typed at a terminal has, whatever ran pytest.
     proc = subprocess.Popen([sys.executable, "-m", "cnr", "train", "--config", TINY, "--storage", store, "--nproc", "2",
                              "--set", "train.steps=100000", "--set", "checkpoint.interval=20"],
-                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not glob.glob(os.path.join(store, "checkpoints", "*", "manifest.json")) and time.monotonic() < deadline:
