@@ -56,16 +56,28 @@ def argv_list(argv: List[str]) -> List[str]:
     return [a for a in argv if a != "--"]
 
 
+def table_rows(sharded: ShardedModel, table: str) -> torch.Tensor:
+    """A copy of this rank's first shard of ``table``'s weight (the whole table at world size 1)."""
+    state = sharded.model.state_dict()
+    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{table}.weight"))
+    return weight.local_shards()[0].tensor.detach().clone()
+
+
+def table_rowwise_state(sharded: ShardedModel, table: str) -> torch.Tensor:
+    """A copy of the fused optimizer's first state of ``table``, as ``table_rows`` (the row-wise
+    Adagrad sum: it grows exactly on the rows a step updated)."""
+    state = sharded.model.fused_optimizer.state_dict()["state"]
+    momentum = next(v for k, v in state.items() if k.endswith(f".{table}.weight"))
+    return next(iter(momentum.values())).local_shards()[0].tensor.detach().clone()
+
+
 def _dump_trained_rows(rank: int, world_size: int, arg) -> dict:
     """Train ``arg['config']`` for ``arg['steps']`` steps; write trained rows of its largest table."""
     config = load_config(arg["config"])
     sharded = trained_model(config, rank, world_size, arg["steps"])
     largest = max(config.model.tables, key=lambda t: t.rows).name
-    state = sharded.model.state_dict()
-    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{largest}.weight"))
-    momentum = next(v for k, v in sharded.model.fused_optimizer.state_dict()["state"].items() if k.endswith(f".{largest}.weight"))
-    rows = weight.local_shards()[0].tensor
-    touched = next(iter(momentum.values())).local_shards()[0].tensor > 0  # row-wise Adagrad state: only trained rows moved
+    rows = table_rows(sharded, largest)
+    touched = table_rowwise_state(sharded, largest) > 0  # row-wise Adagrad state: only trained rows moved
     picked = rows[touched][: arg["rows"]].contiguous()
     picked.numpy().tofile(arg["path"])
     return {"rows": int(picked.shape[0]), "dim": int(picked.shape[1]), "table": largest}

@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from cnr.bench.common import argv_list, base_parser
+from cnr.bench.common import argv_list, base_parser, table_rows, table_rowwise_state
 from cnr.config import Config, load_config
 from cnr.data import make_reader, to_device
 from cnr.errors import ConfigError
@@ -36,18 +36,6 @@ from cnr.parallel import build_sharded_model, train_step
 from cnr.quantize import dequantize_rows, quantize_rows
 
 MODES = ("direct", "delta_base", "delta_prev")
-
-
-def _largest_rows(sharded: Any, table: str) -> torch.Tensor:
-    state = sharded.model.state_dict()
-    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{table}.weight"))
-    return weight.local_shards()[0].tensor.detach().clone()
-
-
-def _adagrad_sums(sharded: Any, table: str) -> torch.Tensor:
-    state = sharded.model.fused_optimizer.state_dict()["state"]
-    momentum = next(v for k, v in state.items() if k.endswith(f".{table}.weight"))
-    return next(iter(momentum.values())).local_shards()[0].tensor.detach().clone()
 
 
 def _restored(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -91,7 +79,7 @@ def _study(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
             train_step(sharded, to_device(reader.next_batch(), torch.device("cpu")))
 
     train(arg["warmup"])
-    base_rows, base_sums = _largest_rows(sharded, table), _adagrad_sums(sharded, table)
+    base_rows, base_sums = table_rows(sharded, table), table_rowwise_state(sharded, table)
     entries: List[Dict[str, Any]] = []
     picked = None
     base: Dict[int, torch.Tensor] = {}
@@ -99,7 +87,7 @@ def _study(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     last_sums = base_sums
     for k in range(1, arg["intervals"] + 1):
         train(config.checkpoint.interval)
-        rows, sums = _largest_rows(sharded, table), _adagrad_sums(sharded, table)
+        rows, sums = table_rows(sharded, table), table_rowwise_state(sharded, table)
         if picked is None:  # the sample: rows touched in the first interval, followed from then on
             touched = (sums != base_sums).nonzero().flatten()
             gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from cnr.bench.common import ROOT, argv_list, base_parser
+from cnr.bench.common import ROOT, argv_list, base_parser, table_rows
 from cnr.config import Config, load_config
 from cnr.data import make_reader, to_device
 from cnr.errors import ConfigError
@@ -30,12 +30,6 @@ from cnr.table_plan import TableCosts, plan_for_width, totals, uniform
 
 WIDTHS = (2, 3, 4, 8)
 ACCURACY_CONFIG = f"{ROOT}/configs/accuracy.yaml"
-
-
-def _weights(sharded: Any, table: str) -> torch.Tensor:
-    state = sharded.model.state_dict()
-    weight = next(v for k, v in state.items() if k.endswith(f"embedding_bags.{table}.weight"))
-    return weight.local_shards()[0].tensor.detach().clone()
 
 
 def _measure(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
@@ -54,7 +48,7 @@ def _measure(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     lookups = float(sum(c.sum() for c in counts.values()))
     out: Dict[str, Any] = {}
     for t in config.model.tables:
-        rows = _weights(sharded, t.name)
+        rows = table_rows(sharded, t.name)
         impact, nbytes = {}, {}
         for bits in arg["widths"]:
             q = quantize_rows(rows, bits, "adaptive", name=f"table {t.name}")
@@ -103,8 +97,6 @@ def run(argv: List[str]) -> Dict[str, Any]:
     summary = summarize(measured, args.bits, args.impact_fraction)
     for name, m in measured.items():
         m["chosen"] = summary["table_bits"][name]
-        m["impact"] = {str(b): v for b, v in m["impact"].items()}
-        m["nbytes"] = {str(b): v for b, v in m["nbytes"].items()}
     plan = "{" + ", ".join(f"{n}: {b}" for n, b in summary["table_bits"].items()) + "}"
     return {"bench": "tables", "config": args.config.rsplit("/", 1)[-1], "steps": config.train.steps,
             **summary, "set_table_bits": f"checkpoint.table_bits={plan}",
