@@ -143,7 +143,8 @@ class CheckpointConfig:
     ``on_overlap``: what a boundary does while the
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process; ``restore_threads``: objects a rank fetches, verifies and decodes at once on restore.
+    writer process; ``encode_threads``: chunks it encodes at once (each on one core: raise it
+    where the host has cores training leaves idle, cnr.encode_pool); ``restore_threads``: objects a rank fetches, verifies and decodes at once on restore.
     ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
@@ -182,6 +183,7 @@ class CheckpointConfig:
     policy: str = "intermittent"
     on_overlap: str = "wait"
     upload_threads: int = 2
+    encode_threads: int = 1
     restore_threads: int = 2
     commit_timeout_s: float = 600.0
     bits: int = 32

@@ -92,6 +92,7 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
     _one_of("checkpoint.policy", c.policy, POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
     _positive("checkpoint.upload_threads", c.upload_threads)
+    _positive("checkpoint.encode_threads", c.encode_threads)
     _positive("checkpoint.restore_threads", c.restore_threads)
     _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
     _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")

@@ -42,7 +42,8 @@ from cnr.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, ByteRange, CheckpointKind, ChunkRef, Encoding
-from cnr.upload import Packer, Uploader, die_with_parent, row_blocks
+from cnr.upload import die_with_parent, row_blocks
+from cnr.uploader import Packer, Uploader
 from cnr.proc import MERGER, name_this_process
 
 logger = logging.getLogger(__name__)

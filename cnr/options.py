@@ -52,8 +52,10 @@ class CheckpointOptions:
       (0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
     - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
       chain (what a restore reads) is predicted to exceed this many baselines' bytes (0: no cap).
-    - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``restore_threads``: concurrent
-      puts per writer / objects fetched at once per rank on restore.
+    - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``encode_threads``/``restore_threads``:
+      concurrent puts / chunks encoded at once per writer / objects fetched at once per rank on
+      restore. Each encoding thread keeps one core busy while a checkpoint is written: more
+      than 1 only where training leaves cores idle (a GPU host).
     - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
       ``commit_timeout_s``: how long rank 0 waits for every rank's data.
     - ``on_damage``: when the newest committed checkpoint does not verify on restore,
@@ -80,6 +82,7 @@ class CheckpointOptions:
     max_chain_ratio: float = 0.0
     chunk_bytes: int = 16 * 1024 * 1024
     upload_threads: int = 2
+    encode_threads: int = 1
     restore_threads: int = 2
     on_overlap: str = "wait"
     commit_timeout_s: float = 600.0

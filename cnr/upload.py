@@ -1,8 +1,9 @@
 """Background writer: one process per trainer rank encodes and stores checkpoint chunks.
 
 The trainer hands a ``WriteJob`` (host pieces in shared memory) to its writer and goes back to
-training. The writer splits pieces into chunks of at most ``chunk_bytes``, encodes chunk k+1
-while upload threads store chunk k, then writes the rank's index. On rank 0 it then waits until
+training. The writer splits pieces into chunks of at most ``chunk_bytes``, encodes the next
+chunks (``encode_threads`` at once, cnr.encode_pool) while upload threads store the previous
+ones (cnr.uploader), then writes the rank's index. On rank 0 it then waits until
 every rank's index exists and commits the manifest (``cnr.commit``). Results go back on a queue;
 a failure writes a marker naming the error, and the trainer carries on.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -22,9 +24,8 @@ import signal
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -34,14 +35,16 @@ from cnr.retention import retain_checkpoints
 from cnr.options import CheckpointOptions
 from cnr.codec.choose import encode_block
 from cnr.encode import dtype_name
+from cnr.encode_pool import EncodePool
 from cnr.errors import Cancelled, CnrError, redact, redact_logging
 from cnr import faults
 from cnr.faults import maybe_crash
-from cnr.manifest import RankIndex, TensorEntry, object_key, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.snapshot import HostPiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointKind, ChunkRef, CodecSpec, LeaseRef, WriteStatus
+from cnr.uploader import Packer, Uploader
 from cnr.proc import WRITER, name_this_process
 
 logger = logging.getLogger(__name__)
@@ -81,23 +84,6 @@ class WriteJob:
     table_bits: Dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class ObjectTimes:
-    """One stored object (a chunk, or small chunks packed together): its key and size (bytes),
-    and wall-clock seconds (``time.time()``) at which the encoding of its first chunk started,
-    of its last chunk ended, and its put started and ended (0: never started). ``encodes``: each
-    of its chunks' own (start, end) encoding: a packed object's chunks are encoded between other
-    objects' chunks, so the span from first start to last end is not time spent encoding it."""
-
-    key: str
-    nbytes: int
-    encode_start: float
-    encode_end: float
-    put_start: float = 0.0
-    put_end: float = 0.0
-    encodes: Tuple[Tuple[float, float], ...] = ()
-
-
 # What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
 STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
 
@@ -115,10 +101,6 @@ class WriteResult:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
-# Chunks smaller than chunk_bytes / PACK_FRACTION share objects (cnr.upload.Packer).
-PACK_FRACTION = 8
-
-
 def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
     """Row ranges of at most ``chunk_bytes`` each (at least one row each); one (0, 0) when empty."""
     step = max(1, chunk_bytes // max(1, row_bytes))
@@ -133,137 +115,44 @@ def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
     return row_blocks(rows, piece.data[0:1].numel() * piece.data.element_size() if rows else 1, chunk_bytes)
 
 
-class Uploader:
-    """Puts blobs on a thread pool, at most ``threads + 1`` in flight, so encoding overlaps uploads.
-
-    A failed put stops the job at the next ``put`` (the error is re-raised there), so a storage
-    that refuses writes costs a few requests, not one per remaining chunk. ``timeline`` records,
-    per stored object, wall-clock seconds (``time.time()``, comparable across processes) of its
-    encoding and its put, for the upload benchmark.
-    """
-
-    def __init__(self, storage: Storage, threads: int) -> None:
-        self.storage = storage
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cnr-put")
-        self.slots = threading.Semaphore(threads + 1)
-        self.futures: List[Future] = []
-        self.timeline: List[ObjectTimes] = []
-        self._error: Optional[BaseException] = None
-
-    def put(self, key: str, blob: bytes, encodes: Sequence[Tuple[float, float]] = ()) -> None:
-        """Queue ``blob`` for ``key``; ``encodes``: its chunks' (start, end) encoding times."""
-        self._raise_error()
-        self.slots.acquire()
-        if self._error is not None:  # a put failed while this one waited for a slot
-            self.slots.release()
-            self._raise_error()
-        span = (encodes[0][0], encodes[-1][1]) if encodes else (0.0, 0.0)
-        times = ObjectTimes(key, len(blob), *span, encodes=tuple(encodes))
-        self.timeline.append(times)
-        future = self.pool.submit(self._timed_put, times, blob)
-        future.add_done_callback(self._done)
-        self.futures.append(future)
-
-    def _timed_put(self, times: ObjectTimes, blob: bytes) -> None:
-        times.put_start = time.time()
-        self.storage.put(times.key, blob)
-        times.put_end = time.time()
-
-    def _done(self, future: Future) -> None:
-        if not future.cancelled() and future.exception() is not None and self._error is None:
-            self._error = future.exception()
-        self.slots.release()
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            self.wait()  # let the puts in flight end before the job reports its failure
-
-    def wait(self) -> None:
-        """Block until every submitted put ended; re-raise the first error, then forget it."""
-        futures, self.futures = self.futures, []
-        error, self._error = self._error, None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - the first error is re-raised below
-                error = error or e
-        if error is not None:
-            raise error
-
-    def take_timeline(self) -> List[ObjectTimes]:
-        timeline, self.timeline = self.timeline, []
-        return timeline
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class Packer:
-    """Names each encoded chunk's object: a chunk of at least ``limit / PACK_FRACTION`` bytes is
-    an object of its own; smaller ones go back to back into shared objects of up to ``limit``
-    bytes, so small tensors and tables cost one request per object, not one per chunk."""
-
-    def __init__(self, uploader: Uploader, ckpt_id: str, rank: int, limit: int) -> None:
-        self.uploader = uploader
-        self.ckpt_id, self.rank, self.limit = ckpt_id, rank, limit
-        self.objects = 0
-        self.parts: List[bytes] = []
-        self.size = 0
-        self.key = ""
-        self.encodes: List[Tuple[float, float]] = []
-
-    def _next_key(self) -> str:
-        self.objects += 1
-        return object_key(self.ckpt_id, self.rank, self.objects - 1)
-
-    def add(self, blob: bytes, ref: ChunkRef, encode_start: float, encode_end: float) -> ChunkRef:
-        """Store ``blob`` (now or with its shared object); return ``ref`` with its key and offset."""
-        if len(blob) * PACK_FRACTION >= self.limit:
-            key = self._next_key()
-            self.uploader.put(key, blob, [(encode_start, encode_end)])
-            return dataclasses.replace(ref, key=key, offset=0)
-        if self.parts and self.size + len(blob) > self.limit:
-            self.flush()
-        if not self.parts:
-            self.key = self._next_key()
-        placed = dataclasses.replace(ref, key=self.key, offset=self.size)
-        self.parts.append(blob)
-        self.size += len(blob)
-        self.encodes.append((encode_start, encode_end))
-        return placed
-
-    def flush(self) -> None:
-        """Put the shared object being filled, if any."""
-        if self.parts:
-            self.uploader.put(self.key, b"".join(self.parts), self.encodes)
-            self.parts, self.size, self.encodes = [], 0, []
+def _encode_task(job: WriteJob, task: Tuple[int, int, int]) -> Tuple[bytes, ChunkRef]:
+    """Encode rows ``lo..hi-1`` of piece ``i`` (``task = (i, lo, hi)``); the packer names its object."""
+    i, lo, hi = task
+    piece = job.pieces[i]
+    row0 = piece.region.offsets[0] if piece.region.offsets else 0
+    col0 = piece.region.offsets[1] if len(piece.region.offsets) >= 2 else 0
+    return encode_block(job, piece, "", lo, hi, row0, col0)
 
 
 def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_bytes: int,
-                    cancel: Optional[Any] = None) -> Tuple[RankIndex, int]:
-    """Store every chunk of ``job`` and then its rank index; return the index and bytes written."""
+                    cancel: Optional[Any] = None, encoder: Optional[EncodePool] = None) -> Tuple[RankIndex, int]:
+    """Store every chunk of ``job`` and then its rank index; return the index and bytes written.
+    ``encoder``: the threads that encode chunks ahead of the one being stored (None: inline)."""
     tensors: Dict[str, TensorEntry] = {}
     written = 0
     packer = Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
     maybe_crash("before_data", job.step, job.rank, cancel)
-    for i, piece in enumerate(job.pieces):
-        refs: List[ChunkRef] = []
-        row0 = piece.region.offsets[0] if piece.region.offsets else 0
-        col0 = piece.region.offsets[1] if len(piece.region.offsets) >= 2 else 0
-        for lo, hi in _blocks(piece, chunk_bytes):
-            if cancel is not None and cancel.is_set():
-                raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
-            encode_start = time.time()
-            blob, ref = encode_block(job, piece, "", lo, hi, row0, col0)  # the packer names its object
-            refs.append(packer.add(blob, ref, encode_start, time.time()))
-            written += ref.nbytes
-        have = tensors.get(piece.name)
-        tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
-                                          (have.chunks if have else ()) + tuple(refs), piece.role, piece.table)
-        if i == 0:
-            packer.flush()
-            uploader.wait()
-            maybe_crash("mid_data", job.step, job.rank, cancel)
+    blocks = [_blocks(piece, chunk_bytes) for piece in job.pieces]
+    tasks = [(i, lo, hi) for i, piece_blocks in enumerate(blocks) for lo, hi in piece_blocks]
+    encoded = (encoder or EncodePool(1)).map(functools.partial(_encode_task, job), tasks)
+    try:
+        for i, piece in enumerate(job.pieces):
+            refs: List[ChunkRef] = []
+            for _ in blocks[i]:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned")
+                (blob, ref), encode_start, encode_end = next(encoded)
+                refs.append(packer.add(blob, ref, encode_start, encode_end))
+                written += ref.nbytes
+            have = tensors.get(piece.name)
+            tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
+                                              (have.chunks if have else ()) + tuple(refs), piece.role, piece.table)
+            if i == 0:
+                packer.flush()
+                uploader.wait()
+                maybe_crash("mid_data", job.step, job.rank, cancel)
+    finally:
+        encoded.close()  # on an error: chunks encoded ahead are dropped, those encoding finish first
     packer.flush()
     uploader.wait()
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors, job.app)
@@ -307,10 +196,11 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _run_job(storage: Storage, uploader: Uploader, options: CheckpointOptions, job: WriteJob, cancel) -> WriteResult:
+def _run_job(storage: Storage, uploader: Uploader, encoder: EncodePool, options: CheckpointOptions, job: WriteJob,
+             cancel) -> WriteResult:
     start = time.perf_counter()
     try:
-        _index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel)
+        _index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder)
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
@@ -342,15 +232,16 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     redact_logging()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # chunks encode side by side on the encoder's threads instead (cnr.encode_pool)
     storage = open_storage(storage_uri)
     uploader = Uploader(storage, options.upload_threads)
+    encoder = EncodePool(options.encode_threads)
     try:
         while True:
             job = jobs.get()
             if job is None:
                 return
-            result = _run_job(storage, uploader, options, job, cancel)
+            result = _run_job(storage, uploader, encoder, options, job, cancel)
             results.put(result)
             if result.status == WriteStatus.COMMITTED:
                 # after the result: the trainer's next boundary does not wait for the deletes
@@ -359,6 +250,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
                 else:
                     retain(storage)
     finally:
+        encoder.close()
         uploader.close()
         storage.close()
 

@@ -81,3 +81,27 @@ def test_table_names_resolve_to_ids(plan, resolved):
 def test_unknown_and_ambiguous_table_names_are_refused(plan, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_table_bits(plan, TABLES)
+
+
+@pytest.mark.parametrize("values,bad", [
+    ([1.0, 2.0, -3.0], 0),
+    ([], 0),
+    ([3e38, 3e38, 3e38], 0),  # finite values whose sum overflows to inf are still finite
+    ([-3e38, -3e38], 0),
+    ([1.0, float("nan")], 1),
+    ([float("inf"), 1.0], 1),
+    ([float("inf"), float("-inf")], 2),  # their sum is nan
+    ([3e38, 3e38, float("nan")], 1),
+])
+def test_check_finite_finds_every_nonfinite_value_and_only_those(values, bad):
+    from cnr.codec.choose import check_finite
+    from cnr.errors import NonFiniteStateError
+
+    piece = _piece(Role.TABLE_ROWS, 4, 2)
+    block = torch.tensor(values, dtype=torch.float32).reshape(-1, 1)
+    if bad:
+        with pytest.raises(NonFiniteStateError, match=f"holds {bad} "):
+            check_finite(piece, block, 0)
+    else:
+        check_finite(piece, block, 0)
+    check_finite(piece, torch.tensor([[1, 2]]), 0)  # integer state has no nonfinite values

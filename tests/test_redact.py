@@ -17,7 +17,9 @@ from cnr.options import CheckpointOptions
 from cnr.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
-from cnr.upload import Uploader, WriteJob, _run_job
+from cnr.encode_pool import EncodePool
+from cnr.upload import WriteJob, _run_job
+from cnr.uploader import Uploader
 
 SECRET = "s3cr3t-pa55"
 
@@ -72,7 +74,7 @@ def test_writer_failure_marker_and_result_hold_no_password(tmp_path, endpoint_en
     job = WriteJob("0000000001-abcd", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={})
     uploader = Uploader(storage, 1)
     try:
-        result = _run_job(storage, uploader, CheckpointOptions(), job, None)
+        result = _run_job(storage, uploader, EncodePool(1), CheckpointOptions(), job, None)
     finally:
         uploader.close()
     assert result.status == WriteStatus.FAILED and "***@127.0.0.1" in result.error

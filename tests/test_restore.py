@@ -15,7 +15,8 @@ from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, Role
-from cnr.upload import WriteJob, Uploader, write_rank_data
+from cnr.upload import WriteJob, write_rank_data
+from cnr.uploader import Uploader
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
 

@@ -55,7 +55,7 @@ from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
 from cnr.types import WriteStatus
 from cnr.parallel import train_step
-from cnr.upload import Uploader
+from cnr.uploader import Uploader
 
 BACKENDS = ("s3", "local")
 

@@ -23,6 +23,8 @@ so a crafted frame cannot make a reader allocate more than the chunk's own heade
 
 from __future__ import annotations
 
+import threading
+
 import zstandard
 
 from cnr.codec.base import BytesCodec
@@ -45,16 +47,19 @@ class ZstdCodec(BytesCodec):
     name = "zstd"
 
     def __init__(self) -> None:
-        self._compressors = {}  # one compressor per level, reused: creating one costs ~0.1 ms
+        # one compressor per level and thread, reused: creating one costs ~0.1 ms, and a
+        # compressor must not be used by two threads at once (the writer encodes on several)
+        self._local = threading.local()
 
     def check(self, spec: CodecSpec, where: str) -> None:
         require_params(spec, {"level": LEVELS}, where)
 
     def encode(self, spec: CodecSpec, data: bytes) -> bytes:
         level = dict(spec.params)["level"]
-        if level not in self._compressors:
-            self._compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        return self._compressors[level].compress(data)
+        compressors = self._local.__dict__.setdefault("by_level", {})
+        if level not in compressors:
+            compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        return compressors[level].compress(data)
 
     def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> bytes:
         try:
