@@ -24,7 +24,8 @@ from cnr.encode import DTYPES
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest
 from cnr.catalog import resolve_chain
-from cnr.restore import check_no_extra_tensors, restore_chain, restore_rng
+from cnr.chain_restore import restore_chain
+from cnr.restore import check_no_extra_tensors, restore_rng
 from cnr.state import StatePiece, global_names, whole_piece
 from cnr.storage.base import Storage
 from cnr.types import Role

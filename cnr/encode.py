@@ -84,6 +84,16 @@ class DecodedChunk:
         return dequantize_rows(dataclasses.replace(q, rows=hi - lo, codes=q.codes[lo:hi], scale=q.scale[lo:hi],
                                                    bias=q.bias[lo:hi]))
 
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows at local indexes ``rows`` (int64) as values; of a quantized chunk only
+        those rows are dequantized, bit-identical to the same rows of ``values`` (per-row ops)."""
+        if self.data is not None:
+            return self.data.index_select(0, rows)
+        q = self.quantized
+        return dequantize_rows(dataclasses.replace(q, rows=rows.numel(), codes=q.codes.index_select(0, rows),
+                                                   scale=q.scale.index_select(0, rows),
+                                                   bias=q.bias.index_select(0, rows)))
+
 
 def _encode_ids(row_ids: Optional[torch.Tensor], rows: int) -> Tuple[Optional[dict], memoryview]:
     """The header's ``ids`` and the id bytes: a bitmap when the ids ascend and it is smaller."""

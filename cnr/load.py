@@ -10,7 +10,7 @@ import torch
 from cnr.encode import DTYPES
 from cnr.errors import CheckpointError
 from cnr.catalog import newest_committed, read_manifest, resolve_chain
-from cnr.restore import restore_chain
+from cnr.chain_restore import restore_chain
 from cnr.state import whole_piece
 from cnr.storage import open_storage
 from cnr.types import Role

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -138,6 +138,47 @@ def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: 
     return ids if every else ids[inside]
 
 
+def _write_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk, local: torch.Tensor,
+                dest: torch.Tensor) -> None:
+    """Write the chunk's rows ``local`` (its own row indexes) into ``target``'s rows ``dest``,
+    a block of rows at a time; only those rows are dequantized."""
+    _p0, _p1, q0, q1 = span
+    c0 = chunk.ref.col_offset
+    step = _block_rows(chunk)
+    for b0 in range(0, local.numel(), step):
+        values = chunk.take(local[b0:b0 + step])
+        if q1 > q0:  # the chunk holds whole rows of the piece (chain_restore checks), maybe wider ones
+            values = values[:, q0 - c0:q1 - c0]
+        target.index_copy_(0, dest[b0:b0 + step], values)
+
+
+def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk,
+              done: torch.Tensor) -> Optional[torch.Tensor]:
+    """Write the chunk's rows inside ``span`` that ``done`` (bool, one per row of the piece) does
+    not mark yet, and mark them. Every chunk must hold whole rows of the piece. Returns the
+    global ids of the rows a row-id chunk holds inside the span (written or not), else None."""
+    p0, p1, _q0, _q1 = span
+    if chunk.row_ids is not None:
+        ids = chunk.row_ids
+        local = ((ids >= p0) & (ids < p1)).nonzero().flatten()
+        inside = ids.index_select(0, local)
+        rows = inside - p0
+        need = ~done.index_select(0, rows)
+        local, rows = local[need], rows[need]
+        _write_rows(target, span, chunk, local, rows)
+        done[rows] = True
+        return inside
+    r0, r1, _c0, _c1 = _span(chunk.ref)
+    lo, hi = max(p0, r0), min(p1, r1)
+    if not bool(done[lo - p0:hi - p0].any()):  # the usual case in a baseline: plain block copies
+        _copy_overlap(target, span, chunk)
+    else:
+        rows = (~done[lo - p0:hi - p0]).nonzero().flatten() + (lo - p0)
+        _write_rows(target, span, chunk, rows + (p0 - r0), rows)
+    done[lo - p0:hi - p0] = True
+    return None
+
+
 @contextlib.contextmanager
 def _intra_op_threads(n: Optional[int]) -> Iterator[None]:
     """Run the block with torch's intra-op thread count set to ``n`` (None: unchanged)."""
@@ -154,9 +195,11 @@ def _intra_op_threads(n: Optional[int]) -> Iterator[None]:
 _Plan = Dict[str, List[Tuple[ChunkRef, List[int]]]]
 
 
-def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool) -> Tuple[_Plan, Dict[str, int]]:
+def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
+          wanted: Optional[Callable[[int, ChunkRef], bool]] = None) -> Tuple[_Plan, Dict[str, int]]:
     """Per object key, the chunks in it to apply with the indexes of the pieces each writes into;
-    and the size of every object the manifest names (where its last chunk ends)."""
+    and the size of every object the manifest names (where its last chunk ends). ``wanted(i,
+    ref)``: whether piece ``i`` still needs chunk ``ref`` (None: every overlapping chunk)."""
     plan: _Plan = {}
     sizes: Dict[str, int] = {}
     for entry in manifest.tensors.values():
@@ -169,7 +212,7 @@ def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool) -> Tuple[
         for ref in entry.chunks:
             if ref.row_ids and not overlay:
                 raise CheckpointError(f"chunk {ref.key!r} lists row ids, but {manifest.id} is a full checkpoint")
-            if (_cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)):
+            if (_cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)) and (wanted is None or wanted(i, ref)):
                 needed.setdefault((ref.key, ref.offset), (ref, []))[1].append(i)
     for ref, targets in needed.values():
         plan.setdefault(ref.key, []).append((ref, targets))
@@ -189,11 +232,12 @@ _Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
 
 
 def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int,
-                  pieces: List[StatePiece]) -> Tuple[int, _Writes]:
+                  pieces: List[StatePiece], done: Optional[Dict[int, torch.Tensor]] = None) -> Tuple[int, _Writes]:
     """Fetch the needed chunks of one object, verify and decode each, write it into every piece
     it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)]).
     Pieces of one checkpoint never share an element between two chunks, so workers write
-    disjoint memory."""
+    disjoint memory. ``done``: piece index -> its rows that already hold their newest value
+    (cnr.chain_restore); those pieces take only the other rows, and the rows written join them."""
     data = _fetch_object(storage, key, chunks, size)
     lo = min(ref.offset for ref, _t in chunks)
     out: _Writes = []
@@ -202,7 +246,9 @@ def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
         chunk = decode_chunk(blob, ref, dequantize=False)  # dequantized block by block as it is written
         for i in targets:
             span = _piece_span(pieces[i])
-            if ref.row_ids:
+            if done is not None and i in done:
+                out.append((i, 0, fill_rows(pieces[i].tensor, span, chunk, done[i])))
+            elif ref.row_ids:
                 out.append((i, 0, _scatter_rows(pieces[i].tensor, span, chunk)))
             else:
                 out.append((i, _copy_overlap(pieces[i].tensor, span, chunk), None))
@@ -248,23 +294,6 @@ def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
             raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
     rows = {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()}
     return sum(n for n, _w in results), rows
-
-
-def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece],
-                  threads: int = 1) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """Restore a full baseline, then each increment on top; return bytes read and the global row
-    ids the increments held, per table.
-
-    ``threads``: objects fetched and decoded at once (see restore_pieces).
-    """
-    total = 0
-    row_ids: Dict[str, torch.Tensor] = {}
-    for i, manifest in enumerate(chain):
-        nbytes, applied = restore_pieces(storage, manifest, pieces, overlay=i > 0, threads=threads)
-        total += nbytes
-        for table, ids in applied.items():
-            row_ids[table] = torch.unique(torch.cat([row_ids[table], ids])) if table in row_ids else ids
-    return total, row_ids
 
 
 def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:

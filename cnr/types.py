@@ -65,6 +65,16 @@ class CheckpointStatus(str, enum.Enum):
     never used for restore, and retention leaves it for a person to look at."""
 
 
+class ChainOrder(str, enum.Enum):
+    """The order in which a restore applies a chain's links (cnr.chain_restore.restore_chain)."""
+
+    NEWEST_FIRST = "newest_first"
+    """Newest link first: each row is decoded and written once, from the newest link holding it;
+    older copies are skipped before they are dequantized. Bit-identical to REPLAY."""
+    REPLAY = "replay"
+    """The baseline, then every increment on top in order: a row is written once per link holding it."""
+
+
 class WriteStatus(str, enum.Enum):
     """How a background writer ended one job (a checkpoint or a publish) on its rank."""
 

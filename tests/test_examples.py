@@ -21,7 +21,7 @@ from cnr.encode import DTYPES
 from cnr.launch import RankFailed, launch
 from cnr.manifest import Manifest
 from cnr.catalog import newest_committed, resolve_chain
-from cnr.restore import restore_chain
+from cnr.chain_restore import restore_chain
 from cnr.state import whole_piece
 from cnr.storage.local import LocalStorage
 

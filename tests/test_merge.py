@@ -14,7 +14,7 @@ from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, manifest_key, merged_id
 from cnr.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.merge import _encoding_of, merge_chain
-from cnr.restore import restore_chain
+from cnr.chain_restore import restore_chain
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cli_helpers import table_of

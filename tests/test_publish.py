@@ -15,7 +15,7 @@ from cnr.errors import ConfigError
 from cnr.inference import InferenceModel
 from cnr.catalog import list_checkpoints, newest_committed, resolve_chain
 from cnr.publish import plan_publish_retention
-from cnr.restore import restore_chain
+from cnr.chain_restore import restore_chain
 from cnr.state import StatePiece
 from cnr.storage import open_storage
 from cnr.subscribe import Subscriber

@@ -10,7 +10,8 @@ import torch
 from cnr.commit import check_coverage
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
-from cnr.restore import restore_chain, restore_pieces
+from cnr.chain_restore import restore_chain
+from cnr.restore import restore_pieces
 from cnr.snapshot import HostPiece
 from cnr.state import StatePiece
 from cnr.storage.local import LocalStorage

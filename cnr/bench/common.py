@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import List
+import time
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
 
+import cnr
+from cnr.app_state import collect_state
 from cnr.config import Config, load_config
 from cnr.data import make_reader, to_device
 from cnr.launch import launch
-from cnr.parallel import ShardedModel, build_sharded_model
+from cnr.options import CheckpointOptions
+from cnr.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.state import StatePiece
+from cnr.types import WriteStatus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench.yaml")
@@ -91,3 +97,37 @@ def trained_embedding_rows(steps: int, rows: int, config_path: str = BENCH_CONFI
         info = launch(_dump_trained_rows, 1, {"config": config_path, "steps": steps, "rows": rows, "path": path})
         data = torch.from_numpy(np.fromfile(path, dtype="<f4").copy())
         return data.view(info["rows"], info["dim"])
+
+
+class TrainedModel:
+    """A model of ``config`` at world size 1, its reader and step, shared by every measurement
+    of a benchmark run (each cnr.Checkpointer on it brings its own tracker)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.sharded: ShardedModel = build_sharded_model(config, torch.device("cpu"))
+        self.reader = make_reader(config, 0, 1, None, "train")
+        self.step = 0
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            train_step(self.sharded, self.reader.next_batch())
+        self.step += steps
+
+    def state(self) -> List[StatePiece]:
+        return collect_state(self.sharded.model, self.sharded.dense_optimizer)
+
+    def checkpointer(self, uri: str, options: CheckpointOptions) -> cnr.Checkpointer:
+        return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options)
+
+    def checkpoint(self, ckpt: cnr.Checkpointer) -> Dict[str, Any]:
+        """Save at the current step and wait for the commit; report the writer's result."""
+        self.step += 1  # ids are per step: every checkpoint gets its own
+        pending = ckpt.save(self.step)
+        snapshot_end = time.time()
+        pending.wait()
+        result = ckpt.engine.last_result
+        if result is None or result.status != WriteStatus.COMMITTED:
+            raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
+        return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end,
+                "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}

@@ -33,65 +33,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
-import torch
 
-import cnr
-from cnr.bench.common import argv_list, base_parser, load, ratio
+from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
 from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.upload_stats import pipeline_stats
 from cnr.options import CheckpointOptions
 from cnr.config import Config
-from cnr.data import make_reader
 from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.manifest import checkpoint_prefix, manifest_key, rank_index_key
 from cnr.catalog import newest_committed, resolve_chain
-from cnr.parallel import ShardedModel, build_sharded_model
-from cnr.restore import restore_chain
-from cnr.app_state import collect_state
-from cnr.state import StatePiece
+from cnr.chain_restore import restore_chain
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.tracker import RowTracker
-from cnr.types import WriteStatus
-from cnr.parallel import train_step
 from cnr.uploader import Uploader
 
 BACKENDS = ("s3", "local")
-
-
-class _Model:
-    """The trained model and its reader, shared by every measurement of the run (each
-    checkpoint chain's cnr.Checkpointer brings its own tracker)."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.sharded: ShardedModel = build_sharded_model(config, torch.device("cpu"))
-        self.reader = make_reader(config, 0, 1, None, "train")
-        self.step = 0
-
-    def train(self, steps: int) -> None:
-        for _ in range(steps):
-            train_step(self.sharded, self.reader.next_batch())
-        self.step += steps
-
-    def state(self) -> List[StatePiece]:
-        return collect_state(self.sharded.model, self.sharded.dense_optimizer)
-
-    def checkpointer(self, uri: str, options: CheckpointOptions) -> cnr.Checkpointer:
-        return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options)
-
-    def checkpoint(self, ckpt: cnr.Checkpointer) -> Dict[str, Any]:
-        """Save at the current step and wait for the commit; report the writer's result."""
-        self.step += 1  # ids are per step: every checkpoint gets its own
-        pending = ckpt.save(self.step)
-        snapshot_end = time.time()
-        pending.wait()
-        result = ckpt.engine.last_result
-        if result is None or result.status != WriteStatus.COMMITTED:
-            raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
-        return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end,
-                "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}
 
 
 def _with_checkpoint(config: Config, **changes: Any) -> Config:
@@ -120,7 +78,7 @@ def _raw_put_seconds(uri: str, sizes: List[int], threads: int) -> float:
     return seconds
 
 
-def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
+def _writes(model: TrainedModel, uri: str, repeats: int) -> Dict[str, Any]:
     """Steady-state fp32 full checkpoints vs plain puts of the same objects, ``repeats`` times each."""
     config = _with_checkpoint(model.config, policy="full", bits=32, optimizer_bits=32)
     ckpt = model.checkpointer(f"{uri}/fp32", CheckpointOptions.from_config(config.checkpoint))
@@ -141,7 +99,7 @@ def _writes(model: _Model, uri: str, repeats: int) -> Dict[str, Any]:
     return _medians(rows)
 
 
-def _train_until_touched(model: _Model, tracker: RowTracker, fraction: float, max_steps: int) -> int:
+def _train_until_touched(model: TrainedModel, tracker: RowTracker, fraction: float, max_steps: int) -> int:
     """Train until ``fraction`` of all rows were touched since the baseline; return the steps."""
     total_rows = sum(t.rows for t in model.config.model.tables)
     for steps in range(1, max_steps + 1):
@@ -152,7 +110,7 @@ def _train_until_touched(model: _Model, tracker: RowTracker, fraction: float, ma
     return max_steps
 
 
-def _chain(model: _Model, uri: str, bits: int, touched: float) -> Dict[str, Any]:
+def _chain(model: TrainedModel, uri: str, bits: int, touched: float) -> Dict[str, Any]:
     """A ``bits``-bit full baseline, training until ``touched`` of the rows moved, its increment."""
     config = _with_checkpoint(model.config, policy="one_shot", bits=bits)
     ckpt = model.checkpointer(uri, CheckpointOptions.from_config(config.checkpoint))
@@ -193,7 +151,7 @@ def _download_seconds(uri: str, threads: int, link_rate: float) -> Dict[str, Any
         storage.close()
 
 
-def _restore_seconds(model: _Model, uri: str, link_rate: float) -> float:
+def _restore_seconds(model: TrainedModel, uri: str, link_rate: float) -> float:
     """Seconds of a restore of the newest chain under ``uri`` into the live model, end to end."""
     storage = _open(uri, link_rate)
     try:
@@ -205,7 +163,7 @@ def _restore_seconds(model: _Model, uri: str, link_rate: float) -> float:
         storage.close()
 
 
-def _restore_row(model: _Model, uri: str, link_rate: float, prefix: str = "") -> Dict[str, Any]:
+def _restore_row(model: TrainedModel, uri: str, link_rate: float, prefix: str = "") -> Dict[str, Any]:
     """One measurement of the full fp32 download, the quantized chain's and the fp32 restore."""
     download = _download_seconds(f"{uri}/fp32", model.config.checkpoint.restore_threads, link_rate)
     quantized = _restore_seconds(model, f"{uri}/quantized", link_rate)
@@ -219,7 +177,7 @@ def _restore_row(model: _Model, uri: str, link_rate: float, prefix: str = "") ->
     return out
 
 
-def _restores(model: _Model, uri: str, repeats: int, link_rate: float) -> Dict[str, Any]:
+def _restores(model: TrainedModel, uri: str, repeats: int, link_rate: float) -> Dict[str, Any]:
     """Restore figures at the endpoint's own speed and, with ``link_rate`` > 0, over the link."""
     rows = []
     for _ in range(repeats):
@@ -238,7 +196,7 @@ def _medians(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
-    model = _Model(arg["config"])
+    model = TrainedModel(arg["config"])
     model.train(arg["config"].checkpoint.interval)  # optimizer state populated, rows trained
     out: Dict[str, Any] = {}
     for name, uri in arg["uris"].items():

@@ -1,0 +1,150 @@
+"""Restore a chain (a full baseline and the increments on top of it) into live pieces.
+
+Replaying a chain writes a row once per link that holds it, and on a skewed workload the hot
+rows are in every link: a 20-link chain decodes and writes them 21 times. Newest-first
+(``ChainOrder.NEWEST_FIRST``, the default) takes every row from the newest link that holds it:
+
+- the links are read newest first; each table piece keeps a mask of its rows that already hold
+  their newest value, and older copies of those rows are skipped before they are dequantized
+  (an increment's row ids are in its chunks, so its objects are still fetched and verified);
+- a contiguous chunk (a baseline's) whose rows are all marked is not fetched at all;
+- every other tensor (dense state, RNG, Stateful) is stored whole in every link, so only the
+  newest link's copy is read.
+
+Rows are decoded row by row (row-wise scale and bias, per-element log8 and raw values), so the
+result is bit for bit the replay's; tests compare the two. The mask is per row, so it needs
+every chunk that overlaps a table piece to hold whole rows of it; a chain stored under a
+column split that today's sharding cuts differently is replayed (``ChainOrder.REPLAY``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Set, Tuple
+
+import torch
+
+from cnr.commit import check_coverage
+from cnr.errors import CheckpointError
+from cnr.manifest import Manifest
+from cnr.restore import (_apply_object, _cols_overlap, _intra_op_threads, _overlaps, _piece_span, _plan, _span,
+                         restore_pieces)
+from cnr.state import StatePiece
+from cnr.storage.base import Storage
+from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef
+
+RowIds = Dict[str, torch.Tensor]  # table -> sorted global row ids the chain's increments hold
+
+
+def _holds_whole_rows(ref: ChunkRef, span: Tuple[int, int, int, int]) -> bool:
+    _r0, _r1, c0, c1 = _span(ref)
+    _p0, _p1, q0, q1 = span
+    return (c1 == c0 == 0 and q1 == q0 == 0) or (q0 < q1 and c0 <= q0 and q1 <= c1)
+
+
+def newest_first_applies(chain: List[Manifest], pieces: List[StatePiece]) -> bool:
+    """Whether every chunk of the chain that overlaps a table piece holds whole rows of it."""
+    for manifest in chain:
+        for piece in pieces:
+            entry = manifest.tensors.get(piece.name)
+            if piece.role not in TABLE_ROLES or entry is None:
+                continue  # a missing tensor fails in the restore itself, with its own error
+            span = _piece_span(piece)
+            for ref in entry.chunks:
+                overlaps = _cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)
+                if overlaps and not _holds_whole_rows(ref, span):
+                    return False
+    return True
+
+
+def _add_rows(row_ids: RowIds, applied: RowIds) -> None:
+    for table, ids in applied.items():
+        row_ids[table] = torch.unique(torch.cat([row_ids[table], ids])) if table in row_ids else ids
+
+
+def _replay(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], threads: int) -> Tuple[int, RowIds]:
+    total = 0
+    row_ids: RowIds = {}
+    for i, manifest in enumerate(chain):
+        nbytes, applied = restore_pieces(storage, manifest, pieces, overlay=i > 0, threads=threads)
+        total += nbytes
+        _add_rows(row_ids, applied)
+    return total, row_ids
+
+
+class _NewestFirst:
+    """The state of one newest-first restore: which rows and pieces hold their final values."""
+
+    def __init__(self, pieces: List[StatePiece]) -> None:
+        self.pieces = pieces
+        # table piece index -> its rows that hold their newest value (bool, one per row)
+        self.done: Dict[int, torch.Tensor] = {i: torch.zeros(p.tensor.shape[0], dtype=torch.bool)
+                                              for i, p in enumerate(pieces) if p.role in TABLE_ROLES}
+        self.whole: Set[int] = set()  # other pieces, filled from a newer link
+
+    def wanted(self, i: int, ref: ChunkRef) -> bool:
+        """Whether piece ``i`` still needs anything from chunk ``ref``."""
+        if i in self.whole:
+            return False
+        if i not in self.done or ref.row_ids:
+            return True
+        p0, p1, _q0, _q1 = _piece_span(self.pieces[i])
+        lo, hi = max(p0, ref.row_start), min(p1, ref.row_start + ref.rows)
+        return not bool(self.done[i][lo - p0:hi - p0].all())
+
+    def check(self, manifest: Manifest, baseline: bool, copied: List[int]) -> None:
+        """After a link: every non-table piece it filled is whole; after the baseline every
+        table row holds a value."""
+        for i, piece in enumerate(self.pieces):
+            if i in self.done or i in self.whole:
+                continue
+            if copied[i] != max(1, piece.tensor.numel()):
+                raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} "
+                                      f"elements of {piece.name!r} held here")
+            self.whole.add(i)
+        if baseline:
+            for i, done in self.done.items():
+                if not bool(done.all()):
+                    raise CheckpointError(f"checkpoint {manifest.id} covers {int(done.sum())} of {done.numel()} rows "
+                                          f"of {self.pieces[i].name!r} held here")
+
+
+def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePiece],
+                  threads: int) -> Tuple[int, RowIds]:
+    state = _NewestFirst(pieces)
+    total = 0
+    row_ids: RowIds = {}
+    with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
+        for position in range(len(chain) - 1, -1, -1):
+            manifest = chain[position]
+            check_coverage(manifest.tensors, manifest.kind)
+            plan, sizes = _plan(manifest, pieces, position > 0, state.wanted)
+            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces, state.done),
+                                    plan))
+            copied = [0] * len(pieces)
+            applied: Dict[str, List[torch.Tensor]] = {}
+            for nbytes, writes in results:
+                total += nbytes
+                for i, count, rows in writes:
+                    copied[i] += count
+                    if rows is not None and pieces[i].table is not None:
+                        applied.setdefault(pieces[i].table, []).append(rows)
+            state.check(manifest, position == 0, copied)
+            _add_rows(row_ids, {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()})
+    return total, row_ids
+
+
+def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], threads: int = 1,
+                  order: ChainOrder = ChainOrder.NEWEST_FIRST) -> Tuple[int, RowIds]:
+    """Restore ``chain`` (its full baseline first, then its increments, oldest first) into
+    ``pieces``; return the bytes read and, per table, the global row ids the increments hold.
+
+    ``threads``: objects fetched and decoded at once (cnr.restore.restore_pieces). ``order``:
+    NEWEST_FIRST (falls back to REPLAY where the module docstring says) or REPLAY.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
+    order = ChainOrder(order)
+    if order == ChainOrder.NEWEST_FIRST and len(chain) > 1 and newest_first_applies(chain, pieces):
+        return _newest_first(storage, chain, pieces, threads)
+    return _replay(storage, chain, pieces, threads)

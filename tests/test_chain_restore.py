@@ -1,0 +1,154 @@
+"""cnr.chain_restore: a chain restored newest-first equals the replay of its links bit for bit,
+into any split, while reading no more (and, where a baseline chunk is wholly superseded, less)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from cnr.chain_restore import newest_first_applies, restore_chain
+from cnr.manifest import Manifest
+from cnr.snapshot import HostPiece
+from cnr.state import StatePiece
+from cnr.storage.local import LocalStorage
+from cnr.types import CheckpointKind, ChainOrder, Role, ShardRegion
+from cnr.upload import WriteJob, write_rank_data
+from cnr.uploader import Uploader
+
+ROWS, DIM = 300, 8
+HOT = 120  # rows 0..HOT-1 are in every increment: the baseline's first chunks are wholly superseded
+EMB, MOM, DENSE = "model/ebc.t.weight", "optim/t.momentum1", "model/dense.weight"
+
+
+def _state(seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {EMB: torch.randn(ROWS, DIM, generator=g), MOM: torch.rand(ROWS, generator=g) * 3,
+            DENSE: torch.randn(5, 3, generator=g)}
+
+
+ROLES = {EMB: Role.TABLE_ROWS, MOM: Role.TABLE_STATE, DENSE: Role.DENSE}
+
+
+def _link(store, step: int, kind: CheckpointKind, state: Dict[str, torch.Tensor], rows: Optional[torch.Tensor],
+          bits: int, col_cuts: List[int]) -> Manifest:
+    """One link as a rank's writer stores it: table tensors whole (a baseline) or their ``rows``
+    (an increment), split at ``col_cuts`` like column-wise shards; the dense tensor whole."""
+    pieces = []
+    for name, tensor in state.items():
+        table = "t" if name != DENSE else None
+        cuts = col_cuts if name == EMB else [0, tensor.shape[1]] if tensor.dim() == 2 else [None]
+        for c0, c1 in zip(cuts[:-1], cuts[1:]) if cuts != [None] else [(None, None)]:
+            data = tensor if c0 is None else tensor[:, c0:c1]
+            region = ShardRegion((0,), (tensor.shape[0],)) if c0 is None else ShardRegion((0, c0), (tensor.shape[0], c1 - c0))
+            ids = rows if (rows is not None and table is not None) else None
+            pieces.append(HostPiece(name, tuple(tensor.shape), region, False,
+                                    (data if ids is None else data[ids]).contiguous(), ids, ROLES[name], table))
+    ckpt_id = f"{step:010d}-ab"
+    job = WriteJob(ckpt_id, step, kind, None, 0, 1, pieces, bits=bits, optimizer_bits=8 if bits != 32 else 32)
+    uploader = Uploader(store, 2)
+    try:
+        index, _ = write_rank_data(store, uploader, job, chunk_bytes=512)
+    finally:
+        uploader.close()
+    return Manifest(id=ckpt_id, step=step, kind=kind, base=None, world_size=1, created_unix=0.0, tables=(),
+                    tensors=index.tensors, counters={})
+
+
+def _chain(store, links: int, bits: int, col_cuts: List[int]) -> Tuple[List[Manifest], Dict[str, torch.Tensor]]:
+    """A baseline and ``links`` consecutive increments of a skewed workload; the final true state."""
+    state = _state(0)
+    chain = [_link(store, 1, CheckpointKind.FULL, state, None, bits, col_cuts)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(2, links + 2):
+        cold = torch.randperm(ROWS - HOT, generator=g)[:40] + HOT
+        rows = torch.cat([torch.arange(HOT), cold]).sort().values
+        moved = _state(step)
+        for name in (EMB, MOM):
+            state[name][rows] = moved[name][rows]
+        state[DENSE] = moved[DENSE]
+        chain.append(_link(store, step, CheckpointKind.INCREMENTAL, state, rows, bits, col_cuts))
+    return chain, state
+
+
+LAYOUTS = {  # (row cuts, column cuts) of the pieces restored into
+    "whole": ([0, ROWS], [0, DIM]),
+    "rows": ([0, 37, 200, ROWS], [0, DIM]),
+    "grid": ([0, 150, ROWS], [0, 3, DIM]),
+}
+
+
+def _targets(layout: str) -> Tuple[Dict[str, torch.Tensor], List[StatePiece]]:
+    row_cuts, col_cuts = LAYOUTS[layout]
+    out = {EMB: torch.zeros(ROWS, DIM), MOM: torch.zeros(ROWS), DENSE: torch.zeros(5, 3)}
+    pieces = [StatePiece(DENSE, (5, 3), ShardRegion((0, 0), (5, 3)), out[DENSE], True, Role.DENSE)]
+    for r0, r1 in zip(row_cuts[:-1], row_cuts[1:]):
+        pieces.append(StatePiece(MOM, (ROWS,), ShardRegion((r0,), (r1 - r0,)), out[MOM][r0:r1], False, Role.TABLE_STATE, "t"))
+        for c0, c1 in zip(col_cuts[:-1], col_cuts[1:]):
+            pieces.append(StatePiece(EMB, (ROWS, DIM), ShardRegion((r0, c0), (r1 - r0, c1 - c0)), out[EMB][r0:r1, c0:c1],
+                                     False, Role.TABLE_ROWS, "t"))
+    return out, pieces
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+@pytest.mark.parametrize("links", [1, 6])
+@pytest.mark.parametrize("layout,threads", [("whole", 1), ("rows", 3), ("grid", 2)])
+def test_newest_first_equals_replay_bit_for_bit(tmp_path, bits, links, layout, threads):
+    store = LocalStorage(str(tmp_path))
+    chain, truth = _chain(store, links, bits, [0, DIM])
+    replayed, replay_pieces = _targets(layout)
+    newest, newest_pieces = _targets(layout)
+    assert newest_first_applies(chain, newest_pieces)
+    read_replay, ids_replay = restore_chain(store, chain, replay_pieces, threads, ChainOrder.REPLAY)
+    read_newest, ids_newest = restore_chain(store, chain, newest_pieces, threads)  # newest-first by default
+    for name in truth:
+        assert torch.equal(newest[name], replayed[name]), name
+    if bits == 32:  # raw links: both are the true state
+        assert all(torch.equal(newest[name], truth[name]) for name in truth)
+    assert ids_newest.keys() == ids_replay.keys() and all(torch.equal(ids_newest[t], ids_replay[t]) for t in ids_replay)
+    if links > 1:
+        # hot rows superseded the baseline's first chunks, and only the newest dense tensor is read
+        assert read_newest < read_replay
+    else:
+        assert read_newest <= read_replay
+
+
+def test_a_chain_stored_column_split_is_replayed_into_other_column_cuts(tmp_path):
+    """Chunks holding part of a piece's columns: no per-row bookkeeping, the chain is replayed."""
+    store = LocalStorage(str(tmp_path))
+    chain, truth = _chain(store, 3, 32, [0, 4, DIM])
+    out, pieces = _targets("grid")  # columns cut at 3: the stored halves hold parts of its rows
+    assert not newest_first_applies(chain, pieces)
+    restore_chain(store, chain, pieces, 2)
+    assert all(torch.equal(out[name], truth[name]) for name in truth)
+    same, same_pieces = _targets("whole")
+    assert not newest_first_applies(chain, same_pieces)  # each stored half holds part of a whole row
+    restore_chain(store, chain, same_pieces)
+    assert all(torch.equal(same[name], truth[name]) for name in truth)
+
+
+def test_newest_first_skips_a_damaged_chunk_it_does_not_need_and_fails_on_one_it_does(tmp_path):
+    from cnr.errors import CorruptChunkError
+
+    store = LocalStorage(str(tmp_path))
+    chain, truth = _chain(store, 3, 32, [0, DIM])
+    first = min(chain[0].tensors[EMB].chunks, key=lambda c: c.row_start)  # rows 0.. are hot: superseded
+    assert first.row_start + first.rows <= HOT
+    path = tmp_path / first.key
+    blob = bytearray(path.read_bytes())
+    blob[first.offset + first.nbytes - 1] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    out, pieces = _targets("whole")
+    restore_chain(store, chain, pieces)
+    assert all(torch.equal(out[name], truth[name]) for name in truth)
+    with pytest.raises(CorruptChunkError):
+        restore_chain(store, chain, _targets("whole")[1], order=ChainOrder.REPLAY)
+
+
+@pytest.mark.parametrize("threads,order", [(0, ChainOrder.NEWEST_FIRST), (True, ChainOrder.REPLAY)])
+def test_bad_arguments_are_refused(tmp_path, threads, order):
+    with pytest.raises(ValueError, match=f"threads={threads!r} is not allowed"):
+        restore_chain(LocalStorage(str(tmp_path)), [], [], threads, order)
+    with pytest.raises(ValueError, match="'sideways' is not a valid ChainOrder"):
+        restore_chain(LocalStorage(str(tmp_path)), [], [], 1, "sideways")
