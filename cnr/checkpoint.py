@@ -22,6 +22,7 @@ from cnr.handoff import HandOff, SettleMode, rank0_decides
 from cnr.manifest import make_id
 from cnr.options import CheckpointOptions
 from cnr.merge import Merger
+from cnr.shares import replicated_share
 from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
@@ -56,9 +57,10 @@ def rng_piece(rank: int) -> StatePiece:
     return whole_piece(f"{RNG_PREFIX}rank-{rank:05d}", torch.get_rng_state(), Role.RNG, replicated=False)
 
 
-def pieces_to_write(pieces: List[StatePiece], rank: int) -> List[StatePiece]:
-    """Sharded pieces of this rank, plus replicated ones on rank 0 only (they are identical)."""
-    return [p for p in pieces if not p.replicated or rank == 0]
+def pieces_to_write(pieces: List[StatePiece], rank: int, world_size: int) -> List[StatePiece]:
+    """Sharded pieces of this rank, plus its share of the replicated ones (cnr.shares: each
+    replicated row is written by one rank, the bytes spread evenly over the ranks)."""
+    return [p for p in pieces if not p.replicated] + replicated_share(pieces, rank, world_size)
 
 
 @dataclass
@@ -146,7 +148,8 @@ class CheckpointEngine:
                             small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
                             table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 
-        snap_seconds = self.handoff.submit(pieces_to_write(pieces, self.rank) + [rng_piece(self.rank)], row_ids, captured,
+        chosen = pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)]
+        snap_seconds = self.handoff.submit(chosen, row_ids, captured,
                                            make_job, (ckpt_id, step, kind, bits, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start

@@ -430,7 +430,8 @@ def _parse_rank_index(blob: bytes, where: str) -> RankIndex:
 
 
 def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
-    """Combine every rank's tensors into one table; replicated tensors come from one rank only."""
+    """Combine every rank's tensors into one table: a tensor's chunks are those of every rank that
+    wrote part of it (its shards, or its share of a replicated tensor, cnr.shares)."""
     merged: Dict[str, TensorEntry] = {}
     for index in sorted(indexes, key=lambda i: i.rank):
         for name, entry in index.tensors.items():

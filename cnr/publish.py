@@ -257,7 +257,7 @@ class Publisher:
             return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
                             bits=p.bits, method=p.quant_method, compression=(zstd_spec(),))
 
-        chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank)
+        chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank, self.world_size)
         seconds = self.handoff.submit(chosen, row_ids, [captured], make_job, plan)
         self.stats.snapshot_seconds += seconds
         logger.info("publish %s (seq %d, %s%s) snapshot in %.3f s", plan.pub_id, plan.seq, plan.kind.value,

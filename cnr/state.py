@@ -20,8 +20,8 @@ from cnr.types import Role, ShardRegion
 
 @dataclass(frozen=True)
 class StatePiece:
-    """One rank's part of a global tensor. ``replicated``: every rank holds all of it (stored by
-    rank 0 only). ``table``: the table id for the table roles, else None."""
+    """One rank's part of a global tensor. ``replicated``: every rank holds all of it (each rank
+    stores a share of its rows, cnr.shares). ``table``: the table id for the table roles, else None."""
 
     name: str
     global_shape: Tuple[int, ...]

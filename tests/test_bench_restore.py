@@ -1,0 +1,49 @@
+"""bench restore: its summary (pure) and a real tiny run, where newest-first equals replay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import TINY, run_cnr
+from cnr.bench.restore import _summary
+
+
+def _runs(seconds):
+    return [{"seconds": s, "bytes": 100} for s in seconds]
+
+
+def test_the_summary_takes_medians_and_reads_the_longest_chain_against_the_target():
+    out = {"runs": {"baseline": _runs([1.0, 9.0, 2.0]), "chain5": _runs([2.5, 2.4, 2.6]),
+                    "replay_chain5": _runs([6.0, 6.0, 6.0])},
+           "exact": {"5": True}, "chain_bytes": {"5": [10, 2, 3, 4, 5, 6]}}
+    got = _summary(out, [5])
+    assert got["baseline_s"] == 2.0 and got["chain5_over_baseline"] == 1.25 and got["replay_chain5_over_baseline"] == 3.0
+    assert got["chain5_stored_bytes"] == 30 and got["bit_exact"] == {"5": True}
+    assert got["targets_met"] == {"chain5_over_baseline<=1.3": True, "newest_first_equals_replay": True}
+    out["exact"]["5"] = False
+    assert not _summary(out, [5])["targets_met"]["newest_first_equals_replay"]
+
+
+def test_tiny_run(tmp_path):
+    rc, out, err = run_cnr(["bench", "restore", "--config", TINY, "--links", "1,3", "--repeats", "1",
+                            "--set", "checkpoint.interval=5"], str(tmp_path))
+    assert rc == 0, err[-3000:]
+    got = json.loads(out)
+    assert got["bit_exact"] == {"1": True, "3": True}
+    # the 3-link chain: newest-first reads less than replay (older dense copies, superseded baseline chunks)
+    assert got["chain3_bytes_read"] < got["replay_chain3_bytes_read"]
+    assert got["chain3_stored_bytes"] > got["chain1_stored_bytes"] > 0
+    assert set(got["targets_met"]) == {"chain3_over_baseline<=1.3", "newest_first_equals_replay"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--links", "0,5"], "--links '0,5' is not allowed"),
+    (["--links", "x"], "--links 'x' is not allowed"),
+    (["--bits", "5"], "--bits 5 is not allowed"),
+    (["--repeats", "0"], "--repeats 0 is not allowed"),
+])
+def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
+    rc, _out, err = run_cnr(["bench", "restore", "--config", TINY, *args], str(tmp_path))
+    assert rc != 0 and message in err
