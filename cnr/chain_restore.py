@@ -2,12 +2,13 @@
 
 Replaying a chain writes a row once per link that holds it, and on a skewed workload the hot
 rows are in every link: a 20-link chain decodes and writes them 21 times. Newest-first
-(``ChainOrder.NEWEST_FIRST``, the default) takes every row from the newest link that holds it:
+(``ChainOrder.NEWEST_FIRST``, the default) writes each increment row once:
 
-- the links are read newest first; each table piece keeps a mask of its rows that already hold
-  their newest value, and older copies of those rows are skipped before they are dequantized
-  (an increment's row ids are in its chunks, so its objects are still fetched and verified);
-- a contiguous chunk (a baseline's) whose rows are all marked is not fetched at all;
+- the baseline is copied whole first, in blocks, as a replay does (skipping its superseded
+  rows one by one cost more than copying them: a 1-link chain restored 20% slower);
+- then the increments are read newest first; each table piece keeps a flag per row that an
+  increment wrote, and older copies of those rows are skipped before they are dequantized (an
+  increment's row ids are in its chunks, so its objects are still fetched and verified);
 - every other tensor (dense state, RNG, Stateful) is stored whole in every link, so only the
   newest link's copy is read.
 
@@ -73,45 +74,45 @@ def _replay(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], t
 
 
 class _NewestFirst:
-    """The state of one newest-first restore: which rows and pieces hold their final values."""
+    """Where one newest-first restore stands: the link being read (``position`` in the chain),
+    each table piece's rows an increment already wrote, and the link each other piece is read from."""
 
-    def __init__(self, pieces: List[StatePiece]) -> None:
+    def __init__(self, chain: List[Manifest], pieces: List[StatePiece]) -> None:
         self.pieces = pieces
-        # table piece index -> its rows that hold their newest value (bool, one per row)
+        self.position = 0
+        # table piece index -> its rows written from an increment (bool, one per row)
         self.done: Dict[int, torch.Tensor] = {i: torch.zeros(p.tensor.shape[0], dtype=torch.bool)
                                               for i, p in enumerate(pieces) if p.role in TABLE_ROLES}
-        self.whole: Set[int] = set()  # other pieces, filled from a newer link
+        # other pieces are stored whole in every link: read from the newest one that holds them
+        self.source: Dict[int, int] = {
+            i: max((pos for pos, m in enumerate(chain) if p.name in m.tensors), default=0)
+            for i, p in enumerate(pieces) if i not in self.done}
 
     def wanted(self, i: int, ref: ChunkRef) -> bool:
-        """Whether piece ``i`` still needs anything from chunk ``ref``."""
-        if i in self.whole:
-            return False
-        if i not in self.done or ref.row_ids:
+        """Whether piece ``i`` needs anything from chunk ``ref`` of the link being read."""
+        if i in self.source:
+            return self.source[i] == self.position
+        if self.position == 0 or ref.row_ids:
             return True
         p0, p1, _q0, _q1 = _piece_span(self.pieces[i])
         lo, hi = max(p0, ref.row_start), min(p1, ref.row_start + ref.rows)
         return not bool(self.done[i][lo - p0:hi - p0].all())
 
-    def check(self, manifest: Manifest, baseline: bool, copied: List[int]) -> None:
-        """After a link: every non-table piece it filled is whole; after the baseline every
-        table row holds a value."""
+    def check(self, manifest: Manifest, copied: List[int]) -> None:
+        """After a link: every piece it had to fill whole (the baseline's table pieces, the
+        pieces read from this link) is covered, element for element."""
         for i, piece in enumerate(self.pieces):
-            if i in self.done or i in self.whole:
-                continue
-            if copied[i] != max(1, piece.tensor.numel()):
+            whole = self.source.get(i) == self.position if i in self.source else self.position == 0
+            if whole and copied[i] != max(1, piece.tensor.numel()):
                 raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} "
                                       f"elements of {piece.name!r} held here")
-            self.whole.add(i)
-        if baseline:
-            for i, done in self.done.items():
-                if not bool(done.all()):
-                    raise CheckpointError(f"checkpoint {manifest.id} covers {int(done.sum())} of {done.numel()} rows "
-                                          f"of {self.pieces[i].name!r} held here")
 
 
 def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePiece],
                   threads: int) -> Tuple[int, RowIds]:
-    state = _NewestFirst(pieces)
+    """The baseline first, copied whole in blocks as a replay does (cheaper than skipping its
+    superseded rows one by one), then the increments newest first, each row once."""
+    state = _NewestFirst(chain, pieces)
     total = 0
     # per table, a flag per global row: held by an increment (a sorted union of 20 links' ids
     # took 40% of a 20-link restore of bench.yaml; setting flags costs one scatter per chunk)
@@ -122,12 +123,12 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
             held[piece.table] = torch.zeros(rows, dtype=torch.bool)
     seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
     with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
-        for position in range(len(chain) - 1, -1, -1):
-            manifest = chain[position]
+        for position in [0] + list(range(len(chain) - 1, 0, -1)):
+            state.position, manifest = position, chain[position]
             check_coverage(manifest.tensors, manifest.kind)
             plan, sizes = _plan(manifest, pieces, position > 0, state.wanted)
-            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces, state.done),
-                                    plan))
+            done = state.done if position > 0 else None
+            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces, done), plan))
             copied = [0] * len(pieces)
             for nbytes, writes in results:
                 total += nbytes
@@ -136,7 +137,7 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
                     if rows is not None and pieces[i].table in held:
                         held[pieces[i].table][rows] = True
                         seen.add(pieces[i].table)
-            state.check(manifest, position == 0, copied)
+            state.check(manifest, copied)
     return total, {table: held[table].nonzero().flatten() for table in sorted(seen)}
 
 

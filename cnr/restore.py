@@ -64,11 +64,8 @@ def _block_rows(chunk: DecodedChunk) -> int:
     return max(1, _BLOCK_BYTES // width)
 
 
-def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk,
-                  keep: Optional[torch.Tensor] = None) -> int:
-    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied.
-    ``keep``: a flag per row of that part (its first row first); flagged rows keep the value
-    ``target`` holds (they are counted as copied all the same)."""
+def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> int:
+    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied."""
     p0, p1, q0, q1 = span
     r0, r1, c0, c1 = _span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
@@ -85,9 +82,6 @@ def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: 
             clo, chi = max(q0, c0), min(q1, c1)
             dst = view[dst_rows, clo - q0:chi - q0]
             src = src[:, clo - c0:chi - c0]
-        if keep is not None:
-            flags = keep[b0 - lo:b1 - lo]
-            src = torch.where(flags.view(-1, *([1] * (src.dim() - 1))), dst, src)
         dst.copy_(src)
         copied += dst.numel()
     return copied
@@ -178,14 +172,10 @@ def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: Deco
         return inside
     r0, r1, _c0, _c1 = _span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
-    kept = done[lo - p0:hi - p0]
-    superseded = int(kept.sum())
-    if superseded == 0:  # plain block copies
+    if not bool(done[lo - p0:hi - p0].any()):  # plain block copies
         _copy_overlap(target, span, chunk)
-    elif 2 * superseded <= hi - lo:  # mostly needed: whole blocks decoded, superseded rows kept
-        _copy_overlap(target, span, chunk, kept)
-    else:  # mostly superseded: only the needed rows decoded
-        rows = (~kept).nonzero().flatten() + (lo - p0)
+    else:
+        rows = (~done[lo - p0:hi - p0]).nonzero().flatten() + (lo - p0)
         _write_rows(target, span, chunk, rows + (p0 - r0), rows)
     done[lo - p0:hi - p0] = True
     return None

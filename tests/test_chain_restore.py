@@ -129,15 +129,17 @@ def test_a_chain_stored_column_split_is_replayed_into_other_column_cuts(tmp_path
 
 
 def test_newest_first_skips_a_damaged_chunk_it_does_not_need_and_fails_on_one_it_does(tmp_path):
+    """An older increment's dense tensor is superseded by the newest one's: newest-first never
+    reads it, so damage confined to it does not stop the restore (the state is exact); the
+    replay reads it and fails. ``cnr inspect --verify`` checks every object either way."""
     from cnr.errors import CorruptChunkError
 
     store = LocalStorage(str(tmp_path))
     chain, truth = _chain(store, 3, 32, [0, DIM])
-    first = min(chain[0].tensors[EMB].chunks, key=lambda c: c.row_start)  # rows 0.. are hot: superseded
-    assert first.row_start + first.rows <= HOT
-    path = tmp_path / first.key
+    old = chain[1].tensors[DENSE].chunks[0]
+    path = tmp_path / old.key
     blob = bytearray(path.read_bytes())
-    blob[first.offset + first.nbytes - 1] ^= 0xFF
+    blob[old.offset + old.nbytes - 1] ^= 0xFF
     path.write_bytes(bytes(blob))
     out, pieces = _targets("whole")
     restore_chain(store, chain, pieces)
@@ -152,3 +154,34 @@ def test_bad_arguments_are_refused(tmp_path, threads, order):
         restore_chain(LocalStorage(str(tmp_path)), [], [], threads, order)
     with pytest.raises(ValueError, match="'sideways' is not a valid ChainOrder"):
         restore_chain(LocalStorage(str(tmp_path)), [], [], 1, "sideways")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("with_ids", [False, True])
+@pytest.mark.parametrize("done_rows", [[], [0, 1, 2], list(range(10, 30)), list(range(40))])
+def test_fill_rows_writes_exactly_the_rows_not_done_and_marks_them(quantized, with_ids, done_rows):
+    """A piece of rows 10..49 (of a 60-row tensor) and a chunk of rows 5..54 (contiguous, or
+    listed by id): the rows already done keep their values, every other row inside the piece
+    takes the chunk's (its dequantized values, bit for bit), and all of them end up done."""
+    from cnr.encode import decode_chunk, encode_quantized_chunk, encode_raw_chunk
+    from cnr.quantize import quantize_rows
+    from cnr.restore import fill_rows
+
+    values = torch.randn(50, 4, generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(5, 55) if with_ids else None
+    if quantized:
+        blob, ref = encode_quantized_chunk("k", "w", quantize_rows(values, 4), 0 if with_ids else 5, 0, row_ids=ids)
+    else:
+        blob, ref = encode_raw_chunk("k", "w", values, 0 if with_ids else 5, 0, row_ids=ids)
+    chunk = decode_chunk(blob, ref, dequantize=False)
+    expected_values = decode_chunk(blob, ref).data  # rows 5..54, dequantized
+    target = torch.full((40, 4), -7.0)
+    done = torch.zeros(40, dtype=torch.bool)
+    done[done_rows] = True
+    before = done.clone()
+    held = fill_rows(target, (10, 50, 0, 4), chunk, done)
+    for r in range(40):
+        want = torch.full((4,), -7.0) if before[r] else expected_values[r + 5]
+        assert torch.equal(target[r], want), r
+    assert bool(done.all())
+    assert (held is not None) == with_ids and (held is None or torch.equal(held, torch.arange(10, 50)))
