@@ -12,6 +12,9 @@ import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
+from torchrec.distributed.comm import get_local_size
+
+from cnr.dense_sync import DeterministicDataParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -78,14 +81,18 @@ def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
         for t in config.model.tables
     }
     world = dist.get_world_size()
-    topology = Topology(world_size=world, compute_device=device.type, local_world_size=world)
+    # The ranks per node as torchrec's sharders will see them (LOCAL_WORLD_SIZE under torchrun):
+    # table-row-wise shards stay within a node, and a plan made for another node size places
+    # shards on ranks that then hold none (two 2-rank nodes failed this way).
+    topology = Topology(world_size=world, compute_device=device.type, local_world_size=get_local_size(world))
     sharders = [ConfiguredSharder()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchrec warns about topology construction and DDP on CPU
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
         torch.manual_seed(config.train.seed + 1)  # table init draws from this, identically per run
-        dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+        dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+                                       data_parallel_wrapper=DeterministicDataParallel())
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     optimizer = DENSE_OPTIMIZER_CLASSES[config.train.dense_optimizer](
         list(dense_params.values()), lr=config.train.dense_lr
