@@ -16,12 +16,14 @@ _EXPORTS = {
     "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
     "load_state_dict": "cnr.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
     "Subscriber": "cnr.subscribe", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
+    "DeterministicDataParallel": "cnr.dense_sync",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
+    from cnr.dense_sync import DeterministicDataParallel  # noqa: F401
     from cnr.errors import CheckpointError  # noqa: F401
     from cnr.load import load_state_dict  # noqa: F401
     from cnr.options import CheckpointOptions, PublishOptions  # noqa: F401

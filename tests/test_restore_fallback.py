@@ -124,9 +124,10 @@ def _damage(kind, storage, ids):
     newest = read_manifest(storage, ids[-1])
     shared = sorted({c.key for t in newest.tensors.values() if t.replicated for c in t.chunks})
     if kind == "truncated":
-        # rank 0's object also holds the replicated tensors, which rank 1 reads with one ranged
-        # GET that now runs past the end; rank 0 reads it whole and finds it short
-        [key] = shared
+        # rank 0's object also holds its share of the replicated tensors (cnr.shares), which
+        # rank 1 reads with one ranged GET that now runs past the end; rank 0 reads it whole
+        # and finds it short
+        [key] = [k for k in shared if "/rank-00000/" in k]
         storage.put(key, storage.get(key)[:storage.size(key) // 2])
         return 4, [key]
     if kind == "deleted":
