@@ -116,11 +116,8 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     total = 0
     # per table, a flag per global row: held by an increment (a sorted union of 20 links' ids
     # took 40% of a 20-link restore of bench.yaml; setting flags costs one scatter per chunk)
-    held: Dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        if piece.table is not None and piece.role in TABLE_ROLES:
-            rows = max(piece.global_shape[0], held[piece.table].numel() if piece.table in held else 0)
-            held[piece.table] = torch.zeros(rows, dtype=torch.bool)
+    held = {p.table: torch.zeros(p.global_shape[0], dtype=torch.bool)
+            for p in pieces if p.table is not None and p.role in TABLE_ROLES}
     seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
     with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
         for position in [0] + list(range(len(chain) - 1, 0, -1)):

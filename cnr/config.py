@@ -144,7 +144,8 @@ class CheckpointConfig:
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
     writer process; ``encode_threads``: chunks it encodes at once (each on one core: raise it
-    where the host has cores training leaves idle, cnr.encode_pool); ``restore_threads``: objects a rank fetches, verifies and decodes at once on restore.
+    where the host has cores training leaves idle, cnr.encode_pool); ``restore_threads``:
+    objects a rank fetches, verifies and decodes at once on restore.
     ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
     "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);

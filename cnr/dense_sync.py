@@ -9,7 +9,9 @@ after it, so a job resumed at step k sums its first step's gradients in another 
 the uninterrupted job summed step k+1's: a 4-rank resume of tiny.yaml drifted by about 1e-9 in
 eval logloss (2 ranks stayed exact: a + b = b + a). The hook below all-reduces each parameter's
 gradient on its own, so an element's order depends only on its place in its own parameter,
-which no rebuild changes. It costs one all-reduce per dense parameter per step.
+which no rebuild changes. It costs one all-reduce per dense parameter per step, so it is
+installed only at 3 or more ranks; at 2 DDP's own bucketed sum is already exact (and it divides
+each gradient by the world size before summing, as the hook does, so the values are the same).
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -40,10 +42,10 @@ def per_parameter_allreduce(group: Optional[dist.ProcessGroup], bucket: dist.Gra
 
 class DeterministicDataParallel(DefaultDataParallelWrapper):
     """torchrec's default data-parallel wrapper (DDP over the unsharded modules) with
-    :func:`per_parameter_allreduce` as DDP's comm hook."""
+    :func:`per_parameter_allreduce` as DDP's comm hook at 3 or more ranks."""
 
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
         super().wrap(dmp, env, device)
         ddp = dmp._dmp_wrapped_module
-        if isinstance(ddp, DistributedDataParallel):
+        if isinstance(ddp, DistributedDataParallel) and dist.get_world_size(env.process_group) >= 3:
             ddp.register_comm_hook(env.process_group, per_parameter_allreduce)

@@ -21,6 +21,7 @@ from typing import Callable, Deque, Generic, Iterable, Iterator, Tuple, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+
 def _timed(fn: Callable[[T], R], task: T) -> Tuple[R, float, float]:
     start = time.time()
     result = fn(task)

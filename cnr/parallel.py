@@ -13,14 +13,13 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.comm import get_local_size
-
-from cnr.dense_sync import DeterministicDataParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr.config import Config
+from cnr.dense_sync import DeterministicDataParallel
 from cnr.job import check_device_support
 from cnr.models.dlrm import build_dlrm
 

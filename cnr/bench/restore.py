@@ -67,6 +67,13 @@ def _snapshot(model: TrainedModel) -> List[torch.Tensor]:
     return [p.tensor.clone() for p in model.state()]
 
 
+def _clear(model: TrainedModel) -> None:
+    """Zero the live state (not timed), so that a restore that left anything out cannot pass
+    the comparison on what the restore before it wrote."""
+    for piece in model.state():
+        piece.tensor.zero_()
+
+
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     model = TrainedModel(arg["config"])
     model.train(arg["config"].checkpoint.interval)  # optimizer state populated before the baseline
@@ -80,8 +87,10 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         for _ in range(arg["repeats"]):
             runs.setdefault("baseline", []).append(_restore(model, storage, chains[0], ChainOrder.REPLAY))
             for k in arg["links"]:
+                _clear(model)
                 runs.setdefault(f"chain{k}", []).append(_restore(model, storage, chains[k], ChainOrder.NEWEST_FIRST))
                 newest = _snapshot(model)
+                _clear(model)
                 runs.setdefault(f"replay_chain{k}", []).append(_restore(model, storage, chains[k], ChainOrder.REPLAY))
                 exact[k] = exact.get(k, True) and all(torch.equal(a, p.tensor) for a, p in zip(newest, model.state()))
                 del newest

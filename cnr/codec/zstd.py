@@ -56,7 +56,9 @@ class ZstdCodec(BytesCodec):
 
     def encode(self, spec: CodecSpec, data: bytes) -> bytes:
         level = dict(spec.params)["level"]
-        compressors = self._local.__dict__.setdefault("by_level", {})
+        compressors = getattr(self._local, "by_level", None)
+        if compressors is None:
+            compressors = self._local.by_level = {}
         if level not in compressors:
             compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
         return compressors[level].compress(data)
