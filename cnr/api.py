@@ -40,8 +40,9 @@ from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish_location import check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
-from cnr.storage import open_storage
+from cnr.local_tier import open_checkpoint_store
 from cnr.storage.base import Storage
+from cnr.storage.tiered import TieredStorage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
 from cnr.upload import Writer
@@ -107,12 +108,13 @@ class Checkpointer:
         except ValueError as e:
             raise OptionsError(f"CheckpointOptions.{e}") from None
         self.metadata = dict(metadata or {})
-        self.storage = open_storage(uri)
+        self.storage = open_checkpoint_store(uri, self.options)
         self.uri = self.storage.uri
         self.storage.check_writable()
         self.tables = [_table_spec(t) for t in self.app.tables]
-        try:
-            self.lease = take_lease(self.storage, self.options.lease_ttl_s, self.rank)
+        try:  # the lease is the remote store's: it decides which job owns the location
+            lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
+            self.lease = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
         except BaseException:
             if writer is not None:
                 writer.close()

@@ -11,7 +11,7 @@ from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.manifest import (
     ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest,
 )
-from cnr.storage.base import Storage
+from cnr.storage.base import Storage, from_sources
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
     key = manifest_key(ckpt_id)
-    manifest = parse_manifest(storage.get(key), where=f"{storage.uri}/{key}")
+    manifest = from_sources(storage, key, lambda source: parse_manifest(source.get(key), where=f"{source.uri}/{key}"))
     if manifest.id != ckpt_id:
         raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
     return manifest

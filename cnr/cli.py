@@ -31,9 +31,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from cnr.catalog import list_checkpoints
-    from cnr.storage import open_storage
+    from cnr.local_tier import committed_in, open_checkpoint_store
+    from cnr.options import CheckpointOptions
 
-    storage = open_storage(args.uri)
+    storage = open_checkpoint_store(args.uri, CheckpointOptions(local_dir=args.local_dir or ""))
     if args.verify:
         return _inspect_verify(storage, args.json)
     if args.tables:
@@ -44,14 +45,18 @@ def _inspect(args: argparse.Namespace) -> int:
          "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method}
         for i in infos
     ]
+    tiers = committed_in(storage, [r["id"] for r in rows])
+    for r in rows:
+        r["committed_in"] = tiers[r["id"]]
     if args.json:
         print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
     else:
         width = max([22] + [len(r["id"]) for r in rows])  # merged baselines have longer ids
         print(f"{'id':<{width}} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
         for r in rows:
+            where = f" ({'+'.join(r['committed_in'])})" if r["committed"] and args.local_dir else ""
             print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
-                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}")
+                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}{where}")
     return 0
 
 
@@ -183,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--checkpoint", default=None, metavar="ID", help="with --tables: this checkpoint (default: newest)")
     i.add_argument("--verify", action="store_true", help="read back and check every object of every committed "
                    "checkpoint; exit 1 when no chain restores")
+    i.add_argument("--local-dir", default=None, metavar="DIR", help="the job's node-local tier "
+                   "(checkpoint.local_dir): list its checkpoints too, with the tiers each is committed in")
     i.set_defaults(func=_inspect)
     r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
     r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")

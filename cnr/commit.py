@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 from cnr.errors import Cancelled, CheckpointError
 from cnr.faults import maybe_crash
 from cnr.lease import check_held
 from cnr.manifest import (
-    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merge_rank_indexes, parse_rank_index, rank_index_key,
+    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, merge_rank_indexes, parse_rank_index, rank_index_key,
 )
 from cnr.catalog import marker_error
 from cnr.storage.base import Storage
@@ -106,6 +106,15 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[st
     )
 
 
+def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
+    """What a store must hold before ``manifest`` commits on it (``Storage.commit``): every rank's
+    index, and for an increment its base or the merged baseline standing for it (cnr.merge)."""
+    needs: List[Union[str, Tuple[str, ...]]] = [rank_index_key(manifest.id, r) for r in range(manifest.world_size)]
+    if manifest.kind == CheckpointKind.INCREMENTAL and manifest.base:
+        needs.append((manifest_key(manifest.base), manifest_key(merged_id(manifest.base))))
+    return needs
+
+
 def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> Tuple[Manifest, int]:
     """Commit ``job``'s checkpoint; return its manifest and the manifest's size in bytes."""
     indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel)
@@ -119,6 +128,6 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> T
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     if job.lease is not None:
         check_held(storage, job.lease)  # a job that lost its storage's lease commits nothing
-    storage.put(manifest_key(job.ckpt_id), blob)  # the commit point
+    storage.commit(manifest_key(job.ckpt_id), blob, commit_requires(manifest))  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
     return manifest, len(blob)

@@ -175,7 +175,12 @@ class CheckpointConfig:
     its storage location's lease (cnr.lease), renewed every quarter of this; another machine may
     take over a crashed job's location this long after its last renewal. ``on_damage``: a
     ``--resume`` whose newest committed checkpoint does not verify restores the newest one that
-    does ("fallback", with a warning) or stops ("fail").
+    does ("fallback", with a warning) or stops ("fail"). ``local_dir``: a node-local directory
+    (cnr.storage.tiered; "" none): each rank stores its chunks there first, the checkpoint
+    commits there once every rank's data is durable, and a background flush then copies it to
+    the storage and commits it there; give each node its own. ``local_keep_last``: committed
+    checkpoints (with their chains) the local tier keeps (0: all; what the storage does not hold
+    yet is never deleted from it).
     """
 
     enabled: bool = True
@@ -203,6 +208,8 @@ class CheckpointConfig:
     max_chain_ratio: float = 0.0
     lease_ttl_s: float = 60.0
     on_damage: str = "fallback"
+    local_dir: str = ""
+    local_keep_last: int = 1
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,10 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
     _validate_failures(c.failures, c.bit_policy)
     _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
     _one_of("checkpoint.on_damage", c.on_damage, ON_DAMAGE)
+    _require(isinstance(c.local_dir, str) and "://" not in c.local_dir, f"config key 'checkpoint.local_dir' = "
+             f"{shown(c.local_dir)} is not allowed; give a node-local directory path, or '' for none")
+    _require(c.local_keep_last >= 0, f"config key 'checkpoint.local_keep_last' = {c.local_keep_last} is not "
+             "allowed; it must be >= 0 (0 keeps everything)")
     _require(1.0 <= c.lease_ttl_s <= 86400.0, f"config key 'checkpoint.lease_ttl_s' = {c.lease_ttl_s} is not allowed; "
              "it must be from 1 to 86400 seconds")
 

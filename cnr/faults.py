@@ -3,7 +3,8 @@ or a reader process's read.
 
 ``CNR_FAULT_INJECT=[action:]<point>@<step>[@<rank>]`` makes the process that reaches ``point``
 at ``step`` (on trainer rank ``rank``, default any) do ``action``. Points: the checkpoint write
-of ``step`` (``before_data`` ... ``after_commit``, in the background writer); ``after_step``: the
+of ``step`` (``before_data`` ... ``after_commit``, in the background writer; with a local tier
+``before_remote_commit``: between the local and the remote commit, in the writer's flusher); ``after_step``: the
 trainer, right after training step ``step`` (and recording it in the sample trace); ``read_batch``:
 the reader process that reads the batch for training step ``step``. Actions:
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
@@ -22,7 +23,8 @@ import time
 from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
-POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "after_step", "read_batch")
+POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "before_remote_commit", "after_step",
+          "read_batch")
 
 # Set in the background writer: its points run there, and a machine failure takes the trainer too.
 KILL_PARENT = False

@@ -20,7 +20,8 @@ from cnr.manifest import Manifest
 from cnr.catalog import newest_committed
 from cnr.policy import failure_rate
 from cnr.publish_location import check_publish_storage, publish_uri
-from cnr.storage import open_storage
+from cnr.local_tier import open_checkpoint_store
+from cnr.options import CheckpointOptions
 
 # fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
 CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
@@ -95,7 +96,7 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
                               "publish.storage")
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
-        storage = open_storage(storage_uri)
+        storage = open_checkpoint_store(storage_uri, CheckpointOptions.from_config(config.checkpoint, config.train.steps))
         newest = newest_committed(storage)
         if resume and newest is None:
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")

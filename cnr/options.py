@@ -60,6 +60,10 @@ class CheckpointOptions:
       ``commit_timeout_s``: how long rank 0 waits for every rank's data.
     - ``on_damage``: when the newest committed checkpoint does not verify on restore,
       "fallback" restores the newest one that does (cnr.fallback), "fail" raises.
+    - ``local_dir``: a node-local directory in front of the storage (cnr.storage.tiered; "" none):
+      a checkpoint commits there once every rank's chunks are durable on its node, then is
+      flushed to the storage in the background and commits there too. ``local_keep_last``:
+      committed checkpoints (with their chains) the local tier keeps (0: all).
     - ``lease_ttl_s``: the storage location's lease (cnr.lease, one writing job per location)
       expires this long after its holder's last renewal, when the holder is on another machine.
     """
@@ -88,6 +92,8 @@ class CheckpointOptions:
     commit_timeout_s: float = 600.0
     lease_ttl_s: float = 60.0
     on_damage: str = "fallback"
+    local_dir: str = ""
+    local_keep_last: int = 1
 
     def __post_init__(self) -> None:
         from cnr.config import CheckpointConfig, FailureConfig, _build

@@ -28,6 +28,8 @@ publish gives its rows back to the view and its sequence number is used again by
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import logging
 import time
@@ -154,7 +156,9 @@ class Publisher:
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
         retain = functools.partial(retain_publishes, keep_bases=options.keep_bases)
-        self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank)  # its own retention
+        # its own retention; publishes go straight to their store (the local tier is the checkpoints')
+        writer_options = dataclasses.replace(writer_options, local_dir="")
+        self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank)
 
     @property
     def writer(self) -> Writer:

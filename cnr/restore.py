@@ -22,7 +22,7 @@ from cnr.encode import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError, CorruptChunkError, InvalidKeyError
 from cnr.manifest import Manifest, TensorEntry
 from cnr.state import StatePiece
-from cnr.storage.base import Storage
+from cnr.storage.base import Storage, from_sources
 from cnr.types import RNG_PREFIX, TABLE_ROLES, ByteRange, ChunkRef, Role
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ def _read_range(storage: Storage, key: str, byte_range: ByteRange) -> bytes:
 def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
     """One chunk, fetched with a ranged read of its bytes in its object, verified and decoded
     (quantized rows kept as codes unless ``dequantize``)."""
-    return decode_chunk(_read_range(storage, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize)
+    return from_sources(storage, ref.key, lambda source: decode_chunk(
+        _read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize))
 
 
 def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
@@ -240,12 +241,9 @@ def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
     Pieces of one checkpoint never share an element between two chunks, so workers write
     disjoint memory. ``done``: piece index -> its rows that already hold their newest value
     (cnr.chain_restore); those pieces take only the other rows, and the rows written join them."""
-    data = _fetch_object(storage, key, chunks, size)
-    lo = min(ref.offset for ref, _t in chunks)
+    nbytes, decoded = from_sources(storage, key, lambda source: _decode_object(source, key, chunks, size))
     out: _Writes = []
-    for ref, targets in chunks:
-        blob = data[ref.offset - lo:ref.offset - lo + ref.nbytes]
-        chunk = decode_chunk(blob, ref, dequantize=False)  # dequantized block by block as it is written
+    for (ref, targets), chunk in zip(chunks, decoded):
         for i in targets:
             span = _piece_span(pieces[i])
             if done is not None and i in done:
@@ -254,7 +252,18 @@ def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
                 out.append((i, 0, _scatter_rows(pieces[i].tensor, span, chunk)))
             else:
                 out.append((i, _copy_overlap(pieces[i].tensor, span, chunk), None))
-    return len(data), out
+    return nbytes, out
+
+
+def _decode_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]],
+                   size: int) -> Tuple[int, List[DecodedChunk]]:
+    """Bytes read and the verified chunks of ``key``, decoded (quantized rows kept as codes: they
+    are dequantized block by block as they are written). Nothing is written before every chunk
+    of the object verified, so a damaged copy can be passed over for another source's."""
+    data = _fetch_object(storage, key, chunks, size)
+    lo = min(ref.offset for ref, _t in chunks)
+    return len(data), [decode_chunk(data[ref.offset - lo:ref.offset - lo + ref.nbytes], ref, dequantize=False)
+                       for ref, _t in chunks]
 
 
 def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],

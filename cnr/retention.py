@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from cnr.errors import KeyNotFoundError
 from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, failed_key, manifest_key
 from cnr.catalog import list_checkpoints
 from cnr.storage.base import Storage
@@ -84,8 +85,9 @@ def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> Retention
     return RetentionPlan(tuple(sorted(needed)), delete, purge)
 
 
-def _remove(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
-    """Delete a checkpoint's objects (manifest first); return bytes freed."""
+def remove_checkpoint(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
+    """Delete a checkpoint's objects (manifest first); return bytes freed. An object another
+    process deleted meanwhile is passed over."""
     keys = storage.list(checkpoint_prefix(ckpt_id))
     marker = failed_key(ckpt_id)
     if keep_marker and marker not in keys:
@@ -96,7 +98,10 @@ def _remove(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
     for key in first + sorted(k for k in keys if k not in first):
         if keep_marker and (key == marker or "/failed-rank-" in key):
             continue
-        freed += storage.size(key)
+        try:
+            freed += storage.size(key)
+        except KeyNotFoundError:
+            continue
         storage.delete(key)
     return freed
 
@@ -110,8 +115,8 @@ class RetentionResult:
 
 def execute_plan(storage: Storage, plan: RetentionPlan) -> RetentionResult:
     """Carry out ``plan``: delete its checkpoints whole, purge the data of its uncommitted ones."""
-    freed = sum(_remove(storage, i, keep_marker=False) for i in plan.delete)
-    freed += sum(_remove(storage, i, keep_marker=True) for i in plan.purge)
+    freed = sum(remove_checkpoint(storage, i, keep_marker=False) for i in plan.delete)
+    freed += sum(remove_checkpoint(storage, i, keep_marker=True) for i in plan.purge)
     if plan.delete or plan.purge:
         logger.info("retention: deleted %d checkpoints, purged %d uncommitted, freed %d bytes",
                     len(plan.delete), len(plan.purge), freed)

@@ -32,7 +32,7 @@ from cnr.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish import Publisher, make_publisher
 from cnr.publish_location import publish_uri
 from cnr.state import global_names, state_digest
-from cnr.storage import open_storage
+from cnr.local_tier import open_checkpoint_store
 from cnr.trace import SampleTrace, reset_trace
 from cnr.upload import Writer
 
@@ -137,7 +137,7 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     _setup_logging(rank)
     manifest = None
     if job.resume:
-        storage = open_storage(job.storage_uri)
+        storage = open_checkpoint_store(job.storage_uri, _options(job.config))
         try:
             manifest = _newest(storage)
         finally:

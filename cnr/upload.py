@@ -41,8 +41,10 @@ from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.snapshot import HostPiece
+from cnr.local_tier import open_checkpoint_store, resume_flush, retain_local
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
+from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind, ChunkRef, CodecSpec, LeaseRef, WriteStatus
 from cnr.uploader import Packer, Uploader
 from cnr.proc import WRITER, name_this_process
@@ -233,26 +235,39 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s cnr-writer %(name)s: %(message)s")
     redact_logging()
     torch.set_num_threads(1)  # chunks encode side by side on the encoder's threads instead (cnr.encode_pool)
-    storage = open_storage(storage_uri)
+    job = jobs.get()
+    if job is None:
+        return
+    # opened once the first job names this writer's rank: a local tier's hooks and resumed flush need it
+    storage = open_checkpoint_store(storage_uri, options, job.rank)
+    if isinstance(storage, TieredStorage):
+        resume_flush(storage, job.rank)
     uploader = Uploader(storage, options.upload_threads)
     encoder = EncodePool(options.encode_threads)
     try:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
+        while job is not None:
             result = _run_job(storage, uploader, encoder, options, job, cancel)
             results.put(result)
-            if result.status == WriteStatus.COMMITTED:
-                # after the result: the trainer's next boundary does not wait for the deletes
-                if retain is None:
-                    retain_checkpoints(storage, options.keep_last)
-                else:
-                    retain(storage)
+            # after the result: the trainer's next boundary does not wait for the deletes
+            _retain(storage, options, result, retain)
+            job = jobs.get()
     finally:
         encoder.close()
         uploader.close()
         storage.close()
+
+
+def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, retain: Optional[Retain]) -> None:
+    """Retention after a job: rank 0's after its commit; with a local tier, every rank's local
+    tier after each job (the remote's runs after each remote commit, cnr.local_tier)."""
+    if isinstance(storage, TieredStorage):
+        if result.status in (WriteStatus.COMMITTED, WriteStatus.WRITTEN):
+            retain_local(storage, options.local_keep_last)
+    elif result.status == WriteStatus.COMMITTED:
+        if retain is None:
+            retain_checkpoints(storage, options.keep_last)
+        else:
+            retain(storage)
 
 
 MAX_WRITER_DEATHS = 3  # writer processes dying in a row (no job ended meanwhile) before checkpointing stops
@@ -371,7 +386,8 @@ class Writer:
         self._stop_watch.set()
         if self._process.is_alive():
             self._jobs.put(None)
-            self._process.join(timeout=60)
+            # with a local tier the writer first flushes what the remote store lacks
+            self._process.join(timeout=60 + (self._options.commit_timeout_s if self._options.local_dir else 0))
         if self._process.is_alive():
             self._process.kill()
         if self._marker_storage is not None:

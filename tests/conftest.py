@@ -30,8 +30,16 @@ def _s3(tmp_path):
                      backoff_base=0.01, backoff_max=0.05)
 
 
+def _tiered(tmp_path):
+    # A node-local tier in front of a second directory (cnr.storage.tiered): reads see a put at once.
+    from cnr.storage.tiered import TieredStorage
+
+    return TieredStorage(LocalStorage(str(tmp_path / "local-tier")), LocalStorage(str(tmp_path / "store")),
+                         commit_timeout_s=10)
+
+
 # Backends register here; tests/test_storage_contract.py runs every case against each.
-STORAGE_BACKENDS = {"local": _local, "s3": _s3}
+STORAGE_BACKENDS = {"local": _local, "s3": _s3, "tiered": _tiered}
 
 
 @pytest.fixture(params=sorted(STORAGE_BACKENDS))

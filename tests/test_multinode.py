@@ -2,7 +2,10 @@
 rendezvous on 127.0.0.1): a 2x2 job checkpoints to shared storage, resumes bit-exact at 2x2,
 and its last checkpoint restores at 1x2 and 1x1 to the same state. The model is DCN with a
 wide over-arch, so its dense part (2.6 MB and its Adagrad state) outweighs the tables: each
-rank writes a share of it (cnr.shares), rank 0 no more than 1.2x the mean."""
+rank writes a share of it (cnr.shares), rank 0 no more than 1.2x the mean. Each node has its
+own local tier (``checkpoint.local_dir``): it holds only that node's ranks' objects, the 1x2
+restore reads node 0's tier and the remote store, the 1x1 restore (a node without the tier)
+the remote store alone."""
 
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(cwd: str, *extra: str) -> dict:
-    """One job on two torchrun agents (nodes 0 and 1, two ranks each); rank 0's summary."""
+def _two_nodes(cwd: str, *extra: str, local_tier: bool = False) -> dict:
+    """One job on two torchrun agents (nodes 0 and 1, two ranks each); rank 0's summary.
+    ``local_tier``: node N's local tier is ``<cwd>/node-N``."""
     env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
     env.pop("CNR_FAULT_INJECT", None)
     port = _free_port()
@@ -38,7 +42,8 @@ def _two_nodes(cwd: str, *extra: str) -> dict:
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
              "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "cnr", "train", "--config", TINY, "--storage", "ck", *MODEL, *extra],
+             "-m", "cnr", "train", "--config", TINY, "--storage", "ck", *MODEL, *extra,
+             *(["--set", f"checkpoint.local_dir=node-{node}"] if local_tier else [])],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
@@ -59,21 +64,26 @@ def test_two_nodes_resume_bit_exact_and_restore_on_one_node(tmp_path):
     cwd = str(tmp_path)
     full = _two_nodes(cwd, "--set", "train.steps=40", "--storage", "full")
     assert full["world_size"] == 4 and full["steps"] == 40
-    first = _two_nodes(cwd, "--set", "train.steps=20")
+    first = _two_nodes(cwd, "--set", "train.steps=20", local_tier=True)
     assert first["steps"] == 20 and first["state_sha256"] != full["state_sha256"]
     storage = LocalStorage(os.path.join(cwd, "ck"))
     ckpt = list_checkpoints(storage)[-1].id
+    for node in (0, 1):  # each node's tier holds its own ranks' objects, node 0's the manifest too
+        held = LocalStorage(os.path.join(cwd, f"node-{node}")).list(f"checkpoints/{ckpt}")
+        assert {k.split("/")[2][:10] for k in held} - {"manifest.j"} == {f"rank-{r:05d}" for r in (2 * node, 2 * node + 1)}
+        assert (f"checkpoints/{ckpt}/manifest.json" in held) == (node == 0)
     per_rank = [sum(c.nbytes for t in parse_rank_index(storage.get(rank_index_key(ckpt, r))).tensors.values()
                     for c in t.chunks) for r in range(4)]
     assert per_rank[0] <= 1.2 * sum(per_rank) / 4, per_rank
-    resumed = _two_nodes(cwd, "--set", "train.steps=40", "--resume")
+    resumed = _two_nodes(cwd, "--set", "train.steps=40", "--resume", local_tier=True)
     for key in ("state_sha256", "eval_logloss", "steps", "samples"):
         assert resumed[key] == full[key], key
     # the 2x2 job's checkpoint of step 40 on one node: two ranks (1x2), then one (1x1)
     env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cnr", "train",
-         "--config", TINY, "--storage", "ck", *MODEL, "--set", "train.steps=40", "--resume"],
+         "--config", TINY, "--storage", "ck", *MODEL, "--set", "train.steps=40", "--resume",
+         "--set", "checkpoint.local_dir=node-0"],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     at_two = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,8 +5,9 @@ from __future__ import annotations
 from cnr.errors import ConfigError
 from cnr.storage.base import Storage, validate_key
 from cnr.storage.local import LocalStorage
+from cnr.storage.tiered import TieredStorage
 
-__all__ = ["Storage", "LocalStorage", "open_storage", "validate_key"]
+__all__ = ["Storage", "LocalStorage", "TieredStorage", "open_storage", "validate_key"]
 
 
 def open_storage(uri: str) -> Storage:

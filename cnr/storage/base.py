@@ -7,13 +7,17 @@ A ``put`` is atomic: readers see the whole object or no object, never a partial 
 from __future__ import annotations
 
 import abc
+import logging
 import re
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
-from cnr.errors import InvalidKeyError
+from cnr.errors import CheckpointError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.types import ByteRange
 
+logger = logging.getLogger(__name__)
+
 Buffer = Union[bytes, bytearray, memoryview]
+_T = TypeVar("_T")
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=-]+$")
 
@@ -78,6 +82,20 @@ class Storage(abc.ABC):
         object and return False: callers that must know read the object back.
         """
 
+    def commit(self, key: str, data: Buffer, requires: Sequence[str] = ()) -> None:
+        """Store the commit object ``key`` (a manifest): the one object that makes others valid.
+
+        The caller has seen every key in ``requires`` stored; a store whose writes become durable
+        and visible in stages (cnr.storage.tiered) stores ``key`` in each stage only once
+        ``requires`` are there. A single store has one stage: this is ``put``.
+        """
+        self.put(key, data)
+
+    def read_sources(self) -> Sequence["Storage"]:
+        """The stores a verified read may try in turn (a restore that finds a damaged copy takes
+        the next one); a single store is its only source."""
+        return (self,)
+
     @abc.abstractmethod
     def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
         """Return the object (or ``byte_range`` of it). Raises KeyNotFoundError if absent."""
@@ -104,3 +122,17 @@ class Storage(abc.ABC):
 
     def close(self) -> None:
         """Release clients and connections. The default holds none."""
+
+
+def from_sources(storage: Storage, key: str, read: Callable[[Storage], _T]) -> _T:
+    """``read`` (a get that verifies what it got) from the first of ``storage.read_sources()``
+    whose copy of ``key`` is there and verifies: a node-local tier, then the remote store
+    (cnr.storage.tiered). Raises the last source's error when none does."""
+    sources = storage.read_sources()
+    for n, source in enumerate(sources[:-1]):
+        try:
+            return read(source)
+        except (CheckpointError, StorageError) as e:
+            log = logger.debug if isinstance(e, KeyNotFoundError) else logger.warning  # absent: a tier not written yet
+            log("%s/%s cannot be used (%s); reading it from %s", source.uri, key, e, sources[n + 1].uri)
+    return read(sources[-1])

@@ -1,0 +1,136 @@
+"""Checkpoints over a node-local tier (``checkpoint.local_dir``, cnr.storage.tiered).
+
+What the tier's generic rules mean in cnr's layout: opening a checkpoint store with its tier, what
+a checkpoint's remote commit requires, the writer's hooks (fault injection and retention after
+a remote commit), the local tier's retention, the flush a new writer resumes after a crash, and
+where each checkpoint is committed (``cnr inspect --local-dir``).
+
+A checkpoint commits locally once every rank's index can be read through the tier: on one node
+all ranks share the local directory; on several nodes rank 0 sees another node's index once
+that node has flushed it (its chunks first) to the remote store.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Dict, List, Optional, Sequence
+
+from cnr.commit import commit_requires
+from cnr.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
+from cnr.errors import ConfigError
+from cnr.faults import maybe_crash
+from cnr.manifest import checkpoint_prefix, manifest_key, rank_index_key
+from cnr.options import CheckpointOptions
+from cnr.retention import plan_retention, remove_checkpoint, retain_checkpoints
+from cnr.storage import open_storage
+from cnr.storage.base import Storage
+from cnr.storage.local import LocalStorage
+from cnr.storage.tiered import TieredStorage
+
+logger = logging.getLogger(__name__)
+
+
+def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[int] = None) -> Storage:
+    """The checkpoint store at ``uri``, behind ``options.local_dir`` when one is set.
+
+    ``rank``: the writer's rank, for its hooks (rank 0 runs retention after each remote commit);
+    None for a reader (restore, inspect)."""
+    remote = open_storage(uri)
+    if not options.local_dir:
+        return remote
+    local = LocalStorage(options.local_dir)
+    try:
+        check_apart(local, remote)
+    except ConfigError:
+        remote.close()
+        raise
+    before = after = None
+    if rank is not None:
+        before = functools.partial(_fault_before_remote_commit, rank)
+        if rank == 0:
+            after = functools.partial(_retain_after_remote_commit, options.keep_last, options.local_keep_last)
+    return TieredStorage(local, remote, options.commit_timeout_s, before_remote_commit=before, on_remote_commit=after)
+
+
+def check_apart(local: LocalStorage, remote: Storage) -> None:
+    """Refuse a local tier inside the storage directory, or a storage directory inside the tier."""
+    if not isinstance(remote, LocalStorage):
+        return
+    a, b = local.root, remote.root
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise ConfigError(f"config key 'checkpoint.local_dir' = {a!r} is not allowed with storage {remote.uri}: "
+                          "the local tier and the storage must be separate directories")
+
+
+def _step_of(key: str) -> int:
+    head = key.split("/")[1].split("-")[0] if key.count("/") >= 2 else ""
+    return int(head) if head.isdigit() else -1
+
+
+def _fault_before_remote_commit(rank: int, tier: TieredStorage, key: str) -> None:
+    maybe_crash("before_remote_commit", _step_of(key), rank)
+
+
+def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: TieredStorage, key: str) -> None:
+    if keep_last:
+        retain_checkpoints(tier.remote, keep_last)
+    retain_local(tier, local_keep_last)
+
+
+def retain_local(tier: TieredStorage, keep_last: int) -> Dict[str, List[str]]:
+    """The local tier's retention: keep the newest ``keep_last`` committed chains (as the tier
+    as a whole lists them); delete other checkpoints' local copies once the remote store holds
+    them committed, and dead uncommitted ones' data. Nothing still waiting for its flush goes.
+    Errors are logged, never raised: the next commit tries again."""
+    if keep_last == 0:
+        return {"deleted": [], "purged": []}
+    try:
+        plan = plan_retention(list_checkpoints(tier), keep_last)
+        pending = tier.pending_groups()
+        local_ids = set(checkpoint_ids(tier.local))
+        removable = [i for i in plan.delete + plan.purge if i in local_ids and checkpoint_prefix(i) not in pending]
+        deleted = [i for i in removable if i in plan.delete and tier.remote.exists(manifest_key(i))]
+        purged = [i for i in removable if i in plan.purge]
+        for ckpt_id in deleted + purged:
+            remove_checkpoint(tier.local, ckpt_id, keep_marker=False)
+        return {"deleted": deleted, "purged": purged}
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        logger.warning("local tier retention failed (the checkpoints stand): %s", e)
+        return {"deleted": [], "purged": []}
+
+
+def resume_flush(tier: TieredStorage, rank: int) -> List[str]:
+    """Queue again, for the remote store, what an earlier writer of ``rank`` left only on the
+    local tier (it was killed between the local and the remote commit): this rank's objects of
+    checkpoints newer than the remote's newest commit, and on rank 0 their commits. Returns the
+    checkpoint ids queued."""
+    remote_newest = next(iter(committed_ids(tier.remote)), "")
+    queued = []
+    for ckpt_id in checkpoint_ids(tier.local):
+        index = rank_index_key(ckpt_id, rank)
+        if ckpt_id <= remote_newest or tier.remote.exists(manifest_key(ckpt_id)) or not tier.local.exists(index):
+            continue
+        own = checkpoint_prefix(ckpt_id) + f"/rank-{rank:05d}/"
+        for key in tier.local.list(checkpoint_prefix(ckpt_id)):
+            if key.startswith(own):
+                tier.resend(key)
+        tier.resend(index)
+        if rank == 0 and tier.local.exists(manifest_key(ckpt_id)):
+            manifest = read_manifest(tier.local, ckpt_id)
+            tier.commit(manifest_key(ckpt_id), tier.local.get(manifest_key(ckpt_id)), commit_requires(manifest))
+        queued.append(ckpt_id)
+    if queued:
+        logger.warning("rank %d: flushing checkpoints %s, left on the local tier by an earlier writer, to %s",
+                       rank, queued, tier.remote.uri)
+    return queued
+
+
+def committed_in(storage: Storage, ckpt_ids: Sequence[str]) -> Dict[str, List[str]]:
+    """Per checkpoint id, the tiers that hold its manifest: "local" and/or "remote"; for a store
+    without a local tier, "remote" wherever the manifest is."""
+    if not isinstance(storage, TieredStorage):
+        return {i: (["remote"] if storage.exists(manifest_key(i)) else []) for i in ckpt_ids}
+    return {i: [name for name, tier in (("local", storage.local), ("remote", storage.remote))
+                if tier.exists(manifest_key(i))] for i in ckpt_ids}

@@ -1,0 +1,264 @@
+"""A node-local tier in front of a remote store: write locally, flush to the remote in the background.
+
+``TieredStorage(local, remote)`` is a Storage: a ``put`` is durable once the local tier holds the
+object (a process crash keeps it), and a flusher thread copies it to the remote store afterwards,
+in the order of the puts (a node lost keeps only what was flushed). A ``commit`` (the object that
+makes a set of objects valid, such as a manifest) is stored locally at once and on the remote
+only once every key it ``requires`` is durable and visible there, so the remote never holds a
+commit whose objects it lacks; since one writer's puts are flushed in order, its own objects are
+on the remote before its commit is.
+
+Reads take the local copy, else the remote one; ``read_sources`` lists both for a caller that
+verifies what it read (a restore) and goes on to the next source when the local copy is damaged.
+The lease (``put_if_absent``) is the remote store's: it decides which job owns the location.
+
+Failures stay in their tier. A local write that fails (a full disk) sends that object, and every
+later object of its group, straight to the remote store, and the group is not committed locally.
+A remote write that fails (after the remote client's own retries) marks its group failed on the
+remote: its commit is not stored there, and the local tier keeps what it has. A key's group is
+its first ``group_depth`` segments: a checkpoint's directory in cnr's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, List, Optional, Sequence, Set, Tuple, Union
+
+from cnr.errors import CnrError, InvalidKeyError, KeyNotFoundError, StorageError
+from cnr.storage.base import Buffer, Storage
+from cnr.types import ByteRange
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05
+
+CommitHook = Callable[["TieredStorage", str], None]
+Requirement = Union[str, Tuple[str, ...]]  # a key, or keys any one of which will do
+
+
+@dataclass(frozen=True)
+class _Flush:
+    """One queued remote write: ``data`` None means read the object back from the local tier
+    (it is durable there); ``requires`` is set for a commit."""
+
+    key: str
+    data: Optional[bytes] = None
+    requires: Optional[Tuple[Tuple[str, ...], ...]] = None
+
+
+class TieredStorage(Storage):
+    """``local`` first, ``remote`` in the background (see the module docstring).
+
+    ``commit_timeout_s``: how long a remote commit waits for the objects it requires.
+    ``before_remote_commit`` / ``on_remote_commit``: called in the flusher thread with this
+    store and the commit's key right before / after it is stored on the remote (fault
+    injection, retention).
+    """
+
+    def __init__(self, local: Storage, remote: Storage, commit_timeout_s: float = 600.0, group_depth: int = 2,
+                 before_remote_commit: Optional[CommitHook] = None,
+                 on_remote_commit: Optional[CommitHook] = None) -> None:
+        self.local = local
+        self.remote = remote
+        self._commit_timeout_s = commit_timeout_s
+        self._group_depth = group_depth
+        self._before_remote_commit = before_remote_commit
+        self._on_remote_commit = on_remote_commit
+        self._queue: Deque[_Flush] = deque()
+        self._busy = False  # the flusher holds an item taken off the queue
+        self._cond = threading.Condition()
+        self._closed = False
+        self._abandon = False  # set by a close that timed out: a waiting remote commit gives up
+        self._local_failed: Set[str] = set()  # groups not committed locally (a local write failed)
+        self._remote_failed: Set[str] = set()  # groups not committed on the remote
+        self.remote_commits: List[Tuple[str, float]] = []  # (key, wall clock) of each remote commit
+        self._thread = threading.Thread(target=self._flush_loop, name="cnr-tier-flush", daemon=True)
+        self._thread.start()
+
+    @property
+    def uri(self) -> str:
+        return self.remote.uri
+
+    def group(self, key: str) -> str:
+        """The group ``key`` belongs to: its first ``group_depth`` segments."""
+        return "/".join(key.split("/")[:self._group_depth])
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        if self._store_locally(key, data):
+            self._enqueue(_Flush(key))
+        else:
+            self._enqueue(_Flush(key, bytes(data)))
+
+    def _store_locally(self, key: str, data: Buffer) -> bool:
+        """Put ``key`` on the local tier unless its group already failed there; False if it is not."""
+        group = self.group(key)
+        if group in self._local_failed:
+            return False
+        try:
+            self.local.put(key, data)
+            return True
+        except InvalidKeyError:
+            raise
+        except StorageError as e:
+            self._local_failed.add(group)
+            logger.warning("local tier write of %s failed (%s); %s goes to the remote store only", key, e, group)
+            return False
+
+    def commit(self, key: str, data: Buffer, requires: Sequence[Requirement] = ()) -> None:
+        """Store ``key`` locally now (unless a local write of its group failed) and on the remote
+        once every requirement is there: a key, or a tuple of keys any one of which will do.
+        A requirement whose group failed on the remote fails the remote commit at once."""
+        group = self.group(key)
+        if group not in self._local_failed:
+            try:
+                self.local.put(key, data)
+            except InvalidKeyError:
+                raise
+            except StorageError as e:
+                self._local_failed.add(group)
+                logger.warning("local commit of %s failed (%s); it commits on the remote store only", key, e)
+        alternatives = tuple((r,) if isinstance(r, str) else tuple(r) for r in requires)
+        self._enqueue(_Flush(key, bytes(data), alternatives))
+
+    def resend(self, key: str) -> None:
+        """Queue ``key``, already on the local tier, for the remote store (a flush resumed after
+        a crash, cnr.local_tier.resume_flush)."""
+        self._enqueue(_Flush(key))
+
+    def committed_locally(self, key: str) -> bool:
+        """Whether the local tier holds the commit ``key`` (what a process crash would keep)."""
+        return self.group(key) not in self._local_failed and self.local.exists(key)
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        return self.remote.put_if_absent(key, data)
+
+    def delete(self, key: str) -> None:
+        self.local.delete(key)
+        self.remote.delete(key)
+
+    def check_writable(self) -> None:
+        self.local.check_writable()
+        self.remote.check_writable()
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def read_sources(self) -> Sequence[Storage]:
+        return (self.local, self.remote)
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+        try:
+            return self.local.get(key, byte_range)
+        except KeyNotFoundError:
+            return self.remote.get(key, byte_range)
+        except InvalidKeyError:
+            raise  # a bad key, or a range outside the local copy: a verified read tries the remote (from_sources)
+        except StorageError as e:
+            logger.warning("local tier read of %s failed (%s); reading the remote copy", key, e)
+            return self.remote.get(key, byte_range)
+
+    def size(self, key: str) -> int:
+        try:
+            return self.local.size(key)
+        except KeyNotFoundError:
+            return self.remote.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.local.exists(key) or self.remote.exists(key)
+
+    def list(self, prefix: str = "") -> List[str]:
+        return sorted(set(self.local.list(prefix)) | set(self.remote.list(prefix)))
+
+    # ---- the flusher ---------------------------------------------------------------------
+
+    def _enqueue(self, item: _Flush) -> None:
+        with self._cond:
+            if self._closed:
+                raise StorageError(f"tiered storage {self.uri} is closed")
+            self._queue.append(item)
+            self._cond.notify_all()
+
+    def pending_groups(self) -> Set[str]:
+        """Groups with objects not yet flushed to the remote store (local retention keeps them)."""
+        with self._cond:
+            return {self.group(item.key) for item in self._queue}
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued write reached the remote store (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._flush_one(item)
+            except Exception as e:  # noqa: BLE001 - a remote failure never fails the local tier
+                self._remote_failed.add(self.group(item.key))
+                reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
+                logger.warning("flushing %s to %s failed; %s is not committed there: %s",
+                               item.key, self.remote.uri, self.group(item.key), reason)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _flush_one(self, item: _Flush) -> None:
+        group = self.group(item.key)
+        if group in self._remote_failed:
+            return
+        if item.requires is None:
+            self.remote.put(item.key, item.data if item.data is not None else self.local.get(item.key))
+            return
+        self._wait_remote(item.key, item.requires)
+        if self._before_remote_commit is not None:
+            self._before_remote_commit(self, item.key)
+        self.remote.put(item.key, item.data)
+        self.remote_commits.append((item.key, time.time()))
+        if self._on_remote_commit is not None:
+            self._on_remote_commit(self, item.key)
+
+    def _wait_remote(self, key: str, requires: Tuple[Tuple[str, ...], ...]) -> None:
+        deadline = time.monotonic() + self._commit_timeout_s
+        missing = list(requires)
+        while True:
+            missing = [keys for keys in missing if not any(self.remote.exists(k) for k in keys)]
+            if not missing:
+                return
+            failed = [keys for keys in missing if all(self.group(k) in self._remote_failed for k in keys)]
+            if failed or time.monotonic() > deadline or self._abandon:
+                why = f"{failed[0][0]} failed to reach it" if failed else f"it lacks {missing[0][0]} after " \
+                      f"{self._commit_timeout_s:.0f} s"
+                raise StorageError(f"{key} is not committed on {self.remote.uri}: {why}")
+            time.sleep(_POLL_SECONDS)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Flush what is queued (up to ``timeout`` s, default the commit timeout), then close both
+        tiers. Writes still queued after the timeout are dropped: the local tier keeps them."""
+        if not self.flush(self._commit_timeout_s if timeout is None else timeout):
+            logger.warning("closing %s with writes not yet flushed to the remote store", self.uri)
+            self._abandon = True
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self.local.close()
+        self.remote.close()

@@ -1,0 +1,156 @@
+"""TieredStorage (cnr.storage.tiered): local first, the remote in the background, commits last.
+
+The storage contract runs against it too (conftest registers "tiered"); these tests cover what
+is its own: the order of the flush, commits that wait for what they require, a failing remote
+that never fails the local tier, a full local disk that never fails the remote one, and reads
+that pass a damaged local copy over for the remote one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Set
+
+import pytest
+
+from cnr.errors import CheckpointError, StorageError
+from cnr.storage.base import from_sources
+from cnr.storage.local import LocalStorage
+from cnr.storage.tiered import TieredStorage
+
+
+class FlakyStore(LocalStorage):
+    """A local directory whose puts fail for keys under the given groups (a full disk, a remote
+    that rejects writes), and that can hold its puts until released (a slow link)."""
+
+    def __init__(self, root: str, failing: Set[str] = frozenset()) -> None:
+        super().__init__(root)
+        self.failing = set(failing)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.puts = []
+
+    def put(self, key, data):
+        self.gate.wait(10)
+        if any(key.startswith(g + "/") for g in self.failing):
+            raise StorageError(f"no space left for {key}")
+        self.puts.append(key)
+        super().put(key, data)
+
+
+@pytest.fixture
+def stores(tmp_path):
+    local, remote = FlakyStore(str(tmp_path / "local")), FlakyStore(str(tmp_path / "remote"))
+    tier = TieredStorage(local, remote, commit_timeout_s=5)
+    yield tier, local, remote
+    tier.close(timeout=5)
+
+
+def test_put_is_local_at_once_and_remote_after_flush_in_order(stores):
+    tier, local, remote = stores
+    remote.gate.clear()  # a slow remote: nothing reaches it yet
+    for n in range(5):
+        tier.put(f"c/1/obj-{n}", b"x" * n)
+    assert local.list("c") == [f"c/1/obj-{n}" for n in range(5)] and remote.list("c") == []
+    assert tier.get("c/1/obj-3") == b"xxx" and tier.pending_groups() == {"c/1"}
+    remote.gate.set()
+    assert tier.flush(timeout=10)
+    assert remote.puts == [f"c/1/obj-{n}" for n in range(5)]
+    assert tier.pending_groups() == set()
+
+
+def test_commit_is_local_at_once_and_remote_only_after_its_requirements(stores):
+    tier, local, remote = stores
+    tier.put("c/1/obj", b"data")
+    tier.commit("c/1/manifest", b"m", requires=["c/1/obj", "c/1/other-rank"])
+    assert local.get("c/1/manifest") == b"m" and tier.committed_locally("c/1/manifest")
+    time.sleep(0.3)
+    assert remote.exists("c/1/obj") and not remote.exists("c/1/manifest")  # another rank's part is missing
+    remote.put("c/1/other-rank", b"i")
+    assert tier.flush(timeout=10)
+    assert remote.get("c/1/manifest") == b"m"
+    assert [k for k, _t in tier.remote_commits] == ["c/1/manifest"]
+
+
+def test_a_requirement_may_name_alternatives(stores):
+    tier, _local, remote = stores
+    remote.put("c/0.merged/manifest", b"merged")
+    tier.commit("c/2/manifest", b"m", requires=[("c/0/manifest", "c/0.merged/manifest")])
+    assert tier.flush(timeout=10) and remote.exists("c/2/manifest")
+
+
+def test_remote_failure_never_fails_the_local_commit(tmp_path):
+    local, remote = LocalStorage(str(tmp_path / "local")), FlakyStore(str(tmp_path / "remote"), {"c/1"})
+    tier = TieredStorage(local, remote, commit_timeout_s=5)
+    tier.put("c/1/obj", b"data")
+    tier.commit("c/1/manifest", b"m", requires=["c/1/obj"])
+    tier.put("c/2/obj", b"next")
+    tier.commit("c/2/manifest", b"m2", requires=["c/2/obj"])
+    # an increment on the checkpoint the remote lacks is not committed there either, at once
+    tier.commit("c/3/manifest", b"m3", requires=[("c/1/manifest",)])
+    started = time.monotonic()
+    assert tier.flush(timeout=10)
+    assert time.monotonic() - started < 4  # failed fast, not after the commit timeout
+    assert local.exists("c/1/manifest") and local.exists("c/3/manifest")
+    assert not remote.exists("c/1/manifest") and not remote.exists("c/3/manifest")
+    assert remote.get("c/2/manifest") == b"m2"  # the next group is unaffected
+    tier.close()
+
+
+def test_full_local_disk_never_fails_the_remote_commit(tmp_path):
+    local, remote = FlakyStore(str(tmp_path / "local"), {"c/1"}), LocalStorage(str(tmp_path / "remote"))
+    tier = TieredStorage(local, remote, commit_timeout_s=5)
+    tier.put("c/1/obj", b"data")
+    tier.commit("c/1/manifest", b"m", requires=["c/1/obj"])
+    assert not tier.committed_locally("c/1/manifest")  # a process crash would not keep all of it
+    assert tier.flush(timeout=10)
+    assert remote.get("c/1/obj") == b"data" and remote.get("c/1/manifest") == b"m"
+    assert tier.get("c/1/obj") == b"data"
+    tier.close()
+
+
+def test_lease_writes_go_to_the_remote_store(stores):
+    tier, local, remote = stores
+    assert tier.put_if_absent("lease/1", b"me") and not tier.put_if_absent("lease/1", b"you")
+    assert remote.get("lease/1") == b"me" and not local.exists("lease/1")
+
+
+def test_verified_read_passes_a_damaged_local_copy_over(stores):
+    tier, local, remote = stores
+    tier.put("c/1/obj", b"good")
+    assert tier.flush(timeout=10)
+    local.put("c/1/obj", b"bad!")
+
+    def verified(source):
+        data = source.get("c/1/obj")
+        if data != b"good":
+            raise CheckpointError("checksum mismatch")
+        return data
+
+    assert from_sources(tier, "c/1/obj", verified) == b"good"
+    remote.put("c/1/obj", b"also bad")
+    with pytest.raises(CheckpointError, match="checksum"):
+        from_sources(tier, "c/1/obj", verified)
+
+
+def test_close_gives_up_on_a_stuck_remote_after_its_timeout(tmp_path):
+    local, remote = LocalStorage(str(tmp_path / "local")), FlakyStore(str(tmp_path / "remote"))
+    tier = TieredStorage(local, remote, commit_timeout_s=60)
+    tier.commit("c/1/manifest", b"m", requires=["c/1/never"])
+    started = time.monotonic()
+    tier.close(timeout=0.5)
+    assert time.monotonic() - started < 5
+    assert local.exists("c/1/manifest") and not remote.exists("c/1/manifest")
+
+
+def test_over_s3(tmp_path, s3_bucket):
+    from cnr.storage.s3 import S3Storage
+
+    tier = TieredStorage(LocalStorage(str(tmp_path / "local")), S3Storage(s3_bucket, "job"), commit_timeout_s=10)
+    tier.put("c/1/obj", b"payload" * 1000)
+    tier.commit("c/1/manifest", b"m", requires=["c/1/obj"])
+    tier.close()
+    s3 = S3Storage(s3_bucket, "job")
+    assert s3.list("c") == ["c/1/manifest", "c/1/obj"] and s3.get("c/1/obj") == b"payload" * 1000
+    s3.close()
