@@ -51,7 +51,8 @@ def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[i
         before = functools.partial(_fault_before_remote_commit, rank)
         if rank == 0:
             after = functools.partial(_retain_after_remote_commit, options.keep_last, options.local_keep_last)
-    return TieredStorage(local, remote, options.commit_timeout_s, before_remote_commit=before, on_remote_commit=after)
+    return TieredStorage(local, remote, options.commit_timeout_s, flush_threads=options.upload_threads,
+                         before_remote_commit=before, on_remote_commit=after)
 
 
 def check_apart(local: LocalStorage, remote: Storage) -> None:
@@ -69,11 +70,18 @@ def _step_of(key: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
+def _is_manifest(key: str) -> bool:
+    return key.count("/") == 2 and key == manifest_key(key.split("/")[1])
+
+
 def _fault_before_remote_commit(rank: int, tier: TieredStorage, key: str) -> None:
-    maybe_crash("before_remote_commit", _step_of(key), rank)
+    if _is_manifest(key):  # rank indexes are commits of the tier too
+        maybe_crash("before_remote_commit", _step_of(key), rank)
 
 
 def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: TieredStorage, key: str) -> None:
+    if not _is_manifest(key):
+        return
     if keep_last:
         retain_checkpoints(tier.remote, keep_last)
     retain_local(tier, local_keep_last)
@@ -116,7 +124,7 @@ def resume_flush(tier: TieredStorage, rank: int) -> List[str]:
         for key in tier.local.list(checkpoint_prefix(ckpt_id)):
             if key.startswith(own):
                 tier.resend(key)
-        tier.resend(index)
+        tier.commit(index, tier.local.get(index))  # after this rank's objects, as the writer stores it
         if rank == 0 and tier.local.exists(manifest_key(ckpt_id)):
             manifest = read_manifest(tier.local, ckpt_id)
             tier.commit(manifest_key(ckpt_id), tier.local.get(manifest_key(ckpt_id)), commit_requires(manifest))

@@ -159,7 +159,8 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
     uploader.wait()
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors, job.app)
     blob = rank_index_to_bytes(index)
-    storage.put(rank_index_key(job.ckpt_id, job.rank), blob)
+    # a commit: a store that writes in stages (cnr.storage.tiered) stores it after the chunks
+    storage.commit(rank_index_key(job.ckpt_id, job.rank), blob)
     maybe_crash("after_data", job.step, job.rank, cancel)
     return index, written + len(blob)
 

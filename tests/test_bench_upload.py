@@ -82,6 +82,12 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
         assert 0 < r["touched_fraction"] <= 1 and r["increment_steps"] >= 1
         assert r["baseline_bytes"] < r["bytes"]  # 4-bit rows take less than fp32 ones
         assert r["repeats"] == 1
+        t = r["local_tier"]  # a local tier in front of the backend (cnr.bench.tier)
+        assert 0 < t["local_commit_s"] <= t["remote_commit_s"], t
+        for key in ("restore_local_s", "restore_remote_s", "link_restore_remote_s", "restore_local_over_remote",
+                    "link_restore_local_over_remote"):
+            assert math.isfinite(t[key]) and t[key] > 0, (backend, key, t)
+    assert result["tier_local_commit_s"] == result["s3"]["local_tier"]["local_commit_s"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,7 +11,10 @@ On each backend, in one process at world size 1 (medians over ``--repeats``):
   plain download of every object of an fp32 full checkpoint (same client, ``restore_threads``
   threads) -> ``restore_over_full_download``; the fp32 checkpoint's own restore beside it.
   ``--link-mb-s`` repeats the restore figures with reads over an emulated link of that rate
-  (cnr.bench.link): loopback moto serves faster than most links a rank restores over.
+  (cnr.bench.link): loopback moto serves faster than most links a rank restores over;
+- the same fp32 full checkpoints with a node-local tier in front (``local_tier``, cnr.bench.tier):
+  seconds from the snapshot to the local and to the remote commit, and the restore through the
+  tier against the restore from the backend alone (and over the link).
 
 The default is configs/bench.yaml (772 MB of fp32 embeddings); ``--rows-scale`` shrinks every
 table for a quicker run. moto keeps the objects (in temporary files) in its own process.
@@ -36,6 +39,7 @@ from typing import Any, Dict, List
 
 from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
 from cnr.bench.link import Link, LinkedStorage
+from cnr.bench.tier import tier_figures
 from cnr.bench.upload_stats import pipeline_stats
 from cnr.options import CheckpointOptions
 from cnr.config import Config
@@ -202,7 +206,10 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     for name, uri in arg["uris"].items():
         writes = _writes(model, uri, arg["repeats"])
         chain = _chain(model, f"{uri}/quantized", arg["bits"], arg["touched"])
-        out[name] = {**writes, **chain, **_restores(model, uri, arg["repeats"], arg["link_rate"])}
+        tier = tier_figures(model, f"{uri}/tiered", os.path.join(arg["workdir"], f"tier-{name}"), arg["repeats"],
+                            arg["link_rate"])
+        out[name] = {**writes, **chain, **_restores(model, uri, arg["repeats"], arg["link_rate"]),
+                     "local_tier": _medians(tier)}
     return out
 
 
@@ -254,6 +261,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
         if "local" in backends:
             uris["local"] = os.path.join(workdir, "local")
         result = launch(_bench, 1, {"config": config, "uris": uris, "repeats": args.repeats, "bits": args.bits,
+                                    "workdir": workdir,
                                       "touched": args.touched, "link_rate": args.link_mb_s * 1e6})
     finally:
         if server is not None:
@@ -266,4 +274,8 @@ def run(argv: List[str]) -> Dict[str, Any]:
             "fp32_bytes": head["bytes"], "commit_over_raw_put": head["commit_over_raw_put"],
             "restore_over_full_download": head["restore_over_full_download"],
             "overlap_fraction": head["overlap_fraction"], "headline_backend": backends[0],
-            "link_restore_over_full_download": head.get("link_restore_over_full_download"), **result}
+            "link_restore_over_full_download": head.get("link_restore_over_full_download"),
+            "tier_local_commit_s": head["local_tier"]["local_commit_s"],
+            "tier_remote_commit_s": head["local_tier"]["remote_commit_s"],
+            "tier_restore_local_over_remote": head["local_tier"]["restore_local_over_remote"],
+            "tier_link_restore_local_over_remote": head["local_tier"].get("link_restore_local_over_remote"), **result}

@@ -2,11 +2,11 @@
 
 ``TieredStorage(local, remote)`` is a Storage: a ``put`` is durable once the local tier holds the
 object (a process crash keeps it), and a flusher thread copies it to the remote store afterwards,
-in the order of the puts (a node lost keeps only what was flushed). A ``commit`` (the object that
-makes a set of objects valid, such as a manifest) is stored locally at once and on the remote
-only once every key it ``requires`` is durable and visible there, so the remote never holds a
-commit whose objects it lacks; since one writer's puts are flushed in order, its own objects are
-on the remote before its commit is.
+a few at once (a node lost keeps only what was flushed). A ``commit`` (an object that makes a
+set of objects valid: a manifest, a rank's index) is stored locally at once and on the remote
+only after every put queued before it has reached the remote, and once every key it
+``requires`` is durable and visible there: so the remote never holds a commit whose objects it
+lacks.
 
 Reads take the local copy, else the remote one; ``read_sources`` lists both for a caller that
 verifies what it read (a restore) and goes on to the next source when the local copy is damaged.
@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Deque, List, Optional, Sequence, Set, Tuple, Union
 
@@ -53,14 +54,15 @@ class _Flush:
 class TieredStorage(Storage):
     """``local`` first, ``remote`` in the background (see the module docstring).
 
-    ``commit_timeout_s``: how long a remote commit waits for the objects it requires.
+    ``commit_timeout_s``: how long a remote commit waits for the objects it requires;
+    ``flush_threads``: remote puts at once (a commit waits for every put queued before it).
     ``before_remote_commit`` / ``on_remote_commit``: called in the flusher thread with this
     store and the commit's key right before / after it is stored on the remote (fault
     injection, retention).
     """
 
     def __init__(self, local: Storage, remote: Storage, commit_timeout_s: float = 600.0, group_depth: int = 2,
-                 before_remote_commit: Optional[CommitHook] = None,
+                 flush_threads: int = 2, before_remote_commit: Optional[CommitHook] = None,
                  on_remote_commit: Optional[CommitHook] = None) -> None:
         self.local = local
         self.remote = remote
@@ -69,7 +71,9 @@ class TieredStorage(Storage):
         self._before_remote_commit = before_remote_commit
         self._on_remote_commit = on_remote_commit
         self._queue: Deque[_Flush] = deque()
-        self._busy = False  # the flusher holds an item taken off the queue
+        self._in_flight: List[str] = []  # keys taken off the queue and not yet stored (or failed)
+        self._flush_threads = flush_threads
+        self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix="cnr-tier-put")
         self._cond = threading.Condition()
         self._closed = False
         self._abandon = False  # set by a close that timed out: a waiting remote commit gives up
@@ -143,7 +147,11 @@ class TieredStorage(Storage):
         self.remote.delete(key)
 
     def check_writable(self) -> None:
-        self.local.check_writable()
+        try:
+            self.local.check_writable()
+        except StorageError as e:
+            raise StorageError(f"the local tier {self.local.uri} is not writable ({e}); give checkpoint.local_dir "
+                               "a node-local directory you can create and write") from e
         self.remote.check_writable()
 
     # ---- reads ---------------------------------------------------------------------------
@@ -186,13 +194,13 @@ class TieredStorage(Storage):
     def pending_groups(self) -> Set[str]:
         """Groups with objects not yet flushed to the remote store (local retention keeps them)."""
         with self._cond:
-            return {self.group(item.key) for item in self._queue}
+            return {self.group(item.key) for item in self._queue} | {self.group(k) for k in self._in_flight}
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued write reached the remote store (or failed); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._in_flight:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -200,25 +208,40 @@ class TieredStorage(Storage):
         return True
 
     def _flush_loop(self) -> None:
+        """Plain puts go out on ``flush_threads`` threads at once; a commit first waits until every
+        put queued before it has ended (a barrier), then for its requirements, and goes alone."""
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return
-                item = self._queue.popleft()
-                self._busy = True
-            try:
-                self._flush_one(item)
-            except Exception as e:  # noqa: BLE001 - a remote failure never fails the local tier
-                self._remote_failed.add(self.group(item.key))
-                reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
-                logger.warning("flushing %s to %s failed; %s is not committed there: %s",
-                               item.key, self.remote.uri, self.group(item.key), reason)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+                item = self._queue[0]
+                if item.requires is not None and self._in_flight:
+                    self._cond.wait()  # the barrier: earlier puts are still going out
+                    continue
+                if item.requires is None and len(self._in_flight) >= self._flush_threads:
+                    self._cond.wait()
+                    continue
+                self._queue.popleft()
+                self._in_flight.append(item.key)
+            if item.requires is None:
+                self._pool.submit(self._flush_guarded, item)
+            else:
+                self._flush_guarded(item)
+
+    def _flush_guarded(self, item: _Flush) -> None:
+        try:
+            self._flush_one(item)
+        except Exception as e:  # noqa: BLE001 - a remote failure never fails the local tier
+            self._remote_failed.add(self.group(item.key))
+            reason = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else repr(e)
+            logger.warning("flushing %s to %s failed; %s is not committed there: %s",
+                           item.key, self.remote.uri, self.group(item.key), reason)
+        finally:
+            with self._cond:
+                self._in_flight.remove(item.key)
+                self._cond.notify_all()
 
     def _flush_one(self, item: _Flush) -> None:
         group = self.group(item.key)
@@ -260,5 +283,6 @@ class TieredStorage(Storage):
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=5)
+        self._pool.shutdown(wait=not self._abandon)
         self.local.close()
         self.remote.close()
