@@ -41,6 +41,7 @@ from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish_location import check_publish_storage, default_publish_uri
 from cnr.policy import failure_rate
 from cnr.local_tier import open_checkpoint_store
+from cnr.peer_exchange import host_exchange
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
@@ -139,6 +140,10 @@ class Checkpointer:
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options))
         self.engine.lease = self.lease.ref if self.lease is not None else None
+        # with a local tier per node, the writers hand each other indexes and manifests (collective)
+        self._exchange_server = None
+        if self.options.local_dir and self.world_size > 1:
+            self._exchange_server, self.engine.exchange = host_exchange(self.rank, self.world_size)
         self.engine.table_bits = table_bits
         self._closed = False
 

@@ -27,7 +27,7 @@ from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, LeaseRef, Role
+from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, Role
 from cnr.upload import WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class CheckpointEngine:
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
         self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
+        self.exchange: Optional[ExchangeAddress] = None  # the writers' exchange (cnr.peer_exchange), if any
         # options.table_bits keyed by table id (cnr.codec.choose.resolve_table_bits; the
         # Checkpointer knows the tables and sets it)
         self.table_bits: Dict[str, int] = {}
@@ -144,7 +145,7 @@ class CheckpointEngine:
             return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
                             method=c.quant_method, app=dict(app or {}),
                             optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
-                            lease=self.lease, compression=c.compression_chain(),
+                            lease=self.lease, compression=c.compression_chain(), exchange=self.exchange,
                             small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
                             table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 

@@ -7,6 +7,7 @@ by other processes, possibly on other machines), gives up on a failure marker, a
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Dict, List, Tuple, Union
@@ -20,6 +21,8 @@ from cnr.manifest import (
 from cnr.catalog import marker_error
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, Role
+
+logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
 
@@ -64,16 +67,20 @@ def _overlap(entry: TensorEntry):
     return None
 
 
-def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None) -> List[RankIndex]:
-    """Every rank's index of ``ckpt_id``, once all exist; raise on a failed rank or timeout."""
+def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None,
+                   exchange=None) -> List[RankIndex]:
+    """Every rank's index of ``ckpt_id``, once all exist; raise on a failed rank or timeout.
+    ``exchange`` (cnr.peer_exchange): indexes published there count as stored."""
     deadline = time.monotonic() + timeout_s
     pending = set(range(world_size))
     indexes: Dict[int, RankIndex] = {}
     while pending:
         for r in sorted(pending):
             key = rank_index_key(ckpt_id, r)
-            if storage.exists(key):
-                index = parse_rank_index(storage.get(key), where=f"{storage.uri}/{key}")
+            blob = _published_index(exchange, ckpt_id, r)
+            if blob is not None or storage.exists(key):
+                where = f"rank {r}'s published index of {ckpt_id}" if blob is not None else f"{storage.uri}/{key}"
+                index = parse_rank_index(blob if blob is not None else storage.get(key), where=where)
                 if index.id != ckpt_id or index.rank != r or index.world_size != world_size:
                     raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
                 indexes[r] = index
@@ -89,6 +96,17 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
             raise CheckpointError(f"ranks {sorted(pending)} did not store their part of {ckpt_id} within {timeout_s:.0f} s")
         time.sleep(_POLL_SECONDS)
     return [indexes[r] for r in range(world_size)]
+
+
+def _published_index(exchange, ckpt_id: str, rank: int):
+    """Rank ``rank``'s index of ``ckpt_id`` from the exchange, or None (none, or it is unreachable)."""
+    if exchange is None:
+        return None
+    try:
+        return exchange.index(ckpt_id, rank)
+    except Exception as e:  # noqa: BLE001 - rank 0's trainer gone: storage alone decides
+        logger.warning("the writers' exchange is unreachable (%s); waiting for indexes in storage only", e)
+        return None
 
 
 def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:
@@ -115,9 +133,10 @@ def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
     return needs
 
 
-def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> Tuple[Manifest, int]:
-    """Commit ``job``'s checkpoint; return its manifest and the manifest's size in bytes."""
-    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel)
+def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None) -> Tuple[Manifest, bytes]:
+    """Commit ``job``'s checkpoint; return its manifest and the manifest's bytes. ``exchange``:
+    where other nodes' writers also publish their indexes (cnr.peer_exchange)."""
+    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange)
     tensors = merge_rank_indexes(indexes)
     state = {n: t for n, t in tensors.items() if t.role != Role.RNG}
     check_coverage(state, job.kind)
@@ -130,4 +149,4 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None) -> T
         check_held(storage, job.lease)  # a job that lost its storage's lease commits nothing
     storage.commit(manifest_key(job.ckpt_id), blob, commit_requires(manifest))  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return manifest, len(blob)
+    return manifest, blob

@@ -5,9 +5,10 @@ a checkpoint's remote commit requires, the writer's hooks (fault injection and r
 a remote commit), the local tier's retention, the flush a new writer resumes after a crash, and
 where each checkpoint is committed (``cnr inspect --local-dir``).
 
-A checkpoint commits locally once every rank's index can be read through the tier: on one node
-all ranks share the local directory; on several nodes rank 0 sees another node's index once
-that node has flushed it (its chunks first) to the remote store.
+A checkpoint commits locally once rank 0 has every rank's index: from the shared local directory
+on one node; on several nodes from the writers' exchange (``Peers``, cnr.peer_exchange), or else
+once the other node has flushed its index (its chunks first) to the remote store. Rank 0's
+writer then sends the manifest to the other ranks' writers, which store it in their node's tier.
 """
 
 from __future__ import annotations
@@ -15,19 +16,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 from cnr.commit import commit_requires
 from cnr.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
 from cnr.errors import ConfigError
 from cnr.faults import maybe_crash
-from cnr.manifest import checkpoint_prefix, manifest_key, rank_index_key
+from cnr.manifest import RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes
 from cnr.options import CheckpointOptions
+from cnr.peer_exchange import PeerExchange
 from cnr.retention import plan_retention, remove_checkpoint, retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
+from cnr.types import ExchangeAddress
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +147,63 @@ def committed_in(storage: Storage, ckpt_ids: Sequence[str]) -> Dict[str, List[st
         return {i: (["remote"] if storage.exists(manifest_key(i)) else []) for i in ckpt_ids}
     return {i: [name for name, tier in (("local", storage.local), ("remote", storage.remote))
                 if tier.exists(manifest_key(i))] for i in ckpt_ids}
+
+
+class Peers:
+    """A writer's part in the exchange of commit objects (cnr.peer_exchange) over a local tier:
+    it publishes its rank's index; rank 0 publishes each checkpoint's outcome; the other ranks
+    store the committed manifest in their node's tier. Errors here are logged, never raised:
+    the remote store still commits the checkpoint."""
+
+    def __init__(self, address: ExchangeAddress, tier: TieredStorage, timeout_s: float) -> None:
+        self.address, self.tier, self.timeout_s = address, tier, timeout_s
+        self.exchange = PeerExchange(address)
+        self._followers: List[threading.Thread] = []
+
+    @classmethod
+    def connect(cls, address: Optional[ExchangeAddress], storage: Storage, timeout_s: float) -> Optional["Peers"]:
+        """The writer's Peers, or None without an exchange or a local tier, or when it is unreachable."""
+        if address is None or not isinstance(storage, TieredStorage):
+            return None
+        try:
+            return cls(address, storage, timeout_s)
+        except Exception as e:  # noqa: BLE001 - see the class docstring
+            logger.warning("cannot reach the writers' exchange at %s:%d (%s); commits go through storage only",
+                           address.host, address.port, e)
+            return None
+
+    def published_index(self, index: RankIndex) -> None:
+        try:
+            self.exchange.publish_index(index.id, index.rank, rank_index_to_bytes(index))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not publish rank %d's index of %s: %s", index.rank, index.id, e)
+
+    def committed(self, ckpt_id: str, manifest: Optional[bytes]) -> None:
+        """Rank 0: ``ckpt_id``'s manifest as committed locally, or None when it failed."""
+        try:
+            self.exchange.publish_outcome(ckpt_id, manifest)
+            self.exchange.forget_indexes(ckpt_id)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not publish the outcome of %s: %s", ckpt_id, e)
+
+    def follow(self, ckpt_id: str) -> threading.Thread:
+        """In a thread with a client of its own: wait for ``ckpt_id``'s outcome and store its
+        manifest in this node's tier, where this rank's objects already are."""
+        thread = threading.Thread(target=self._store_manifest, args=(ckpt_id,), name="cnr-follow", daemon=True)
+        thread.start()
+        self._followers = [t for t in self._followers if t.is_alive()] + [thread]
+        return thread
+
+    def close(self, timeout_s: float) -> None:
+        """Let the followers still waiting for an outcome finish, up to ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._followers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _store_manifest(self, ckpt_id: str) -> None:
+        try:
+            blob = PeerExchange(self.address).wait_outcome(ckpt_id, self.timeout_s)
+            if blob is not None and not self.tier.local.exists(manifest_key(ckpt_id)):
+                self.tier.put_local(manifest_key(ckpt_id), blob)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not store the manifest of %s in the local tier: %s", ckpt_id, e)

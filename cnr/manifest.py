@@ -67,6 +67,13 @@ def failed_key(ckpt_id: str, rank: Optional[int] = None) -> str:
     return f"{ROOT}/{ckpt_id}/{name}"
 
 
+def deleting_key(ckpt_id: str) -> str:
+    """Retention's marker on a committed checkpoint it is deleting: stored before the manifest
+    goes, removed last. A checkpoint left with it (a crash, or another process's retention
+    mid-way) was committed, so its purge records no failure."""
+    return f"{ROOT}/{ckpt_id}/deleting.json"
+
+
 # A merged baseline (cnr.merge) is named after the increment it stands for: it sorts right after it.
 MERGED_SUFFIX = ".merged"
 

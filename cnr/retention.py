@@ -17,8 +17,11 @@ property-based; ``retain_after_commit`` carries a plan out on storage. Rules:
   reads it);
 - nothing newer than the newest committed checkpoint is touched (it may be in flight).
 
-Deletion removes ``manifest.json`` first: a checkpoint half-deleted by a crash reads as
-uncommitted, never as a committed checkpoint with missing chunks.
+Deletion marks the checkpoint (``deleting.json``), then removes ``manifest.json`` first: a
+checkpoint half-deleted by a crash reads as uncommitted, never as a committed checkpoint with
+missing chunks, and its marker tells the next retention (or a second process's, as a merge's
+retention runs beside the writer's) that it was committed: it is removed whole, with no
+failure marker left behind.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from cnr.errors import KeyNotFoundError
-from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, failed_key, manifest_key
+from cnr.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, deleting_key, failed_key, manifest_key
 from cnr.catalog import list_checkpoints
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
@@ -89,13 +92,19 @@ def remove_checkpoint(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
     """Delete a checkpoint's objects (manifest first); return bytes freed. An object another
     process deleted meanwhile is passed over."""
     keys = storage.list(checkpoint_prefix(ckpt_id))
-    marker = failed_key(ckpt_id)
+    if not keys:
+        return 0  # another process's retention removed it since this one's listing
+    marker, deleting = failed_key(ckpt_id), deleting_key(ckpt_id)
+    if deleting in keys:
+        keep_marker = False  # a committed one whose deletion was cut short or runs elsewhere: no failure
+    elif not keep_marker:
+        storage.put(deleting, b'{"deleting": true}')
     if keep_marker and marker not in keys:
         # a crash cut this one off before anyone marked it; say so before its data goes
         storage.put(marker, json.dumps({"error": "never committed (its writer stopped); data removed by retention"}).encode())
     first = [k for k in keys if k == manifest_key(ckpt_id)]
     freed = 0
-    for key in first + sorted(k for k in keys if k not in first):
+    for key in first + sorted(k for k in keys if k not in first and k != deleting):
         if keep_marker and (key == marker or "/failed-rank-" in key):
             continue
         try:
@@ -103,6 +112,8 @@ def remove_checkpoint(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
         except KeyNotFoundError:
             continue
         storage.delete(key)
+    if not keep_marker:
+        storage.delete(deleting)
     return freed
 
 

@@ -227,3 +227,13 @@ class LeaseRef:
 
     generation: int
     owner: str
+
+
+@dataclass(frozen=True)
+class ExchangeAddress:
+    """Where rank 0's trainer serves the writers' exchange of commit objects (cnr.peer_exchange):
+    a TCPStore at ``host``:``port`` for a job of ``world_size`` ranks."""
+
+    host: str
+    port: int
+    world_size: int

@@ -41,11 +41,11 @@ from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.snapshot import HostPiece
-from cnr.local_tier import open_checkpoint_store, resume_flush, retain_local
+from cnr.local_tier import Peers, open_checkpoint_store, resume_flush, retain_local
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import CheckpointKind, ChunkRef, CodecSpec, LeaseRef, WriteStatus
+from cnr.types import CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, WriteStatus
 from cnr.uploader import Packer, Uploader
 from cnr.proc import WRITER, name_this_process
 
@@ -64,7 +64,9 @@ class WriteJob:
     ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
     cnr.codec.choose decides per piece); ``table_bits``: table id -> its rows' width, over both.
     ``lease``: rank 0's lease on the storage (cnr.lease),
-    checked right before the commit; None when the job holds none (benchmarks).
+    checked right before the commit; None when the job holds none (benchmarks). ``exchange``:
+    rank 0's store for the writers' commit objects (cnr.peer_exchange; with a local tier on
+    several ranks), else None.
     """
 
     ckpt_id: str
@@ -84,6 +86,7 @@ class WriteJob:
     small_table_rows: int = 0
     small_table_bits: int = 8
     table_bits: Dict[str, int] = field(default_factory=dict)
+    exchange: Optional[ExchangeAddress] = None
 
 
 # What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
@@ -200,14 +203,20 @@ def die_with_parent() -> None:
 
 
 def _run_job(storage: Storage, uploader: Uploader, encoder: EncodePool, options: CheckpointOptions, job: WriteJob,
-             cancel) -> WriteResult:
+             cancel, peers: Optional[Peers] = None) -> WriteResult:
     start = time.perf_counter()
     try:
-        _index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder)
+        index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder)
+        if peers is not None:
+            peers.published_index(index)
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
-            manifest, manifest_bytes = commit_checkpoint(storage, job, options.commit_timeout_s, cancel)
+            manifest, blob = commit_checkpoint(storage, job, options.commit_timeout_s, cancel,
+                                               peers.exchange if peers is not None else None)
+            manifest_bytes = len(blob)
+            if peers is not None:
+                peers.committed(job.ckpt_id, blob)
             # stored_at: wall clock of the commit, for the time from snapshot to commit
             extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
                      "bytes": manifest.bytes}
@@ -223,6 +232,8 @@ def _run_job(storage: Storage, uploader: Uploader, encoder: EncodePool, options:
         error = _mark_failed(storage, job, redact(error))
         result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
     result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    if peers is not None and job.rank == 0 and result.status != WriteStatus.COMMITTED:
+        peers.committed(job.ckpt_id, None)
     return result
 
 
@@ -245,14 +256,19 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
         resume_flush(storage, job.rank)
     uploader = Uploader(storage, options.upload_threads)
     encoder = EncodePool(options.encode_threads)
+    peers = Peers.connect(job.exchange, storage, options.commit_timeout_s)
     try:
         while job is not None:
-            result = _run_job(storage, uploader, encoder, options, job, cancel)
+            result = _run_job(storage, uploader, encoder, options, job, cancel, peers)
             results.put(result)
+            if peers is not None and result.status == WriteStatus.WRITTEN:
+                peers.follow(job.ckpt_id)  # stores the manifest in this node's tier once rank 0 commits
             # after the result: the trainer's next boundary does not wait for the deletes
             _retain(storage, options, result, retain)
             job = jobs.get()
     finally:
+        if peers is not None:
+            peers.close(options.commit_timeout_s)
         encoder.close()
         uploader.close()
         storage.close()

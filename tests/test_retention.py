@@ -149,3 +149,39 @@ def test_nothing_is_deleted_when_the_new_checkpoint_does_not_commit(tmp_path):
     listed = {c["step"]: c for c in inspect(str(tmp_path), "ck")}
     assert sorted(step for step, c in listed.items() if c["committed"]) == [10, 50]
     assert listed[60]["status"] == "failed" and listed[60]["bytes"] > 1000  # newer than any commit: untouched
+
+
+def _stored(store: LocalStorage, ckpt_id: str, keys) -> None:
+    for key in keys:
+        store.put(f"checkpoints/{ckpt_id}/{key}", b"x")
+
+
+def test_a_deletion_cut_short_is_finished_without_a_failure_marker(tmp_path):
+    # retention marks a committed checkpoint before its manifest goes; a crash (or a second
+    # process's retention, as a merge's beside the writer's) leaves it listed as uncommitted
+    from cnr.retention import remove_checkpoint
+
+    store = LocalStorage(str(tmp_path))
+    _stored(store, "0000000005-a", ["deleting.json", "rank-00000.json", "rank-00000/chunk-000000.bin"])
+    assert remove_checkpoint(store, "0000000005-a", keep_marker=True) == 2
+    assert store.list("checkpoints") == []
+    # a checkpoint that never committed keeps a marker saying so
+    _stored(store, "0000000010-b", ["rank-00000.json"])
+    remove_checkpoint(store, "0000000010-b", keep_marker=True)
+    assert store.list("checkpoints") == ["checkpoints/0000000010-b/failed.json"]
+    # one removed by another process since the listing: nothing is left behind, no marker
+    assert remove_checkpoint(store, "0000000015-c", keep_marker=True) == 0
+    assert store.list("checkpoints/0000000015-c") == []
+
+
+def test_a_committed_deletion_marks_first_and_leaves_nothing(tmp_path, monkeypatch):
+    from cnr.retention import remove_checkpoint
+
+    store = LocalStorage(str(tmp_path))
+    _stored(store, "0000000005-a", ["manifest.json", "rank-00000.json"])
+    seen = []
+    real_delete = store.delete
+    monkeypatch.setattr(store, "delete", lambda key: (seen.append((key, store.list("checkpoints"))), real_delete(key)))
+    remove_checkpoint(store, "0000000005-a", keep_marker=False)
+    assert seen[0][0].endswith("/manifest.json") and "checkpoints/0000000005-a/deleting.json" in seen[0][1]
+    assert seen[-1][0].endswith("/deleting.json") and store.list("checkpoints") == []

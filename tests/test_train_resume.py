@@ -75,21 +75,31 @@ def test_torchrun_matches_spawned_ranks(tmp_path, runs_ws2):
     assert json.loads(lines[0])["state_sha256"] == runs_ws2["at40"]["state_sha256"]
 
 
-def test_a_chain_written_by_manifest_version_1_resumes_bit_exact(tmp_path):
+def test_a_chain_written_by_manifest_version_1_restores_and_resumes(tmp_path):
     """tests/fixtures/v1_consecutive: a full + 2 increments chain written by the code before the
-    library API (manifest version 1). Resumed to step 40 it equals an uninterrupted run to 40."""
+    library API (manifest version 1). Restored, it is the state recorded in summary_restored.json:
+    a decode of stored bytes, the same on every CPU. That digest is what 59afe26 restored; there,
+    on the kind of machine that wrote the chain, the run resumed to step 40 equalled an
+    uninterrupted one. Trained on from the restore, the cursor and counters carry on; the
+    trained state is not compared with a fresh run here: float kernels differ between CPUs,
+    and this AVX-512 machine trains the chain's first 30 steps to another state than the
+    machine that wrote it did."""
     import shutil
 
     from cli_helpers import ROOT
 
     fixture = os.path.join(ROOT, "tests", "fixtures", "v1_consecutive")
-    shutil.copytree(os.path.join(fixture, "store"), tmp_path / "store")
     config = os.path.join(fixture, "config.yaml")
-    resumed = train(str(tmp_path), "store", "--config", config, "--set", "train.steps=40", "--resume")
-    fresh = train(str(tmp_path), "fresh", "--config", config, "--set", "train.steps=40",
-                  "--set", "checkpoint.enabled=false")
+    with open(os.path.join(fixture, "summary_restored.json")) as f:
+        then = json.load(f)
+    for name in ("at30", "to40"):
+        shutil.copytree(os.path.join(fixture, "store"), tmp_path / name)
+    restored = train(str(tmp_path), "at30", "--config", config, "--set", "train.steps=30", "--resume")
+    for key in ("state_sha256", "restored_checkpoint", "steps", "samples"):
+        assert restored[key] == then[key], key
+    resumed = train(str(tmp_path), "to40", "--config", config, "--set", "train.steps=40", "--resume")
     assert resumed["steps"] == 40 and resumed["restores"] == 1 and resumed["samples"] == 640
-    assert resumed["state_sha256"] == fresh["state_sha256"]
+    assert resumed["restored_checkpoint"] == then["restored_checkpoint"]
 
 
 def test_a_quantized_chain_written_before_the_codec_seam_restores_as_it_did(tmp_path):
@@ -106,5 +116,7 @@ def test_a_quantized_chain_written_before_the_codec_seam_restores_as_it_did(tmp_
         then = json.load(f)
     now = train(str(tmp_path), "store", "--config", os.path.join(fixture, "config.yaml"), "--resume")
     assert now["restored_checkpoint"] == then["restored_checkpoint"]
-    assert now["state_sha256"] == then["state_sha256"]
-    assert (now["eval_logloss"], now["eval_auc"]) == (then["eval_logloss"], then["eval_auc"])
+    assert now["state_sha256"] == then["state_sha256"]  # every restored value, bit for bit
+    # evaluated on this CPU's float kernels: 0.6654012705 here (AVX-512) against 0.6654012713
+    assert now["eval_logloss"] == pytest.approx(then["eval_logloss"], rel=1e-6)
+    assert now["eval_auc"] == pytest.approx(then["eval_auc"], rel=1e-6)

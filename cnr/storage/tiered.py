@@ -94,13 +94,14 @@ class TieredStorage(Storage):
     # ---- writes --------------------------------------------------------------------------
 
     def put(self, key: str, data: Buffer) -> None:
-        if self._store_locally(key, data):
+        if self.put_local(key, data):
             self._enqueue(_Flush(key))
         else:
             self._enqueue(_Flush(key, bytes(data)))
 
-    def _store_locally(self, key: str, data: Buffer) -> bool:
-        """Put ``key`` on the local tier unless its group already failed there; False if it is not."""
+    def put_local(self, key: str, data: Buffer) -> bool:
+        """Put ``key`` on the local tier only, unless its group already failed there; False if it is
+        not stored (a manifest another rank committed: cnr.local_tier.Peers)."""
         group = self.group(key)
         if group in self._local_failed:
             return False
@@ -111,22 +112,15 @@ class TieredStorage(Storage):
             raise
         except StorageError as e:
             self._local_failed.add(group)
-            logger.warning("local tier write of %s failed (%s); %s goes to the remote store only", key, e, group)
+            logger.warning("local tier write of %s failed (%s); %s goes to the remote store only and is not "
+                           "committed locally", key, e, group)
             return False
 
     def commit(self, key: str, data: Buffer, requires: Sequence[Requirement] = ()) -> None:
         """Store ``key`` locally now (unless a local write of its group failed) and on the remote
         once every requirement is there: a key, or a tuple of keys any one of which will do.
         A requirement whose group failed on the remote fails the remote commit at once."""
-        group = self.group(key)
-        if group not in self._local_failed:
-            try:
-                self.local.put(key, data)
-            except InvalidKeyError:
-                raise
-            except StorageError as e:
-                self._local_failed.add(group)
-                logger.warning("local commit of %s failed (%s); it commits on the remote store only", key, e)
+        self.put_local(key, data)
         alternatives = tuple((r,) if isinstance(r, str) else tuple(r) for r in requires)
         self._enqueue(_Flush(key, bytes(data), alternatives))
 

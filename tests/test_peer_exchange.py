@@ -1,0 +1,80 @@
+"""The writers' exchange of commit objects (cnr.peer_exchange) and its use by the commit.
+
+A real TCPStore on 127.0.0.1: indexes published by other ranks count as stored for rank 0's
+wait, an outcome reaches every other rank once and is then removed, and an exchange that is
+gone leaves the commit to storage alone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cnr.commit import wait_for_ranks
+from cnr.errors import CheckpointError
+from cnr.manifest import RankIndex, rank_index_key, rank_index_to_bytes
+from cnr.peer_exchange import PeerExchange, host_exchange
+from cnr.storage.local import LocalStorage
+
+
+@pytest.fixture
+def exchange():
+    server, address = host_exchange(rank=0, world_size=1)
+    address = type(address)(address.host, address.port, 3)  # as if three ranks shared it
+    yield server, address
+    del server
+
+
+def _index(ckpt_id: str, rank: int) -> RankIndex:
+    return RankIndex(ckpt_id, rank, 3, {}, {})
+
+
+def test_published_indexes_count_as_stored(tmp_path, exchange):
+    _server, address = exchange
+    storage = LocalStorage(str(tmp_path))
+    storage.put(rank_index_key("0000000001-a", 0), rank_index_to_bytes(_index("0000000001-a", 0)))
+    peer = PeerExchange(address)
+    for rank in (1, 2):  # other nodes' ranks: only on the exchange
+        PeerExchange(address).publish_index("0000000001-a", rank, rank_index_to_bytes(_index("0000000001-a", rank)))
+    indexes = wait_for_ranks(storage, "0000000001-a", 3, timeout_s=5, exchange=peer)
+    assert [i.rank for i in indexes] == [0, 1, 2]
+    peer.forget_indexes("0000000001-a")
+    assert peer.index("0000000001-a", 1) is None
+    with pytest.raises(CheckpointError, match=r"ranks \[1, 2\] did not store"):
+        wait_for_ranks(storage, "0000000001-a", 3, timeout_s=0.3, exchange=peer)
+
+
+def test_a_mislabelled_published_index_is_refused(tmp_path, exchange):
+    _server, address = exchange
+    peer = PeerExchange(address)
+    for rank in range(3):
+        peer.publish_index("0000000002-b", rank, rank_index_to_bytes(_index("0000000009-z", rank)))
+    with pytest.raises(CheckpointError, match="describes checkpoint '0000000009-z'"):
+        wait_for_ranks(LocalStorage(str(tmp_path)), "0000000002-b", 3, timeout_s=5, exchange=peer)
+
+
+def test_outcome_reaches_every_other_rank_once_then_goes(exchange):
+    server, address = exchange
+    got = []
+    readers = [threading.Thread(target=lambda: got.append(PeerExchange(address).wait_outcome("0000000003-c", 10)))
+               for _ in range(2)]
+    for t in readers:
+        t.start()
+    PeerExchange(address).publish_outcome("0000000003-c", b"manifest")
+    for t in readers:
+        t.join(15)
+    assert got == [b"manifest", b"manifest"]
+    assert not server.check(["cnr/0000000003-c/outcome"])  # removed by the last reader
+    PeerExchange(address).publish_outcome("0000000004-d", None)  # a failed checkpoint
+    assert PeerExchange(address).wait_outcome("0000000004-d", 5) is None
+    assert PeerExchange(address).wait_outcome("0000000005-e", 0.2) is None  # never published: a timeout
+
+
+def test_commit_goes_on_from_storage_when_the_exchange_is_gone(tmp_path):
+    server, address = host_exchange(rank=0, world_size=1)
+    peer = PeerExchange(address)
+    del server  # rank 0's trainer is gone
+    storage = LocalStorage(str(tmp_path))
+    storage.put(rank_index_key("0000000006-f", 0), rank_index_to_bytes(RankIndex("0000000006-f", 0, 1, {}, {})))
+    assert [i.rank for i in wait_for_ranks(storage, "0000000006-f", 1, timeout_s=5, exchange=peer)] == [0]
