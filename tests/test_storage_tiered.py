@@ -158,3 +158,14 @@ def test_over_s3(tmp_path, s3_bucket):
     s3 = S3Storage(s3_bucket, "job")
     assert s3.list("c") == ["c/1/manifest", "c/1/obj"] and s3.get("c/1/obj") == b"payload" * 1000
     s3.close()
+
+
+def test_delete_drops_a_queued_flush_so_the_remote_never_gets_the_object_back(stores):
+    tier, local, remote = stores
+    remote.gate.clear()
+    tier.put("lease/0", b"old")
+    tier.put("lease/1", b"new")
+    tier.delete("lease/0")  # while its flush is queued (or under way)
+    remote.gate.set()
+    assert tier.flush(timeout=10)
+    assert tier.list("lease") == ["lease/1"] and remote.list("lease") == ["lease/1"]

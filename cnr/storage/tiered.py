@@ -137,6 +137,12 @@ class TieredStorage(Storage):
         return self.remote.put_if_absent(key, data)
 
     def delete(self, key: str) -> None:
+        """Delete ``key`` from both tiers; a flush of it still queued is dropped, and one under way
+        ends first, so no later flush brings the object back to the remote store."""
+        with self._cond:
+            self._queue = deque(item for item in self._queue if item.key != key)
+            while key in self._in_flight:
+                self._cond.wait()
         self.local.delete(key)
         self.remote.delete(key)
 
