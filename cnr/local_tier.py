@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from cnr.commit import commit_requires
 from cnr.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
@@ -37,12 +37,16 @@ from cnr.types import ExchangeAddress
 logger = logging.getLogger(__name__)
 
 
-def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[int] = None) -> Storage:
+def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[int] = None,
+                          wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> Storage:
     """The checkpoint store at ``uri``, behind ``options.local_dir`` when one is set.
 
     ``rank``: the writer's rank, for its hooks (rank 0 runs retention after each remote commit);
-    None for a reader (restore, inspect)."""
+    None for a reader (restore, inspect). ``wrap_remote``: applied to the store at ``uri`` (a
+    benchmark's emulated link, cnr.bench.link.over_link)."""
     remote = open_storage(uri)
+    if wrap_remote is not None:
+        remote = wrap_remote(remote)
     if not options.local_dir:
         return remote
     local = LocalStorage(options.local_dir)

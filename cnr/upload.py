@@ -238,7 +238,7 @@ def _run_job(storage: Storage, uploader: Uploader, encoder: EncodePool, options:
 
 
 def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, cancel,
-                retain: Optional[Retain] = None) -> None:
+                retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel."""
     die_with_parent()
     name_this_process(WRITER)
@@ -251,7 +251,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     if job is None:
         return
     # opened once the first job names this writer's rank: a local tier's hooks and resumed flush need it
-    storage = open_checkpoint_store(storage_uri, options, job.rank)
+    storage = open_checkpoint_store(storage_uri, options, job.rank, wrap_remote)
     if isinstance(storage, TieredStorage):
         resume_flush(storage, job.rank)
     uploader = Uploader(storage, options.upload_threads)
@@ -299,6 +299,8 @@ class Writer:
 
     ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
+    ``wrap_remote``: a picklable callable the writer applies to the store at ``storage_uri``
+    (a benchmark's emulated link, cnr.bench.link.over_link); None in training.
 
     A writer process that dies (killed, out of memory) fails its in-flight job: a watcher
     thread writes the job's failure marker at once, so rank 0's writer stops waiting for this
@@ -306,8 +308,9 @@ class Writer:
     for the next job; after ``MAX_WRITER_DEATHS`` deaths in a row ``submit`` raises WriterDied.
     """
 
-    def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None) -> None:
-        self._uri, self._options, self._retain = storage_uri, options, retain
+    def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None,
+                 wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> None:
+        self._uri, self._options, self._retain, self._wrap_remote = storage_uri, options, retain, wrap_remote
         self._ctx = mp.get_context("spawn")
         self.deaths = 0  # writer processes that died in a row
         self.restarts = 0  # writer processes started after one died, in total
@@ -324,7 +327,7 @@ class Writer:
         self._results = self._ctx.Queue()
         self._cancel = self._ctx.Event()
         self._process = self._ctx.Process(target=writer_main, args=(self._uri, self._options, self._jobs, self._results,
-                                                                     self._cancel, self._retain),
+                                                                     self._cancel, self._retain, self._wrap_remote),
                                           name="cnr-writer", daemon=True)
         self._process.start()
 

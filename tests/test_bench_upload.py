@@ -60,6 +60,20 @@ def test_link_queues_transfers_at_its_rate(tmp_path):
         Link(0)
 
 
+def test_uplink_carries_writes_and_over_link_pickles(tmp_path):
+    import functools
+    import pickle
+
+    from cnr.bench.link import over_link
+
+    wrap = pickle.loads(pickle.dumps(functools.partial(over_link, 1e9)))  # as a writer process gets it
+    store = wrap(LocalStorage(str(tmp_path)))
+    before = time.monotonic()
+    store.put("a/b", b"x" * 4000)
+    assert store.uplink._free_at >= before + 4000 / 1e9 and store.link is None
+    assert store.get("a/b") == b"x" * 4000
+
+
 def test_bench_upload_tiny_on_s3_and_local(tmp_path):
     rc, out, err = run_cnr(["bench", "upload", "--config", TINY, "--repeats", "1", "--link-mb-s", "100"], str(tmp_path),
                            timeout=600)
@@ -84,8 +98,9 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
         assert r["repeats"] == 1
         t = r["local_tier"]  # a local tier in front of the backend (cnr.bench.tier)
         assert 0 < t["local_commit_s"] <= t["remote_commit_s"], t
+        assert 0 < t["link_local_commit_s"] <= t["link_remote_commit_s"], t
         for key in ("restore_local_s", "restore_remote_s", "link_restore_remote_s", "restore_local_over_remote",
-                    "link_restore_local_over_remote"):
+                    "link_restore_local_over_remote", "link_remote_over_local_commit"):
             assert math.isfinite(t[key]) and t[key] > 0, (backend, key, t)
     assert result["tier_local_commit_s"] == result["s3"]["local_tier"]["local_commit_s"]
 

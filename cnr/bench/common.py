@@ -117,8 +117,11 @@ class TrainedModel:
     def state(self) -> List[StatePiece]:
         return collect_state(self.sharded.model, self.sharded.dense_optimizer)
 
-    def checkpointer(self, uri: str, options: CheckpointOptions) -> cnr.Checkpointer:
-        return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options)
+    def checkpointer(self, uri: str, options: CheckpointOptions, writer=None) -> cnr.Checkpointer:
+        """A Checkpointer of the model and its dense optimizer; ``writer``: a cnr.upload.Writer
+        started for ``uri`` and ``options`` (default: the Checkpointer's own)."""
+        return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options,
+                                writer=writer)
 
     def checkpoint(self, ckpt: cnr.Checkpointer) -> Dict[str, Any]:
         """Save at the current step and wait for the commit; report the writer's result."""

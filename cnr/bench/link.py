@@ -3,8 +3,9 @@
 moto on 127.0.0.1 serves reads at loopback speed (over 1 GB/s here), faster than most links a
 rank restores over. ``LinkedStorage`` delivers each ``get`` no sooner than a link of ``rate``
 bytes/s shared by every thread would: a transfer starts when the link is free and holds it for
-``bytes / rate`` seconds. The fetch, the checks and the decoding still run for real; writes and
-metadata calls pass straight through.
+``bytes / rate`` seconds. The fetch, the checks and the decoding still run for real; metadata
+calls pass straight through, and so do writes unless an ``uplink`` carries them (``over_link``:
+a background writer's remote store behind one, cnr.bench.tier).
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ class Link:
 
 
 class LinkedStorage(Storage):
-    """``inner`` with every read delivered at most as fast as ``link`` allows."""
+    """``inner`` with every read delivered at most as fast as ``link`` allows, and every write
+    stored no sooner than ``uplink`` would carry it (None: at the store's own speed)."""
 
-    def __init__(self, inner: Storage, link: Optional[Link]) -> None:
+    def __init__(self, inner: Storage, link: Optional[Link], uplink: Optional[Link] = None) -> None:
         self.inner = inner
         self.link = link
+        self.uplink = uplink
 
     @property
     def uri(self) -> str:
@@ -57,7 +60,10 @@ class LinkedStorage(Storage):
         return data
 
     def put(self, key: str, data: Buffer) -> None:
+        started = time.monotonic()
         self.inner.put(key, data)
+        if self.uplink is not None:
+            self.uplink.carry(memoryview(data).nbytes, started)
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         return self.inner.put_if_absent(key, data)
@@ -79,3 +85,9 @@ class LinkedStorage(Storage):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def over_link(rate: float, storage: Storage) -> Storage:
+    """``storage`` with its writes carried by a link of ``rate`` bytes/s of its own (a rank's
+    uplink); picklable through functools.partial, for a writer process (cnr.upload.Writer)."""
+    return LinkedStorage(storage, None, uplink=Link(rate))

@@ -2,19 +2,21 @@
 
 fp32 full checkpoints through a Checkpointer with a local tier in front of the backend: the time
 from the end of the snapshot to the local commit (the writer's result) and to the remote commit
-(the manifest visible on the backend, polled every ``_POLL_S``); then the newest checkpoint's
-restore through the tier (its objects read from the local directory) against a restore from the
-backend alone, and over the emulated link when one is given (the local tier is never behind it).
+(the manifest visible on the backend, polled every ``_POLL_S``), and with an emulated link the
+same again with the writer's puts to the backend carried by an uplink of that rate; then the
+newest checkpoint's restore through the tier (its objects read from the local directory)
+against a restore from the backend alone, and over the link (the local tier is never behind it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Dict, List
 
 from cnr.bench.common import TrainedModel, ratio
-from cnr.bench.link import Link, LinkedStorage
+from cnr.bench.link import Link, LinkedStorage, over_link
 from cnr.catalog import newest_committed, resolve_chain
 from cnr.chain_restore import restore_chain
 from cnr.manifest import manifest_key
@@ -23,6 +25,7 @@ from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
+from cnr.upload import Writer
 
 _POLL_S = 0.02
 _REMOTE_TIMEOUT_S = 600.0
@@ -38,12 +41,15 @@ def _remote_commit_at(remote: Storage, ckpt_id: str) -> float:
     return time.time()
 
 
-def _commit_times(model: TrainedModel, uri: str, local_dir: str, repeats: int) -> List[Dict[str, float]]:
-    """Per checkpoint, seconds from the end of its snapshot to its local and its remote commit."""
+def _commit_times(model: TrainedModel, uri: str, local_dir: str, repeats: int, link_rate: float = 0.0,
+                  ) -> List[Dict[str, float]]:
+    """Per checkpoint, seconds from the end of its snapshot to its local and its remote commit;
+    with ``link_rate`` > 0 (bytes/s) the writer's puts to ``uri`` go over an emulated uplink."""
     config = model.config.checkpoint
     options = CheckpointOptions.from_config(dataclasses.replace(config, policy="full", bits=32, optimizer_bits=32,
                                                                 local_dir=local_dir, local_keep_last=1))
-    ckpt = model.checkpointer(uri, options)
+    wrap = functools.partial(over_link, link_rate) if link_rate > 0 else None
+    ckpt = model.checkpointer(uri, options, writer=Writer(uri, options, wrap_remote=wrap))
     remote = open_storage(uri)
     rows = []
     try:
@@ -88,9 +94,14 @@ def _restores(model: TrainedModel, uri: str, local_dir: str, link_rate: float) -
 
 
 def tier_figures(model: TrainedModel, uri: str, local_dir: str, repeats: int, link_rate: float) -> List[Dict[str, float]]:
-    """``repeats`` rows of commit times and restore times with a local tier at ``local_dir``."""
+    """``repeats`` rows of commit times and restore times with a local tier at ``local_dir``;
+    with ``link_rate`` > 0 the commit times again with the flush over an uplink of that rate."""
     rows = _commit_times(model, uri, local_dir, repeats)
-    for row in rows:
+    linked = _commit_times(model, uri + "-link", local_dir + "-link", repeats, link_rate) if link_rate > 0 else []
+    for n, row in enumerate(rows):
         row.update(_restores(model, uri, local_dir, link_rate))
         row["remote_over_local_commit"] = ratio(row["remote_commit_s"], row["local_commit_s"])
+        if linked:
+            row.update({"link_" + k: v for k, v in linked[n].items()})
+            row["link_remote_over_local_commit"] = ratio(linked[n]["remote_commit_s"], linked[n]["local_commit_s"])
     return rows

@@ -277,5 +277,6 @@ def run(argv: List[str]) -> Dict[str, Any]:
             "link_restore_over_full_download": head.get("link_restore_over_full_download"),
             "tier_local_commit_s": head["local_tier"]["local_commit_s"],
             "tier_remote_commit_s": head["local_tier"]["remote_commit_s"],
+            "tier_link_remote_commit_s": head["local_tier"].get("link_remote_commit_s"),
             "tier_restore_local_over_remote": head["local_tier"]["restore_local_over_remote"],
             "tier_link_restore_local_over_remote": head["local_tier"].get("link_restore_local_over_remote"), **result}
