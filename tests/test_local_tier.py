@@ -137,3 +137,14 @@ def test_resume_flush_queues_what_an_earlier_writer_left_locally(tmp_path):
         "checkpoints/0000000002-b/rank-00000/chunk-000000.bin"]
     assert resume_flush(tier, rank=0) == []  # nothing left to flush
     tier.close()
+
+
+def test_a_failed_remote_commit_leaves_the_local_one_standing(tmp_path, baseline_ws1):
+    # the flush of step 40's manifest fails (an S3 error after the client's retries): the
+    # checkpoint stays committed on the node, the job carries on, and later ones reach the storage
+    cwd = str(tmp_path)
+    summary = train(cwd, "ck", *LOCAL, "--set", "checkpoint.policy=full", "--set", "checkpoint.local_keep_last=0",
+                    env={"CNR_FAULT_INJECT": "raise:before_remote_commit@40"})
+    assert summary["checkpoints"] == 3 and summary["failed_checkpoints"] == 0
+    assert _tiers(cwd) == {20: ["local", "remote"], 40: ["local"], 60: ["local", "remote"]}
+    assert summary["state_sha256"] == baseline_ws1[0]["state_sha256"]

@@ -80,8 +80,7 @@ class TieredStorage(Storage):
         self._local_failed: Set[str] = set()  # groups not committed locally (a local write failed)
         self._remote_failed: Set[str] = set()  # groups not committed on the remote
         self.remote_commits: List[Tuple[str, float]] = []  # (key, wall clock) of each remote commit
-        self._thread = threading.Thread(target=self._flush_loop, name="cnr-tier-flush", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None  # started by the first write: readers need none
 
     @property
     def uri(self) -> str:
@@ -188,6 +187,9 @@ class TieredStorage(Storage):
         with self._cond:
             if self._closed:
                 raise StorageError(f"tiered storage {self.uri} is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._flush_loop, name="cnr-tier-flush", daemon=True)
+                self._thread.start()
             self._queue.append(item)
             self._cond.notify_all()
 
@@ -282,7 +284,8 @@ class TieredStorage(Storage):
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._pool.shutdown(wait=not self._abandon)
         self.local.close()
         self.remote.close()
