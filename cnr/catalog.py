@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.manifest import (
-    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest,
+    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest, step_of,
 )
 from cnr.storage.base import Storage, from_sources
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
@@ -51,7 +51,7 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
     """Every checkpoint in storage, oldest first, with its manifest (None unless committed)."""
     found: List[Tuple[CheckpointInfo, Optional[Manifest]]] = []
     for ckpt_id in checkpoint_ids(storage):
-        step = int(ckpt_id.split("-")[0]) if ckpt_id.split("-")[0].isdigit() else -1
+        step = step_of(ckpt_id)
         if not storage.exists(manifest_key(ckpt_id)):
             nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
             error = failure_of(storage, ckpt_id)

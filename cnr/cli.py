@@ -45,7 +45,7 @@ def _inspect(args: argparse.Namespace) -> int:
          "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method}
         for i in infos
     ]
-    tiers = committed_in(storage, [r["id"] for r in rows])
+    tiers = committed_in(storage, infos)
     for r in rows:
         r["committed_in"] = tiers[r["id"]]
     if args.json:

@@ -77,7 +77,7 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
     while pending:
         for r in sorted(pending):
             key = rank_index_key(ckpt_id, r)
-            blob = _published_index(exchange, ckpt_id, r)
+            blob, exchange = _published_index(exchange, ckpt_id, r)
             if blob is not None or storage.exists(key):
                 where = f"rank {r}'s published index of {ckpt_id}" if blob is not None else f"{storage.uri}/{key}"
                 index = parse_rank_index(blob if blob is not None else storage.get(key), where=where)
@@ -99,14 +99,15 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
 
 
 def _published_index(exchange, ckpt_id: str, rank: int):
-    """Rank ``rank``'s index of ``ckpt_id`` from the exchange, or None (none, or it is unreachable)."""
+    """(Rank ``rank``'s index of ``ckpt_id`` from the exchange or None, the exchange to ask next
+    time): an unreachable exchange is warned about once and not asked again."""
     if exchange is None:
-        return None
+        return None, None
     try:
-        return exchange.index(ckpt_id, rank)
+        return exchange.index(ckpt_id, rank), exchange
     except Exception as e:  # noqa: BLE001 - rank 0's trainer gone: storage alone decides
         logger.warning("the writers' exchange is unreachable (%s); waiting for indexes in storage only", e)
-        return None
+        return None, None
 
 
 def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:

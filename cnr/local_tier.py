@@ -24,7 +24,7 @@ from cnr.commit import commit_requires
 from cnr.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
 from cnr.errors import ConfigError
 from cnr.faults import maybe_crash
-from cnr.manifest import RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes
+from cnr.manifest import RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes, step_of
 from cnr.options import CheckpointOptions
 from cnr.peer_exchange import PeerExchange
 from cnr.retention import plan_retention, remove_checkpoint, retain_checkpoints
@@ -32,7 +32,7 @@ from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import ExchangeAddress
+from cnr.types import CheckpointInfo, CheckpointStatus, ExchangeAddress
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +74,13 @@ def check_apart(local: LocalStorage, remote: Storage) -> None:
                           "the local tier and the storage must be separate directories")
 
 
-def _step_of(key: str) -> int:
-    head = key.split("/")[1].split("-")[0] if key.count("/") >= 2 else ""
-    return int(head) if head.isdigit() else -1
-
-
 def _is_manifest(key: str) -> bool:
     return key.count("/") == 2 and key == manifest_key(key.split("/")[1])
 
 
 def _fault_before_remote_commit(rank: int, tier: TieredStorage, key: str) -> None:
     if _is_manifest(key):  # rank indexes are commits of the tier too
-        maybe_crash("before_remote_commit", _step_of(key), rank)
+        maybe_crash("before_remote_commit", step_of(key.split("/")[1]), rank)
 
 
 def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: TieredStorage, key: str) -> None:
@@ -144,13 +139,13 @@ def resume_flush(tier: TieredStorage, rank: int) -> List[str]:
     return queued
 
 
-def committed_in(storage: Storage, ckpt_ids: Sequence[str]) -> Dict[str, List[str]]:
-    """Per checkpoint id, the tiers that hold its manifest: "local" and/or "remote"; for a store
-    without a local tier, "remote" wherever the manifest is."""
+def committed_in(storage: Storage, infos: Sequence[CheckpointInfo]) -> Dict[str, List[str]]:
+    """Per listed checkpoint, the tiers it is committed in: "local" and/or "remote" (those that
+    hold its manifest); a store without a local tier is the remote one."""
     if not isinstance(storage, TieredStorage):
-        return {i: (["remote"] if storage.exists(manifest_key(i)) else []) for i in ckpt_ids}
-    return {i: [name for name, tier in (("local", storage.local), ("remote", storage.remote))
-                if tier.exists(manifest_key(i))] for i in ckpt_ids}
+        return {i.id: (["remote"] if i.status == CheckpointStatus.COMMITTED else []) for i in infos}
+    return {i.id: [name for name, tier in (("local", storage.local), ("remote", storage.remote))
+                   if tier.exists(manifest_key(i.id))] for i in infos}
 
 
 class Peers:

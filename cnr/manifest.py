@@ -105,6 +105,12 @@ def make_id(step: int, nonce: str) -> str:
     return f"{step:010d}-{nonce}"
 
 
+def step_of(ckpt_id: str) -> int:
+    """The step a checkpoint id (``make_id``) names, or -1 for an id not of that form."""
+    head = ckpt_id.split("-")[0]
+    return int(head) if head.isdigit() else -1
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """A global tensor in a checkpoint: its shape, dtype, role, and the chunks that hold it.

@@ -87,6 +87,3 @@ class PeerExchange:
             self._store.delete_key(key)  # the last reader
             self._store.delete_key(f"{key}/read")
         return blob or None
-
-    def close(self) -> None:
-        del self._store

@@ -71,10 +71,13 @@ def test_outcome_reaches_every_other_rank_once_then_goes(exchange):
     assert PeerExchange(address).wait_outcome("0000000005-e", 0.2) is None  # never published: a timeout
 
 
-def test_commit_goes_on_from_storage_when_the_exchange_is_gone(tmp_path):
+def test_commit_goes_on_from_storage_when_the_exchange_is_gone(tmp_path, caplog):
     server, address = host_exchange(rank=0, world_size=1)
     peer = PeerExchange(address)
     del server  # rank 0's trainer is gone
     storage = LocalStorage(str(tmp_path))
+    with pytest.raises(CheckpointError, match="did not store"):  # polled a few times meanwhile
+        wait_for_ranks(storage, "0000000006-f", 1, timeout_s=0.3, exchange=peer)
+    assert sum("exchange is unreachable" in r.message for r in caplog.records) == 1  # said once, not per poll
     storage.put(rank_index_key("0000000006-f", 0), rank_index_to_bytes(RankIndex("0000000006-f", 0, 1, {}, {})))
     assert [i.rank for i in wait_for_ranks(storage, "0000000006-f", 1, timeout_s=5, exchange=peer)] == [0]

@@ -79,7 +79,6 @@ class TieredStorage(Storage):
         self._abandon = False  # set by a close that timed out: a waiting remote commit gives up
         self._local_failed: Set[str] = set()  # groups not committed locally (a local write failed)
         self._remote_failed: Set[str] = set()  # groups not committed on the remote
-        self.remote_commits: List[Tuple[str, float]] = []  # (key, wall clock) of each remote commit
         self._thread: Optional[threading.Thread] = None  # started by the first write: readers need none
 
     @property
@@ -127,10 +126,6 @@ class TieredStorage(Storage):
         """Queue ``key``, already on the local tier, for the remote store (a flush resumed after
         a crash, cnr.local_tier.resume_flush)."""
         self._enqueue(_Flush(key))
-
-    def committed_locally(self, key: str) -> bool:
-        """Whether the local tier holds the commit ``key`` (what a process crash would keep)."""
-        return self.group(key) not in self._local_failed and self.local.exists(key)
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         return self.remote.put_if_absent(key, data)
@@ -256,7 +251,6 @@ class TieredStorage(Storage):
         if self._before_remote_commit is not None:
             self._before_remote_commit(self, item.key)
         self.remote.put(item.key, item.data)
-        self.remote_commits.append((item.key, time.time()))
         if self._on_remote_commit is not None:
             self._on_remote_commit(self, item.key)
 
