@@ -137,8 +137,9 @@ class Checkpointer:
             publish_uri = publish.uri or default_publish_uri(self.uri)
             check_publish_storage(publish_uri, self.uri)
             self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker)
+        rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
-                                       writer=writer or Writer(uri, self.options))
+                                       writer=writer or Writer(uri, self.options.for_writer(rows_per_rank)))
         self.engine.lease = self.lease.ref if self.lease is not None else None
         # with a local tier per node, the writers hand each other indexes and manifests (collective)
         self._exchange_server = None

@@ -47,6 +47,7 @@ class SaveStats:
     ids: List[str] = field(default_factory=list)
     kinds: List[str] = field(default_factory=list)
     background_seconds: List[float] = field(default_factory=list)
+    search_kernels: List[str] = field(default_factory=list)  # the range search's kernel per write (cnr.range_search)
     snapshot_bytes: List[int] = field(default_factory=list)
     errors: Dict[str, str] = field(default_factory=dict)  # id -> why it did not commit
     nonfinite: List[str] = field(default_factory=list)  # ids that did not commit because state held NaN or inf
@@ -222,6 +223,7 @@ class CheckpointEngine:
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
             self.stats.background_seconds.append(result.seconds)
+            self.stats.search_kernels.append(result.extra.get("search", ""))
         error = None if settled.committed else settled.error
         status = CheckpointStatus.COMMITTED if settled.committed else CheckpointStatus.FAILED
         self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, settled.rows, settled.nbytes, base,

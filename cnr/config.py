@@ -25,6 +25,7 @@ DATA_SOURCES = ("synthetic", "tsv")
 MALFORMED_POLICIES = ("reject", "skip")
 BIT_POLICIES = ("fixed", "failures")
 OVERLAP_MODES = ("wait", "abandon")
+SEARCH_KERNELS = ("auto", "eager", "compiled")  # cnr.types.SearchKernel
 ON_DAMAGE = ("fallback", "fail")  # cnr.fallback
 COMPRESSIONS = ("zstd", "none")  # bytes->bytes stage over chunk payloads (cnr.codec.zstd)
 MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
@@ -144,7 +145,9 @@ class CheckpointConfig:
     previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
     (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
     writer process; ``encode_threads``: chunks it encodes at once (each on one core: raise it
-    where the host has cores training leaves idle, cnr.encode_pool); ``restore_threads``:
+    where the host has cores training leaves idle, cnr.encode_pool); ``search_kernel``: how the
+    writer runs the adaptive quantizer's range search, "auto", "eager" or "compiled"
+    (cnr.types.SearchKernel; compiled needs a C++ compiler on the host); ``restore_threads``:
     objects a rank fetches, verifies and decodes at once on restore.
     ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
     by the writer, cnr.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
@@ -190,6 +193,7 @@ class CheckpointConfig:
     on_overlap: str = "wait"
     upload_threads: int = 2
     encode_threads: int = 1
+    search_kernel: str = "auto"
     restore_threads: int = 2
     commit_timeout_s: float = 600.0
     bits: int = 32

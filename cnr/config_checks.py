@@ -10,7 +10,7 @@ from typing import Dict, Sequence
 from cnr.config import (
     ARCHES, BIT_POLICIES, COMPRESSIONS, DATA_SOURCES, DENSE_OPTIMIZERS, MALFORMED_POLICIES, MAX_EMBEDDING_DIM,
     MAX_QUEUE_DEPTH, MAX_READER_PROCESSES, MAX_TABLE_BYTES, MAX_TABLE_ROWS, ON_DAMAGE, OVERLAP_MODES, PUBLISH_BITS,
-    SPARSE_OPTIMIZERS, CheckpointConfig, Config, FailureConfig, PublishConfig, TableConfig, shown,
+    SEARCH_KERNELS, SPARSE_OPTIMIZERS, CheckpointConfig, Config, FailureConfig, PublishConfig, TableConfig, shown,
 )
 from cnr.errors import ConfigError
 from cnr.policy import CAPPED_POLICIES, POLICIES
@@ -91,6 +91,7 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
     """The checkpoint section's checks (cnr.options.CheckpointOptions shares them)."""
     _one_of("checkpoint.policy", c.policy, POLICIES)
     _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
+    _one_of("checkpoint.search_kernel", c.search_kernel, SEARCH_KERNELS)
     _positive("checkpoint.upload_threads", c.upload_threads)
     _positive("checkpoint.encode_threads", c.encode_threads)
     _positive("checkpoint.restore_threads", c.restore_threads)

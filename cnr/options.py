@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Tuple, Union
 
 from cnr.errors import ConfigError
-from cnr.types import CodecSpec
+from cnr.types import CodecSpec, SearchKernel
 
 
 class OptionsError(ConfigError, ValueError):
@@ -55,7 +55,8 @@ class CheckpointOptions:
     - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``encode_threads``/``restore_threads``:
       concurrent puts / chunks encoded at once per writer / objects fetched at once per rank on
       restore. Each encoding thread keeps one core busy while a checkpoint is written: more
-      than 1 only where training leaves cores idle (a GPU host).
+      than 1 only where training leaves cores idle (a GPU host). ``search_kernel``: "auto",
+      "eager" or "compiled", how the writer runs the adaptive search (cnr.types.SearchKernel).
     - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
       ``commit_timeout_s``: how long rank 0 waits for every rank's data.
     - ``on_damage``: when the newest committed checkpoint does not verify on restore,
@@ -87,6 +88,7 @@ class CheckpointOptions:
     chunk_bytes: int = 16 * 1024 * 1024
     upload_threads: int = 2
     encode_threads: int = 1
+    search_kernel: str = "auto"
     restore_threads: int = 2
     on_overlap: str = "wait"
     commit_timeout_s: float = 600.0
@@ -137,6 +139,25 @@ class CheckpointOptions:
 
     def to_dict(self) -> Dict[str, Union[str, int, float, Dict]]:
         return dataclasses.asdict(self)
+
+    def may_search(self) -> bool:
+        """Whether some checkpoint may store rows with the adaptive range search: the failure
+        budget choosing widths, adaptive asked for, or a width below 8 bits whose method is the
+        default (``quant_method`` applies to ``bits`` only; cnr.codec.choose)."""
+        def adaptive(width: int) -> bool:
+            method = self.quant_method if width == self.bits else ""
+            return method == "adaptive" or (method == "" and width < 8)
+
+        return self.bit_policy == "failures" or any(adaptive(w) for w in (self.bits, *self.table_bits.values()))
+
+    def for_writer(self, rows_per_rank: int) -> "CheckpointOptions":
+        """These options with ``search_kernel`` "auto" made definite for a writer about to start
+        (cnr.range_search.writer_kernel): "compiled", built as the writer starts, when checkpoints
+        may search at least AUTO_COMPILE_ROWS of this rank's table rows, else "eager"."""
+        from cnr.range_search import writer_kernel
+
+        kernel = writer_kernel(SearchKernel(self.search_kernel), rows_per_rank, self.may_search())
+        return dataclasses.replace(self, search_kernel=kernel.value)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ exactly with every method.
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -27,6 +27,7 @@ import torch
 
 from cnr.bitpack import pack, packed_bytes_per_row, unpack
 from cnr.errors import ConfigError
+from cnr.range_search import Fused, greedy_range, rounded
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ _FP16_HALF_SUBNORMAL = 2.0 ** -25  # absolute rounding error below float16's nor
 _BIAS_SHIFT_OF_STEP = 1.0 / 128  # the grid shift a float16 bias may cause, as a fraction of the step
 _FP16_NORMAL = (torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max)
 
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _MAX_ABS = torch.finfo(torch.float32).max / 2  # so that xmax - xmin and 2 * max|x| stay finite
 # Values per vectorised block (rows per block = BLOCK_VALUES // dim). Each search step makes ~6
 # passes over a [2, 2, rows, dim] float32 work buffer (4 MiB at 4096 x 64) plus ~35 small
@@ -89,6 +89,11 @@ _MAX_ABS = torch.finfo(torch.float32).max / 2  # so that xmax - xmin and 2 * max
 # blocks of 2048 / 4096 / 8192 / 16384 rows: 2-bit 654k / 678k / 652k / 661k, 4-bit 718k /
 # 723k / 676k / 681k: flat, so the smaller, cache-friendlier block.
 BLOCK_VALUES = 4096 * 64
+# The compiled search's blocks: its fused step makes one pass per step, so what a larger block
+# amortises is the per-call overhead (dynamo's guards, ~0.2 ms a call). A whole full 2-bit
+# checkpoint of 3.0M rows x 64 through write_rank_data, one core: 5.2-5.3 s at 16k-row blocks,
+# 4.4 s at 64k, 4.5 s at 256k (eager: 11.3 s). A 16 MiB chunk of 64-dim rows is one 64k block.
+COMPILED_BLOCK_VALUES = 65536 * 64
 KMEANS_ITERS = 15  # Lloyd iterations, as in the paper's per-vector k-means reference
 
 
@@ -244,11 +249,6 @@ def _bias_dtype(bits: int, xmin: torch.Tensor, xmax: torch.Tensor) -> torch.dtyp
     return torch.float16 if bool(ok.all()) else BIAS_DTYPE
 
 
-def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` (float32) rounded to what ``dtype`` stores, as float32."""
-    return t if dtype == torch.float32 else t.to(dtype).float()
-
-
 def _params(lo: torch.Tensor, hi: torch.Tensor, qmax: float, scale_dtype: torch.dtype,
             bias_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stored (rounded) scale and bias for ranges ``[lo, hi]``, plus the inverse scale.
@@ -258,8 +258,8 @@ def _params(lo: torch.Tensor, hi: torch.Tensor, qmax: float, scale_dtype: torch.
     overflows, becomes scale 0 with inverse 0: every code is 0 and the row dequantizes to its
     bias, which is within the (tiny) range of every value.
     """
-    bias = _rounded(lo, bias_dtype)
-    scale = _rounded((hi - bias) / qmax, scale_dtype)
+    bias = rounded(lo, bias_dtype)
+    scale = rounded((hi - bias) / qmax, scale_dtype)
     inv = 1.0 / scale
     usable = torch.isfinite(inv)
     zero = torch.zeros_like(scale)
@@ -280,26 +280,6 @@ def _fake_quant(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, inv: t
     return out.mul_(scale.unsqueeze(-1)).add_(bias.unsqueeze(-1))
 
 
-def _range_loss(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: float,
-                dtypes: Tuple[torch.dtype, torch.dtype], work: torch.Tensor) -> torch.Tensor:
-    """l2 error ``||x - deq||_2`` per row for candidate ranges ``lo, hi`` of shape ``[K, B]``.
-
-    ``work`` is a ``[2, K, B, D]`` float32 buffer. The error is formed as ``(x - bias) - code *
-    scale`` (6 passes over the data instead of 8 for ``x - (code * scale + bias)``); the two
-    differ by an ulp per element, below the float32 summation noise the search already has.
-    A zero scale gets a huge finite inverse rather than 0: cheaper, and the same error, since a
-    zero scale dequantizes every code to the bias.
-    """
-    bias = _rounded(lo, dtypes[1]).unsqueeze(-1)
-    scale = _rounded((hi - bias.squeeze(-1)) / qmax, dtypes[0])
-    inv = scale.clamp_min(_FLOAT32_TINY).reciprocal_().unsqueeze(-1)
-    diff, code = work[0], work[1]
-    torch.sub(x, bias, out=diff)
-    torch.mul(diff, inv, out=code).round_().clamp_(0.0, qmax)
-    diff.addcmul_(code, scale.unsqueeze(-1), value=-1.0)
-    return torch.linalg.vector_norm(diff, dim=-1)  # one fused pass; float32 sums, see _adaptive_params
-
-
 def _loss64(x: torch.Tensor, x64: torch.Tensor, params: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
             qmax: float, out: torch.Tensor) -> torch.Tensor:
     """Per-row l2 error of encoding ``x`` (``x64`` = x as float64) with (scale, bias, inv),
@@ -308,60 +288,11 @@ def _loss64(x: torch.Tensor, x64: torch.Tensor, params: Tuple[torch.Tensor, torc
     return torch.linalg.vector_norm(torch.sub(x64, deq), dim=1)  # float64 - float32: exact, one pass
 
 
-def _min_bins(num_bins: int, ratio: float) -> float:
-    """Steps of range the search keeps, as torch >= 2.x computes it: ``float32(num_bins *
-    (1 - ratio))`` with the product in double and no truncation (e.g. 45 bins at ratio 0.1 keep
-    40.5 steps, so the search stops after 5 moves)."""
-    return torch.tensor(float(num_bins) * (1.0 - ratio), dtype=torch.float32).item()
-
-
-def _greedy_range(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
-                  dtypes: Tuple[torch.dtype, torch.dtype], score_last: bool = True,
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy (xmin, xmax) search of Guan et al. 2019 for every row of ``x [B, D]`` at once.
-
-    Follows torch.choose_qparams_optimized step for step in float32: step = range / num_bins;
-    while ``lo + min_bins * step < hi``, score raising lo by one step and lowering hi by one
-    step, and move to the lower-error one (ties lower hi); a position whose error is below both
-    candidates' and below the best so far becomes the best. Rows step in lockstep; a row whose
-    stop test fails is frozen (float rounding gives some rows one step more than others).
-    torch never scores the position its last move reaches; with ``score_last`` (the default)
-    that position competes too, so the result is torch's or a strictly better range.
-    """
-    qmax = float((1 << bits) - 1)
-    xmin, xmax = x.amin(1), x.amax(1)
-    step = (xmax - xmin) / float(num_bins)
-    thr = step * _min_bins(num_bins, ratio)  # float32 * float32-representable value, as torch
-    work = torch.empty((2, 2) + tuple(x.shape), dtype=torch.float32)
-    cur = _range_loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), qmax, dtypes, work[:, :1])[0]
-    lo, hi, best_lo, best_hi, best = xmin, xmax, xmin, xmax, cur
-    # ceil(num_bins - min_bins) steps in exact arithmetic; +1 for float rounding of the stop test.
-    # The bound also ends rows whose step is absorbed by float rounding (lo + step == lo), on
-    # which torch's while-loop never terminates.
-    for _ in range(math.ceil(num_bins - _min_bins(num_bins, ratio)) + 1):
-        active = lo + thr < hi
-        if not bool(active.any()):
-            break
-        up, down = lo + step, hi - step
-        loss = _range_loss(x, torch.stack((up, lo)), torch.stack((hi, down)), qmax, dtypes, work)
-        moved = torch.minimum(loss[0], loss[1])
-        # torch's local-optimum test: better than both moves and than the best so far
-        optimum = active & (cur < moved) & (cur < best)
-        best_lo, best_hi = torch.where(optimum, lo, best_lo), torch.where(optimum, hi, best_hi)
-        best = torch.where(optimum, cur, best)
-        go_up = loss[0] < loss[1]
-        lo, hi = torch.where(active & go_up, up, lo), torch.where(active & ~go_up, down, hi)
-        cur = torch.where(active, moved, cur)
-    if score_last:
-        last = cur < best
-        best_lo, best_hi = torch.where(last, lo, best_lo), torch.where(last, hi, best_hi)
-    return best_lo, best_hi
-
-
-def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
-                     dtypes: Tuple[torch.dtype, torch.dtype], torch_scoring: bool,
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stored (scale, bias, inv) per row of block ``x`` for the adaptive method.
+def _adaptive_params(x: torch.Tensor, bounds: Tuple[torch.Tensor, torch.Tensor], bits: int, num_bins: int,
+                     ratio: float, dtypes: Tuple[torch.dtype, torch.dtype], torch_scoring: bool,
+                     search: Optional[Fused]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored (scale, bias, inv) per row of block ``x`` (its rows' (min, max): ``bounds``) for
+    the adaptive method.
 
     With ``torch_scoring`` the search scores candidates with torch's fp16 scale and bias, so it
     walks exactly torch's greedy path and lands on torch's range or a better one. The stored
@@ -373,27 +304,34 @@ def _adaptive_params(x: torch.Tensor, bits: int, num_bins: int, ratio: float,
     """
     qmax = float((1 << bits) - 1)
     scale_dtype, bias_dtype = dtypes
-    lo, hi = _greedy_range(x, bits, num_bins, ratio, (torch.float16, torch.float16) if torch_scoring else dtypes)
-    options = [_params(x.amin(1), x.amax(1), qmax, *dtypes), _params(lo, hi, qmax, *dtypes)]
+    lo, hi = greedy_range(x, bits, num_bins, ratio, (torch.float16, torch.float16) if torch_scoring else dtypes,
+                          compiled=search, bounds=bounds)
+    options = [_params(*bounds, qmax, *dtypes), _params(lo, hi, qmax, *dtypes)]
     if torch_scoring and bias_dtype != torch.float16:
         options.append(_params(lo, hi, qmax, scale_dtype, torch.float16))
-    work, x64 = torch.empty_like(x), x.double()
-    chosen, chosen_loss = torch.stack(options[0]), _loss64(x, x64, options[0], qmax, work)
+    if search is None:
+        work, x64 = torch.empty_like(x), x.double()
+        score = functools.partial(_loss64, x, x64, qmax=qmax, out=work)
+    else:  # the same math in one fused pass per option
+        qmax_t = torch.tensor(qmax)
+        score = lambda params: search.loss64(x, *params, qmax_t)  # noqa: E731
+    chosen, chosen_loss = torch.stack(options[0]), score(options[0])
     for option in options[1:]:
-        loss = _loss64(x, x64, option, qmax, work)
+        loss = score(option)
         better = loss < chosen_loss  # ties keep the earlier option
         chosen, chosen_loss = torch.where(better, torch.stack(option), chosen), torch.minimum(loss, chosen_loss)
     return chosen[0], chosen[1], chosen[2]
 
 
-def _block_params(x: torch.Tensor, bits: int, method: str, num_bins: int, ratio: float,
-                  dtypes: Tuple[torch.dtype, torch.dtype], torch_scoring: bool,
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stored (scale, bias, inv) per row of block ``x`` for the uniform methods."""
+def _block_params(x: torch.Tensor, bounds: Tuple[torch.Tensor, torch.Tensor], bits: int, method: str,
+                  num_bins: int, ratio: float, dtypes: Tuple[torch.dtype, torch.dtype], torch_scoring: bool,
+                  search: Optional[Fused]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored (scale, bias, inv) per row of block ``x`` (its rows' (min, max): ``bounds``) for
+    the uniform methods."""
     qmax = float((1 << bits) - 1)
     if method == "adaptive":
-        return _adaptive_params(x, bits, num_bins, ratio, dtypes, torch_scoring)
-    xmin, xmax = x.amin(1), x.amax(1)
+        return _adaptive_params(x, bounds, bits, num_bins, ratio, dtypes, torch_scoring, search)
+    xmin, xmax = bounds
     if method == "naive":
         return _params(xmin, xmax, qmax, *dtypes)
     a = torch.maximum(xmax, -xmin)
@@ -429,7 +367,7 @@ def _kmeans_block(x: torch.Tensor, bits: int, iters: int) -> Tuple[torch.Tensor,
 def quantize_rows_with_dtypes(
     x: torch.Tensor, bits: int, method: str = "adaptive", num_bins: Optional[int] = None,
     ratio: Optional[float] = None, *, name: str = "tensor", scale_dtype: Optional[torch.dtype] = None,
-    bias_dtype: Optional[torch.dtype] = None,
+    bias_dtype: Optional[torch.dtype] = None, search: Optional[Fused] = None,
 ) -> QuantizedRows:
     """:func:`quantize_rows` with a chosen per-row parameter precision (float16 or float32;
     None: the default choice). For measurements (cnr.bench.quantize) and torch comparisons;
@@ -458,15 +396,15 @@ def quantize_rows_with_dtypes(
         scale = torch.empty(rows, dtype=scale_dtype)
         bias = torch.empty(rows, dtype=bias_dtype)
     qmax = float((1 << bits) - 1)
-    block_rows = max(1, BLOCK_VALUES // dim)
+    block_rows = max(1, (BLOCK_VALUES if search is None else COMPILED_BLOCK_VALUES) // dim)
     for start in range(0, rows, block_rows):
         block = x[start:start + block_rows]
         end = start + block.shape[0]
         if method == "kmeans":
             block_codes, codebook[start:end] = _kmeans_block(block, bits, KMEANS_ITERS)
         else:
-            s, b, inv = _block_params(block, bits, method, num_bins, ratio, (scale_dtype, bias_dtype),
-                                      torch_scoring)
+            s, b, inv = _block_params(block, (xmin[start:end], xmax[start:end]), bits, method, num_bins, ratio,
+                                      (scale_dtype, bias_dtype), torch_scoring, search)
             block_codes = torch.sub(block, b.unsqueeze(1)).mul_(inv.unsqueeze(1)).round_()
             block_codes = block_codes.clamp_(0.0, qmax).to(torch.uint8)
             scale[start:end], bias[start:end] = s, b
@@ -480,7 +418,7 @@ def quantize_rows_with_dtypes(
 
 def quantize_rows(
     x: torch.Tensor, bits: int, method: str = "adaptive", num_bins: Optional[int] = None,
-    ratio: Optional[float] = None, *, name: str = "tensor",
+    ratio: Optional[float] = None, *, name: str = "tensor", search: Optional[Fused] = None,
 ) -> QuantizedRows:
     """Quantize float32 ``x [rows, dim]`` row by row to ``bits`` bits per value.
 
@@ -488,9 +426,10 @@ def quantize_rows(
     search only (None: DEFAULT_NUM_BINS / DEFAULT_RATIO for the bit-width). ``name`` prefixes
     error messages, e.g. "table t3 row 17 contains nan". Raises ConfigError for bad arguments
     and for rows with nan/inf. Scale and bias are float16 at 2/3/4 bits unless some row needs
-    float32 (see _scale_dtype and _bias_dtype), float32 at 8 bits.
+    float32 (see _scale_dtype and _bias_dtype), float32 at 8 bits. ``search``: the adaptive
+    search's compiled step (cnr.range_search.CompiledSearch.get()), or None for the eager one.
     """
-    return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name)
+    return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name, search=search)
 
 
 # fp16 scale 1.0 and bias 0.0, the tail of a row in fbgemm's fused n-bit layout

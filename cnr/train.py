@@ -174,7 +174,8 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
     needs_checkpointer = config.checkpoint.enabled or manifest is not None
     # The writer process starts first: its imports (seconds of CPU) overlap the model build.
-    writer = Writer(job.storage_uri, _options(config)) if needs_checkpointer else None
+    rows_per_rank = sum(t.rows for t in config.model.tables) // world_size  # AUTO's search kernel
+    writer = Writer(job.storage_uri, _options(config).for_writer(rows_per_rank)) if needs_checkpointer else None
     try:
         sharded = build_sharded_model(config, device)
         if rank == 0:

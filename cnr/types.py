@@ -75,6 +75,21 @@ class ChainOrder(str, enum.Enum):
     """The baseline, then every increment on top in order: a row is written once per link holding it."""
 
 
+class SearchKernel(str, enum.Enum):
+    """Which kernel runs the adaptive quantizer's greedy range search in a writer (cnr.range_search).
+    Both walk the same path; they differ only in how fast."""
+
+    AUTO = "auto"
+    """COMPILED once a job asks for at least cnr.range_search.AUTO_COMPILE_ROWS searched rows
+    (that job and any before it run EAGER while it compiles), EAGER before that: small jobs
+    never pay for a compile."""
+    EAGER = "eager"
+    """torch ops, no compiler needed."""
+    COMPILED = "compiled"
+    """The search step fused by torch.compile, built on a thread of the writer as it starts
+    (about 3x the eager rows/s on one core); EAGER until it is built, or if it cannot be."""
+
+
 class WriteStatus(str, enum.Enum):
     """How a background writer ended one job (a checkpoint or a publish) on its rank."""
 

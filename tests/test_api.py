@@ -124,6 +124,8 @@ def test_options_reject_bad_values_naming_them():
         cnr.CheckpointOptions(policy="sometimes")
     with pytest.raises(ValueError, match=r"CheckpointOptions.encode_threads = 0 is not allowed; it must be > 0"):
         cnr.CheckpointOptions(encode_threads=0)
+    with pytest.raises(ValueError, match="CheckpointOptions.search_kernel = 'fused' is not allowed; allowed: auto, eager, compiled"):
+        cnr.CheckpointOptions(search_kernel="fused")
     with pytest.raises(ValueError, match="expected_steps"):
         cnr.CheckpointOptions(bit_policy="failures", failures={"rate_per_node_hour": 0.1})
 

@@ -11,16 +11,18 @@ from cnr.bench.restore import _summary
 
 
 def _runs(seconds):
-    return [{"seconds": s, "bytes": 100} for s in seconds]
+    return [{"seconds": s, "bytes": 100, "rows_from_increments": 7} for s in seconds]
 
 
 def test_the_summary_takes_medians_and_reads_the_longest_chain_against_the_target():
     out = {"runs": {"baseline": _runs([1.0, 9.0, 2.0]), "chain5": _runs([2.5, 2.4, 2.6]),
                     "replay_chain5": _runs([6.0, 6.0, 6.0])},
-           "exact": {"5": True}, "chain_bytes": {"5": [10, 2, 3, 4, 5, 6]}}
+           "exact": {"5": True}, "chain_bytes": {"5": [10, 2, 3, 4, 5, 6]},
+           "chain_rows": {"0": [100], "5": [100, 5, 5, 5, 5, 5]}}
     got = _summary(out, [5])
     assert got["baseline_s"] == 2.0 and got["chain5_over_baseline"] == 1.25 and got["replay_chain5_over_baseline"] == 3.0
     assert got["chain5_stored_bytes"] == 30 and got["bit_exact"] == {"5": True}
+    assert (got["baseline_rows"], got["chain5_increment_rows"], got["chain5_rows_from_increments"]) == (100, 25, 7)
     assert got["targets_met"] == {"chain5_over_baseline<=1.3": True, "newest_first_equals_replay": True}
     out["exact"]["5"] = False
     assert not _summary(out, [5])["targets_met"]["newest_first_equals_replay"]
@@ -35,6 +37,10 @@ def test_tiny_run(tmp_path):
     # the 3-link chain: newest-first reads less than replay (older dense copies, superseded baseline chunks)
     assert got["chain3_bytes_read"] < got["replay_chain3_bytes_read"]
     assert got["chain3_stored_bytes"] > got["chain1_stored_bytes"] > 0
+    # the increments' distinct rows: at most the rows they store, and at most the table's
+    for k in (1, 3):
+        assert 0 < got[f"chain{k}_rows_from_increments"] <= min(got[f"chain{k}_increment_rows"], got["baseline_rows"])
+    assert got["chain1_rows_from_increments"] == got["chain1_increment_rows"]  # one link: every row is distinct
     assert set(got["targets_met"]) == {"chain3_over_baseline<=1.3", "newest_first_equals_replay"}
 
 

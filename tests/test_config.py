@@ -65,6 +65,7 @@ def test_overrides_apply():
         ("checkpoint.keep_last=-1", "'checkpoint.keep_last' = -1"),
         ("checkpoint.encode_threads=0", "'checkpoint.encode_threads' = 0 is not allowed; it must be > 0"),
         ("checkpoint.encode_threads=true", "'checkpoint.encode_threads' must be an integer"),
+        ("checkpoint.search_kernel=fused", "'checkpoint.search_kernel' = 'fused' is not allowed; allowed: auto, eager, compiled"),
         ("checkpoint.compression=lz4", "'checkpoint.compression' = 'lz4' is not allowed; allowed: zstd, none"),
         ("checkpoint.compression_level=20", "'checkpoint.compression_level' = 20 is not allowed; allowed: 1..19"),
         ("checkpoint.optimizer_bits=4", "'checkpoint.optimizer_bits' = 4 is not allowed; allowed: 8, 32, or 0"),

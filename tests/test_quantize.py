@@ -20,8 +20,6 @@ from cnr.quantize import (
     DEFAULT_RATIO,
     METHODS,
     QuantizedRows,
-    _greedy_range,
-    _min_bins,
     default_method,
     dequantize_rows,
     l2_per_row,
@@ -134,17 +132,6 @@ def test_kmeans_is_a_sensible_reference() -> None:
 SEARCHES = [(2, 25, 0.5), (4, 45, 0.2), (2, 200, 0.16), (4, 200, 0.16)]
 
 
-@pytest.mark.parametrize("bits, num_bins, ratio", SEARCHES + [(3, 25, 0.2), (4, 45, 0.1), (8, 200, 0.16)])
-def test_search_is_torch_choose_qparams_optimized_step_for_step(bits: int, num_bins: int, ratio: float) -> None:
-    """Scored with torch's fp16 parameters and without the extra final candidate, the vectorised
-    search returns exactly torch's serial (xmin, xmax) for every row."""
-    x = torch.cat([_rows(kind, n=150, seed=bits + num_bins) for kind in DISTRIBUTIONS])
-    lo, hi = _greedy_range(x, bits, num_bins, ratio, (F16, F16), score_last=False)
-    pairs = [torch.choose_qparams_optimized(row, x.shape[1], num_bins, ratio, bits) for row in x]
-    assert torch.equal(lo, torch.cat([p[1] for p in pairs]))
-    assert torch.equal(hi, torch.cat([p[0] for p in pairs]))
-
-
 @pytest.mark.parametrize("bits, num_bins, ratio", SEARCHES)
 @pytest.mark.parametrize("kind", DISTRIBUTIONS)
 def test_float16_mode_matches_torch_prepack_or_beats_it(bits: int, num_bins: int, ratio: float, kind: str) -> None:
@@ -182,14 +169,6 @@ def test_default_precision_agrees_with_torch_and_is_no_worse(
     assert bool((ours <= theirs * (1 + 1e-12)).all()), float((ours / theirs).max())
     assert bool(((close_bias & close_scale) | (ours < theirs)).all())
     assert float(ours.mean()) <= float(theirs.mean())
-
-
-@pytest.mark.parametrize(
-    "num_bins, ratio, expected",
-    [(45, 0.2, 36.0), (25, 0.5, 12.5), (25, 0.2, 20.0), (200, 0.16, 168.0), (45, 0.1, 40.5), (10, 1.0, 0.0)],
-)
-def test_min_bins_follows_torch_float_semantics(num_bins: int, ratio: float, expected: float) -> None:
-    assert _min_bins(num_bins, ratio) == expected
 
 
 # --- edge rows ----------------------------------------------------------------------------------

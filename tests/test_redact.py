@@ -74,7 +74,8 @@ def test_writer_failure_marker_and_result_hold_no_password(tmp_path, endpoint_en
     job = WriteJob("0000000001-abcd", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={})
     uploader = Uploader(storage, 1)
     try:
-        result = _run_job(storage, uploader, EncodePool(1), CheckpointOptions(), job, None)
+        pool = EncodePool(1)
+        result = _run_job(storage, uploader, (pool, pool), CheckpointOptions(), job, None)
     finally:
         uploader.close()
     assert result.status == WriteStatus.FAILED and "***@127.0.0.1" in result.error

@@ -53,6 +53,7 @@ from cnr.app_state import AppState, collect_state
 from cnr.codec.choose import resolve_table_bits
 from cnr.storage import open_storage
 from cnr.tracker import Captured, RowTracker
+from cnr.upload import Writer
 
 POLICIES = ("one_shot", "consecutive", "intermittent")
 
@@ -117,11 +118,14 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
     app = AppState({"model": sharded.model, "optim": sharded.dense_optimizer}, rank)
     table_bits = resolve_table_bits(config.checkpoint.table_bits, [(t.id, t.name) for t in app.tables])
     ckpts = {}
+    rows_per_rank = sum(t.rows for t in config.model.tables) // world_size  # the search kernel, as cnr train's
     for (policy, bits, cap), cell in zip(arg["cells"], cells):
         c = dataclasses.replace(config.checkpoint, policy=policy, bits=bits, keep_last=0, bit_policy="fixed",
                                 max_chain_ratio=cap)
-        ckpt = CheckpointEngine(os.path.join(arg["workdir"], cell), CheckpointOptions.from_config(c), rank,
-                                world_size, CellTracker(tracker, cell))
+        options = CheckpointOptions.from_config(c)
+        uri = os.path.join(arg["workdir"], cell)
+        ckpt = CheckpointEngine(uri, options, rank, world_size, CellTracker(tracker, cell),
+                                writer=Writer(uri, options.for_writer(rows_per_rank)))
         ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
         ckpt.table_bits = table_bits
         ckpts[cell] = ckpt
@@ -140,7 +144,9 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
         ckpt.finish()
     stats = {cell: {"bytes_written": k.stats.bytes_written, "checkpoints": k.stats.checkpoints,
                     "failed": k.stats.failed, "max_background_s": max(k.stats.background_seconds, default=0.0),
-                    "total_background_s": sum(k.stats.background_seconds)}
+                    "total_background_s": sum(k.stats.background_seconds),
+                    "background_s": [round(x, 2) for x in k.stats.background_seconds],
+                    "search_kernels": "".join(kernel[:1] or "-" for kernel in k.stats.search_kernels)}
              for cell, k in ckpts.items()}
     return {"cells": stats, "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
 
@@ -163,6 +169,8 @@ def _cell_row(workdir: str, cell: Cell, stats: Dict[str, int]) -> Dict[str, Any]
         "bytes_written_by_writer": stats["bytes_written"],
         "max_background_s": round(stats["max_background_s"], 2),
         "mean_background_s": round(stats["total_background_s"] / max(1, stats["checkpoints"]), 2),
+        # each write's seconds, and its range search's kernel (e: eager, c: compiled; cnr.range_search)
+        "background_s": stats["background_s"], "search_kernels": stats["search_kernels"],
     }
 
 

@@ -4,7 +4,7 @@ a cnr.upload.WriteJob), run in the writer process, never in the stall."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, Mapping, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
@@ -12,6 +12,7 @@ from cnr.codec.log8 import log8_applies
 from cnr.encode import encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import NONFINITE, NonFiniteStateError
 from cnr.quantize import default_method, quantize_rows
+from cnr.range_search import Fused
 from cnr.snapshot import HostPiece
 from cnr.types import TABLE_ROLES, ChunkRef, Role
 
@@ -67,10 +68,25 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
                                   "last finite one")
 
 
+def _method(job: "WriteJob", bits: int) -> str:
+    return (job.method if bits == job.bits and job.method else "") or default_method(bits)
+
+
+def searched_rows(job: "WriteJob") -> int:
+    """Rows of ``job`` that the adaptive quantizer's range search will encode (cnr.range_search)."""
+    total = 0
+    for piece in job.pieces:
+        bits = quantized_bits(job, piece)
+        if bits != 32 and piece.data.dim() == 2 and _method(job, bits) == "adaptive":
+            total += piece.data.shape[0]
+    return total
+
+
 def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, row0: int,
-                 col0: int) -> Tuple[bytes, ChunkRef]:
+                 col0: int, search: Optional[Fused] = None) -> Tuple[bytes, ChunkRef]:
     """One chunk of rows ``lo..hi-1`` of ``piece``: row-wise quantized or log8 (see
     quantized_bits), then through the job's compression; or raw, exact and uncompressed.
+    ``search``: the adaptive search's compiled step (cnr.range_search), or None for the eager one.
 
     Why raw chunks (fp32 tables at 32 bits, dense state, a 1-D state log8 cannot code) skip
     the compression: zstd level 3 shrinks fp32 values by 7.6% at 587 MB/s of one core (``bench
@@ -84,8 +100,7 @@ def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, 
     check_finite(piece, block, start)
     bits = quantized_bits(job, piece)
     if bits != 32 and block.dim() == 2:
-        method = job.method if bits == job.bits and job.method else None
-        q = quantize_rows(block, bits, method=method or default_method(bits), name=piece.name)
+        q = quantize_rows(block, bits, method=_method(job, bits), name=piece.name, search=search)
         return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids, compression=job.compression)
     if bits != 32 and log8_applies(block):  # a 1-D state with negative values stays raw, exact
         return encode_log8_chunk(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
