@@ -427,7 +427,7 @@ def quantize_rows(
     error messages, e.g. "table t3 row 17 contains nan". Raises ConfigError for bad arguments
     and for rows with nan/inf. Scale and bias are float16 at 2/3/4 bits unless some row needs
     float32 (see _scale_dtype and _bias_dtype), float32 at 8 bits. ``search``: the adaptive
-    search's compiled step (cnr.range_search.CompiledSearch.get()), or None for the eager one.
+    search's compiled kernels (cnr.range_search.CompiledSearch.get()), or None for the eager ones.
     """
     return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name, search=search)
 

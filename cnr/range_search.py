@@ -146,7 +146,7 @@ class CompiledSearch:
                 self._thread.start()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Start the build if needed and wait for it; True when the compiled step is usable."""
+        """Start the build if needed and wait for it; True when the compiled kernels are usable."""
         self.start()
         self._ready.wait(timeout)
         return self._fused is not None

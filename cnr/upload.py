@@ -135,7 +135,7 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
                     search: Optional[Fused] = None) -> Tuple[RankIndex, int]:
     """Store every chunk of ``job`` and then its rank index; return the index and bytes written.
     ``encoder``: the threads that encode chunks ahead of the one being stored (None: inline);
-    ``search``: the adaptive search's compiled step for every chunk (None: eager)."""
+    ``search``: the adaptive search's compiled kernels for every chunk (None: eager)."""
     tensors: Dict[str, TensorEntry] = {}
     written = 0
     packer = Packer(uploader, job.ckpt_id, job.rank, chunk_bytes)
@@ -211,11 +211,11 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
     for the compiled one, whose kernels hold the GIL and run on ``encode_threads`` cores each
     (cnr.range_search.CompiledSearch)."""
     start = time.perf_counter()
-    step = None
+    fused = None
     try:
-        step = search.for_job(searched_rows(job)) if search is not None else None
-        encoder = encoders[0] if step is None else encoders[1]
-        index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder, step)
+        fused = search.for_job(searched_rows(job)) if search is not None else None
+        encoder = encoders[0] if fused is None else encoders[1]
+        index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder, fused)
         if peers is not None:
             peers.published_index(index)
         if job.rank != 0:
@@ -241,7 +241,7 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
         error = _mark_failed(storage, job, redact(error))
         result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
     result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
-    result.extra["search"] = SearchKernel.EAGER.value if step is None else SearchKernel.COMPILED.value
+    result.extra["search"] = SearchKernel.EAGER.value if fused is None else SearchKernel.COMPILED.value
     if peers is not None and job.rank == 0 and result.status != WriteStatus.COMMITTED:
         peers.committed(job.ckpt_id, None)
     return result

@@ -86,7 +86,7 @@ def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, 
                  col0: int, search: Optional[Fused] = None) -> Tuple[bytes, ChunkRef]:
     """One chunk of rows ``lo..hi-1`` of ``piece``: row-wise quantized or log8 (see
     quantized_bits), then through the job's compression; or raw, exact and uncompressed.
-    ``search``: the adaptive search's compiled step (cnr.range_search), or None for the eager one.
+    ``search``: the adaptive search's compiled kernels (cnr.range_search), or None for the eager ones.
 
     Why raw chunks (fp32 tables at 32 bits, dense state, a 1-D state log8 cannot code) skip
     the compression: zstd level 3 shrinks fp32 values by 7.6% at 587 MB/s of one core (``bench
