@@ -201,3 +201,22 @@ def test_auto_is_made_definite_for_a_writer_from_its_rows_and_widths(fields, row
     assert options.search_kernel == fields.get("search_kernel", "auto")
     assert options.for_writer(rows_per_rank).search_kernel == kernel
     assert dataclasses.replace(options.for_writer(rows_per_rank), search_kernel=options.search_kernel) == options
+
+
+def test_bench_quantize_times_the_compiled_search_beside_the_eager_one(compiled: Fused, tmp_path: Path) -> None:
+    from cnr.bench.quantize import run
+
+    path = tmp_path / "rows.f32"
+    _rows("student_t", n=300, dim=16).numpy().astype("<f4").tofile(path)
+    out = run(["--rows-file", str(path), "--dim", "16", "--rows", "300", "--repeat", "1", "--bits", "2", "4",
+               "--methods", "naive", "adaptive", "--train-steps", "0", "--threads", "1", "--compiled"])
+    entries = {(e["set"], e["method"], e["bits"]): e for e in out["table"]}
+    for (set_name, method, bits), e in entries.items():
+        if method != "adaptive_compiled":
+            continue
+        eager = entries[(set_name, "adaptive", bits)]
+        assert e["rows_differing"] <= 1  # a float32 tie at most, on 300 rows (cnr.range_search)
+        assert e["l2_mean"] == pytest.approx(eager["l2_mean"], rel=1e-3)
+        assert e["stored_bytes_per_row"] == pytest.approx(eager["stored_bytes_per_row"], rel=1e-2)
+    assert {m for _, m, _ in entries} == {"naive", "adaptive", "adaptive_compiled", "torch_greedy"}
+    assert out["speedup_compiled_vs_eager_2bit"] > 0 and out["speedup_compiled_vs_eager_4bit"] > 0

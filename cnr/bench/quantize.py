@@ -5,8 +5,9 @@ torch's production path) on the same rows in the same process.
 Usage: ``python -m cnr.bench.quantize [--rows N] [--dim D] [--seed S] [--rows-file PATH]``.
 ``--rows-file`` reads raw little-endian float32 rows ``[rows, dim]`` (e.g. trained embeddings);
 without it two synthetic sets are used: N(0, 1) and Student-t(3) (heavy-tailed) rows.
-Extra studies: ``--ratio-sweep`` (4-bit ratio choice) and ``--param-study`` (fp16 vs fp32
-per-row scale/bias). ``stored_bytes_per_row``: the rows as one stored chunk through the
+Extra studies: ``--ratio-sweep`` (4-bit ratio choice), ``--param-study`` (fp16 vs fp32
+per-row scale/bias) and ``--compiled`` (the adaptive method on the compiled range search too,
+``adaptive_compiled`` rows, with the rows whose encoding differs from the eager kernel's). ``stored_bytes_per_row``: the rows as one stored chunk through the
 default zstd stage, header included (the bytes a checkpoint spends on them). Throughput is rows per second of wall time (best of ``--repeat`` runs for
 adaptive and torch's op, one run otherwise), with torch's thread setting as is for both sides
 (torch's greedy prepack runs serially regardless; other load on the machine hurts the
@@ -30,6 +31,7 @@ from cnr.bitpack import packed_bytes_per_row
 from cnr.codec.zstd import zstd_spec
 from cnr.encode import encode_quantized_chunk
 from cnr.errors import ConfigError
+from cnr.range_search import Fused, compiled_search
 from cnr.types import STORED_QUANT_METHODS
 from cnr.quantize import (
     BITS,
@@ -66,6 +68,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the adaptive method on the compiled range search (cnr.range_search)")
     args = parser.parse_args(argv)
     if args.rows_file:  # checked before any work (training the trained-rows set takes a while)
         if not os.path.isfile(args.rows_file):
@@ -147,8 +151,21 @@ def _entry(set_name: str, method: str, bits: int, x: torch.Tensor, q: QuantizedR
             "bias": str(q.bias.dtype).replace("torch.", "") if q.bias is not None else None}
 
 
-def _measure_set(set_name: str, x: torch.Tensor, args: argparse.Namespace) -> List[Dict[str, object]]:
-    """Table entries for one row set: every method x bit-width, then torch's greedy op."""
+def _compiled_entry(set_name: str, bits: int, x: torch.Tensor, eager: QuantizedRows, fused: Fused,
+                    repeat: int) -> Dict[str, object]:
+    """The adaptive method on the compiled range search; ``rows_differing``: rows whose stored
+    encoding differs from the eager kernel's (ties within float32 rounding, cnr.range_search)."""
+    q, secs = _timed(lambda: quantize_rows(x, bits, "adaptive", name=set_name, search=fused), repeat)
+    entry = _entry(set_name, "adaptive_compiled", bits, x, q, secs, DEFAULT_NUM_BINS[bits], DEFAULT_RATIO[bits])
+    same = (q.codes == eager.codes).all(1) & (q.scale == eager.scale) & (q.bias == eager.bias)
+    entry["rows_differing"] = int((~same).sum())
+    return entry
+
+
+def _measure_set(set_name: str, x: torch.Tensor, args: argparse.Namespace,
+                 fused: Optional[Fused] = None) -> List[Dict[str, object]]:
+    """Table entries for one row set: every method x bit-width (adaptive on the compiled search
+    too when ``fused`` is given), then torch's greedy op."""
     table = []
     for bits in args.bits:
         for method in args.methods:
@@ -157,6 +174,9 @@ def _measure_set(set_name: str, x: torch.Tensor, args: argparse.Namespace) -> Li
             search = (DEFAULT_NUM_BINS[bits], DEFAULT_RATIO[bits]) if method == "adaptive" else (None, None)
             table.append(_entry(set_name, method, bits, x, q, secs, *search))
             logger.info("%s %s %d bits: %s", set_name, method, bits, table[-1])
+            if method == "adaptive" and fused is not None:
+                table.append(_compiled_entry(set_name, bits, x, q, fused, repeat))
+                logger.info("%s adaptive_compiled %d bits: %s", set_name, bits, table[-1])
         if bits in TORCH_BITS and x.shape[1] % (8 // bits) == 0:
             nb, ratio = DEFAULT_NUM_BINS[bits], DEFAULT_RATIO[bits]
             q, secs = _timed(lambda: torch_greedy(x, bits, nb, ratio), args.repeat)
@@ -213,6 +233,9 @@ def _summary(table: List[Dict[str, object]]) -> Dict[str, object]:
         if pairs:
             beats[bits] = all(a["l2_mean"] < n["l2_mean"] for a, n in pairs)
     out["adaptive_beats_naive"] = beats
+    for bits in sorted({e["bits"] for e in table if e["method"] == "adaptive_compiled"}):
+        pairs = [(pick(s, "adaptive_compiled", bits), pick(s, "adaptive", bits)) for s in sets]
+        out[f"speedup_compiled_vs_eager_{bits}bit"] = min(c["rows_per_s"] / a["rows_per_s"] for c, a in pairs if c and a)
     return out
 
 
@@ -232,7 +255,13 @@ def _run(args: argparse.Namespace) -> Dict[str, object]:
     sets = _row_sets(args)
     load_start = os.getloadavg()[0]
     started = time.perf_counter()
-    table = [entry for name, x in sets.items() for entry in _measure_set(name, x, args)]
+    fused = None
+    if args.compiled:
+        build = compiled_search(torch.get_num_threads())
+        if not build.wait():
+            raise ConfigError(f"--compiled: the compiled range search cannot be built here ({build.error})")
+        fused = build.get()
+    table = [entry for name, x in sets.items() for entry in _measure_set(name, x, args, fused)]
     result: Dict[str, object] = {
         "config": {"rows": {k: v.shape[0] for k, v in sets.items()}, "dim": args.dim, "seed": args.seed,
                    "rows_file": args.rows_file, "repeat": args.repeat, "torch": torch.__version__,
