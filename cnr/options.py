@@ -142,13 +142,13 @@ class CheckpointOptions:
 
     def may_search(self) -> bool:
         """Whether some checkpoint may store rows with the adaptive range search: the failure
-        budget choosing widths, adaptive asked for, or a width below 8 bits whose method is the
-        default (``quant_method`` applies to ``bits`` only; cnr.codec.choose)."""
-        def adaptive(width: int) -> bool:
-            method = self.quant_method if width == self.bits else ""
-            return method == "adaptive" or (method == "" and width < 8)
+        budget choosing widths, or a width below 32 whose method (cnr.quantize.stored_method)
+        is adaptive."""
+        from cnr.quantize import stored_method
 
-        return self.bit_policy == "failures" or any(adaptive(w) for w in (self.bits, *self.table_bits.values()))
+        widths = [w for w in (self.bits, *self.table_bits.values()) if w < 32]
+        return self.bit_policy == "failures" or any(
+            stored_method(w, self.bits, self.quant_method) == "adaptive" for w in widths)
 
     def for_writer(self, rows_per_rank: int) -> "CheckpointOptions":
         """These options with ``search_kernel`` "auto" made definite for a writer about to start

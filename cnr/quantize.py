@@ -103,6 +103,13 @@ def default_method(bits: int) -> str:
     return "naive" if bits == 8 else "adaptive"
 
 
+def stored_method(width: int, bits: int, method: str) -> str:
+    """The method rows stored at ``width`` bits (2..8) use when a checkpoint asks for ``bits``
+    with ``method`` ("" for the default): ``method`` applies at ``bits`` only, every other width
+    (a table plan's, a small table's) takes its default."""
+    return (method if width == bits and method else "") or default_method(width)
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
     """``rows`` quantized rows of ``dim`` values each.

@@ -79,23 +79,29 @@ def _fused_loss(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch
     return torch.linalg.vector_norm(diff - code * scale.unsqueeze(-1), dim=-1)
 
 
+def _move(active: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, loss: torch.Tensor, step: torch.Tensor,
+          cur: torch.Tensor, best_lo: torch.Tensor, best_hi: torch.Tensor,
+          best: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """One step's bookkeeping for every row, given ``loss [2, B]`` of the candidates (raise lo,
+    lower hi): torch's local-optimum test (better than both moves and than the best so far),
+    then the move to the lower-error candidate (ties lower hi). Rows not ``active`` stay."""
+    moved = torch.minimum(loss[0], loss[1])
+    optimum = active & (cur < moved) & (cur < best)
+    best_lo, best_hi = torch.where(optimum, lo, best_lo), torch.where(optimum, hi, best_hi)
+    best = torch.where(optimum, cur, best)
+    go_up = loss[0] < loss[1]
+    lo, hi = torch.where(active & go_up, lo + step, lo), torch.where(active & ~go_up, hi - step, hi)
+    return lo, hi, torch.where(active, moved, cur), best_lo, best_hi, best
+
+
 def _fused_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, cur: torch.Tensor, best_lo: torch.Tensor,
                 best_hi: torch.Tensor, best: torch.Tensor, step: torch.Tensor, thr: torch.Tensor,
                 qmax: torch.Tensor, half_scale: torch.Tensor, half_bias: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """One step of :func:`greedy_range`'s loop for every row, out of place for ``torch.compile``;
     the last output tells whether any row was still active."""
     active = lo + thr < hi
-    up, down = lo + step, hi - step
-    loss = _fused_loss(x, torch.stack((up, lo)), torch.stack((hi, down)), qmax, half_scale, half_bias)
-    moved = torch.minimum(loss[0], loss[1])
-    # torch's local-optimum test: better than both moves and than the best so far
-    optimum = active & (cur < moved) & (cur < best)
-    best_lo, best_hi = torch.where(optimum, lo, best_lo), torch.where(optimum, hi, best_hi)
-    best = torch.where(optimum, cur, best)
-    go_up = loss[0] < loss[1]
-    lo, hi = torch.where(active & go_up, up, lo), torch.where(active & ~go_up, down, hi)
-    cur = torch.where(active, moved, cur)
-    return lo, hi, cur, best_lo, best_hi, best, active.any()
+    loss = _fused_loss(x, torch.stack((lo + step, lo)), torch.stack((hi, hi - step)), qmax, half_scale, half_bias)
+    return _move(active, lo, hi, loss, step, cur, best_lo, best_hi, best) + (active.any(),)
 
 
 def _fused_loss64(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, inv: torch.Tensor,
@@ -248,11 +254,11 @@ def greedy_range(x: torch.Tensor, bits: int, num_bins: int, ratio: float, dtypes
     xmin, xmax = bounds if bounds is not None else (x.amin(1), x.amax(1))
     step = (xmax - xmin) / float(num_bins)
     thr = step * min_bins(num_bins, ratio)  # float32 * float32-representable value, as torch
-    flags = (torch.tensor(qmax), torch.tensor(dtypes[0] == torch.float16), torch.tensor(dtypes[1] == torch.float16))
     if compiled is None:
         work = torch.empty((2, 2) + tuple(x.shape), dtype=torch.float32)
         cur = range_loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), qmax, dtypes, work[:, :1])[0]
     else:
+        flags = (torch.tensor(qmax), torch.tensor(dtypes[0] == torch.float16), torch.tensor(dtypes[1] == torch.float16))
         cur = compiled.loss(x, xmin.unsqueeze(0), xmax.unsqueeze(0), *flags)[0]
     lo, hi, best_lo, best_hi, best = xmin, xmax, xmin, xmax, cur
     # ceil(num_bins - min_bins) steps in exact arithmetic; +1 for float rounding of the stop test.
@@ -260,23 +266,16 @@ def greedy_range(x: torch.Tensor, bits: int, num_bins: int, ratio: float, dtypes
     # which torch's while-loop never terminates.
     for _ in range(math.ceil(num_bins - min_bins(num_bins, ratio)) + 1):
         if compiled is not None:
-            lo, hi, cur, best_lo, best_hi, best, any_active = compiled.step(x, lo, hi, cur, best_lo, best_hi,
-                                                                            best, step, thr, *flags)
-            if not bool(any_active):
-                break
-            continue
-        active = lo + thr < hi
-        if not bool(active.any()):
+            *state, any_active = compiled.step(x, lo, hi, cur, best_lo, best_hi, best, step, thr, *flags)
+        else:
+            active = lo + thr < hi
+            any_active = active.any()
+            if bool(any_active):
+                loss = range_loss(x, torch.stack((lo + step, lo)), torch.stack((hi, hi - step)), qmax, dtypes, work)
+                state = _move(active, lo, hi, loss, step, cur, best_lo, best_hi, best)
+        if not bool(any_active):
             break
-        up, down = lo + step, hi - step
-        loss = range_loss(x, torch.stack((up, lo)), torch.stack((hi, down)), qmax, dtypes, work)
-        moved = torch.minimum(loss[0], loss[1])
-        optimum = active & (cur < moved) & (cur < best)  # as in _fused_step
-        best_lo, best_hi = torch.where(optimum, lo, best_lo), torch.where(optimum, hi, best_hi)
-        best = torch.where(optimum, cur, best)
-        go_up = loss[0] < loss[1]
-        lo, hi = torch.where(active & go_up, up, lo), torch.where(active & ~go_up, down, hi)
-        cur = torch.where(active, moved, cur)
+        lo, hi, cur, best_lo, best_hi, best = state
     if score_last:
         last = cur < best
         best_lo, best_hi = torch.where(last, lo, best_lo), torch.where(last, hi, best_hi)

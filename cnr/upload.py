@@ -206,7 +206,8 @@ def die_with_parent() -> None:
 
 
 def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, EncodePool], options: CheckpointOptions,
-             job: WriteJob, cancel, peers: Optional[Peers] = None, search: Optional[WriterSearch] = None) -> WriteResult:
+             job: WriteJob, cancel, peers: Optional[Peers] = None,
+             search: Optional[WriterSearch] = None) -> WriteResult:
     """``encoders``: the pool of ``encode_threads`` for the eager search, and the one-thread pool
     for the compiled one, whose kernels hold the GIL and run on ``encode_threads`` cores each
     (cnr.range_search.CompiledSearch)."""

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 import pytest
 import torch
 
+from cnr.codec.choose import searched_rows
 from cnr.options import CheckpointOptions
 from cnr.quantize import quantize_rows_with_dtypes
 from cnr.range_search import AUTO_COMPILE_ROWS, Fused, WriterSearch, compiled_search, greedy_range, min_bins
@@ -129,6 +130,16 @@ def test_auto_compiles_only_for_a_large_job() -> None:
     if HAS_COMPILER:
         assert search.compiled.wait(COMPILE_TIMEOUT_S), search.compiled.error
         assert search.for_job(1) is search.compiled.get() is not None  # once built, every job uses it
+
+
+def test_a_job_counts_the_rows_the_adaptive_search_encodes() -> None:
+    """Of test_encode_pool's job: the 2-bit table (3000 rows) and the 2-bit increment (700
+    rows) search; the 8-bit small table (naive), the 1-D log8 sums and dense state do not."""
+    job = _job()
+    assert searched_rows(job) == 3000 + 700
+    assert searched_rows(dataclasses.replace(job, method="naive")) == 0
+    assert searched_rows(dataclasses.replace(job, bits=32, table_bits={"small": 4})) == 50
+    assert searched_rows(dataclasses.replace(job, bits=8)) == 0
 
 
 def test_a_bad_kernel_name_is_refused() -> None:

@@ -11,7 +11,7 @@ import torch
 from cnr.codec.log8 import log8_applies
 from cnr.encode import encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import NONFINITE, NonFiniteStateError
-from cnr.quantize import default_method, quantize_rows
+from cnr.quantize import quantize_rows, stored_method
 from cnr.range_search import Fused
 from cnr.snapshot import HostPiece
 from cnr.types import TABLE_ROLES, ChunkRef, Role
@@ -68,16 +68,12 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
                                   "last finite one")
 
 
-def _method(job: "WriteJob", bits: int) -> str:
-    return (job.method if bits == job.bits and job.method else "") or default_method(bits)
-
-
 def searched_rows(job: "WriteJob") -> int:
     """Rows of ``job`` that the adaptive quantizer's range search will encode (cnr.range_search)."""
     total = 0
     for piece in job.pieces:
         bits = quantized_bits(job, piece)
-        if bits != 32 and piece.data.dim() == 2 and _method(job, bits) == "adaptive":
+        if bits != 32 and piece.data.dim() == 2 and stored_method(bits, job.bits, job.method) == "adaptive":
             total += piece.data.shape[0]
     return total
 
@@ -100,7 +96,7 @@ def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, 
     check_finite(piece, block, start)
     bits = quantized_bits(job, piece)
     if bits != 32 and block.dim() == 2:
-        q = quantize_rows(block, bits, method=_method(job, bits), name=piece.name, search=search)
+        q = quantize_rows(block, bits, method=stored_method(bits, job.bits, job.method), name=piece.name, search=search)
         return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids, compression=job.compression)
     if bits != 32 and log8_applies(block):  # a 1-D state with negative values stays raw, exact
         return encode_log8_chunk(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
