@@ -5,7 +5,8 @@ the lookup and before the output AlltoAll, with the ids each shard received from
 AlltoAll. Those ids are local to the shard (row-wise and table-row-wise shards receive
 ``global row - shard row offset``; table-wise and column-wise shards start at row 0), so the
 global row is ``id + row offset``. Data-parallel tables see only the rank's own batch, so their
-bits are OR-reduced over ranks before they are read.
+bits are OR-reduced over ranks before they are read. torchrec has one hook slot per module: cnr's
+trackers share it through a dispatcher (cnr.hook_slot), and a hook that is not cnr's is refused.
 
 One bit per local row lives in a flat ``uint8`` bitmap (``current``) that the hot path writes.
 Named *views* ("checkpoint", "baseline", "publish", ...) accumulate ``current`` when ``fold`` is
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cnr.app_state import app_tables
+from cnr.hook_slot import TrackerHookError, attach, describe, detach, foreign, holds, occupant, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ class RowTracker:
         self.tables: Dict[str, TrackedTable] = {}
         self._feature_table: Dict[int, Dict[str, str]] = {}  # id(sharded module) -> feature -> table id
         self._modules: Dict[int, torch.nn.Module] = {}
+        self._names: Dict[int, str] = {}  # id(sharded module) -> its name in errors ("model/tower.ebc")
         bit = 0
         for ref in refs:
             row_offset, rows, dp = _local_row_range(ref)
@@ -167,6 +170,9 @@ class RowTracker:
                 self._feature_table.setdefault(id(ref.module), {})[feature] = ref.id
         for ref in refs:  # modules whose tables are all elsewhere still get the hook (it ignores nothing)
             self._modules.setdefault(id(ref.module), ref.module)
+            self._names.setdefault(id(ref.module), ref.id[:ref.id.index("/")] + (f"/{ref.path}" if ref.path else ""))
+        self._installed = False
+        self._lost: Optional[str] = None  # why rows were missed, once a foreign hook took a slot (sticky)
         self.whole = frozenset(t for t in whole if t in self.tables)
         self.current = np.zeros(bit // 8, dtype=np.uint8)
         self.views: Dict[str, np.ndarray] = {v: np.zeros_like(self.current) for v in views}
@@ -177,9 +183,44 @@ class RowTracker:
     # ---- hot path ------------------------------------------------------------------------
 
     def install(self) -> None:
-        """Register the post-lookup hook on every sharded embedding module (one slot each)."""
+        """Join cnr's dispatcher in the post-lookup hook slot of every sharded embedding module
+        (cnr.hook_slot): several cnr trackers share the slot. A slot held by a hook that is not
+        cnr's raises TrackerHookError naming the module, before any slot is touched."""
+        self.check_slots()
+        for key, module in self._modules.items():
+            attach(module, self._names[key], self)
+        self._installed = True
+
+    def check_slots(self) -> None:
+        """Raise TrackerHookError when a module's slot holds a hook that is not cnr's."""
+        for key, module in self._modules.items():
+            fn = foreign(module)
+            if fn is not None:
+                raise TrackerHookError(refusal(self._names[key], fn))
+
+    def uninstall(self) -> None:
+        """Leave every module's slot; the last cnr tracker out empties it. Idempotent."""
         for module in self._modules.values():
-            module.register_post_lookup_tracker_fn(self.record)
+            detach(module, self)
+        self._installed = False
+
+    def _check_installed(self) -> None:
+        """Raise when a slot no longer calls this installed tracker (a hook registered after cnr's
+        replaced the dispatcher): the rows looked up since were not recorded, so no increment
+        may be built from these bits. Sticky: those rows stay unknown."""
+        if not self._installed:
+            return
+        lost = [(key, module) for key, module in self._modules.items() if not holds(module, self)]
+        if lost and self._lost is None:
+            key, module = lost[0]
+            fn = occupant(module)
+            now = "emptied" if fn is None else "taken by " + describe(fn)
+            self._lost = (f"the post-lookup hook slot of the sharded module {self._names[key]} no longer holds cnr's "
+                          f"tracker ({now}); torchrec gives each module one slot and cnr cannot share it with "
+                          "another hook, so the rows looked up since were not tracked and a checkpoint built on "
+                          "them would miss rows")
+        if self._lost is not None:
+            raise TrackerHookError(self._lost)
 
     def record(self, features, _embeddings=None, module=None, _raw_ids=None) -> None:
         """The post-lookup hook: set the bits of every id the shards of ``module`` received."""
@@ -232,7 +273,9 @@ class RowTracker:
         """Merge ``current`` into every view and clear it (call at a snapshot, on every rank).
 
         Collective when data-parallel tables exist: their bits are OR-reduced over ranks.
+        Raises TrackerHookError, before any collective, when an installed tracker lost its slot.
         """
+        self._check_installed()
         if self._device_current is not None:
             self.current |= self._device_current.cpu().numpy()
             self._device_current.zero_()

@@ -78,9 +78,11 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     tracker = ckpt.tracker
     timed = _TimedTracker(tracker)
     mdt = ModelDeltaTrackerTrec(sharded.model, mode=TrackingMode.ID_ONLY)
-    # Each sharded module has one post-lookup hook slot, where the Checkpointer registered
-    # tracker.record (RowTracker.install). The bench sets that slot directly for each block: the
-    # timing wrapper around that same tracker.record, torchrec's tracker, or nothing.
+    # Each sharded module has one post-lookup hook slot, where the Checkpointer installed cnr's
+    # dispatcher (RowTracker.install). The bench takes the tracker out (its fold would refuse a
+    # slot taken from it) and sets that slot directly for each block: the timing wrapper around
+    # that same tracker.record, torchrec's tracker, or nothing.
+    tracker.uninstall()
     modules = list(tracker._modules.values())
     # "control" is a second no-hook block per round: its gap to "none" is the noise floor
     modes = {"none": None, "cnr": timed, "control": None, "mdt": mdt.record_lookup}
