@@ -32,7 +32,7 @@ from cnr.restore import (_apply_object, _cols_overlap, _intra_op_threads, _overl
                          restore_pieces)
 from cnr.state import StatePiece
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef
+from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef, Role
 
 RowIds = Dict[str, torch.Tensor]  # table -> sorted global row ids the chain's increments hold
 
@@ -116,8 +116,8 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     total = 0
     # per table, a flag per global row: held by an increment (a sorted union of 20 links' ids
     # took 40% of a 20-link restore of bench.yaml; setting flags costs one scatter per chunk)
-    held = {p.table: torch.zeros(p.global_shape[0], dtype=torch.bool)
-            for p in pieces if p.table is not None and p.role in TABLE_ROLES}
+    # (the weights' rows: a table's optimizer state holds the same rows, in its own coordinates)
+    held = {p.table: torch.zeros(p.global_shape[0], dtype=torch.bool) for p in pieces if p.role == Role.TABLE_ROWS}
     seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
     with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
         for position in [0] + list(range(len(chain) - 1, 0, -1)):
@@ -131,7 +131,7 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
                 total += nbytes
                 for i, count, rows in writes:
                     copied[i] += count
-                    if rows is not None and pieces[i].table in held:
+                    if rows is not None and pieces[i].role == Role.TABLE_ROWS:
                         held[pieces[i].table][rows] = True
                         seen.add(pieces[i].table)
             state.check(manifest, copied)

@@ -47,6 +47,16 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _finish_checkpointers(failed: bool) -> None:
+    """What atexit does for Checkpointers left open (cnr.at_exit): os._exit below runs no hooks."""
+    at_exit = sys.modules.get("cnr.at_exit")
+    try:
+        if at_exit is not None:
+            at_exit.finish_all(failed)
+    except Exception:  # noqa: BLE001 - the rank leaves anyway; its outcome is already on disk
+        traceback.print_exc()
+
+
 def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawned: bool = True) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -67,9 +77,12 @@ def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawn
         if not spawned:
             raise
     finally:
-        if code == 0 and dist.is_initialized():
+        # a failed spawned rank leaves without it (a peer may still be in a collective); in this
+        # process, the group must go, or the caller's next launch cannot initialise one
+        if (code == 0 or not spawned) and dist.is_initialized():
             dist.destroy_process_group()
     if spawned:
+        _finish_checkpointers(failed=code != 0)
         # Gloo's worker threads can still hold work objects when the interpreter finalises and
         # abort the process there ("terminate called without an active exception"); the result
         # is already on disk, so a spawned rank leaves without running finalisers.

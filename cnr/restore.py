@@ -100,6 +100,27 @@ def _check_entry(piece: StatePiece, entry: Optional[TensorEntry]) -> TensorEntry
     return entry
 
 
+def check_shapes(manifest: Manifest, pieces: List[StatePiece]) -> None:
+    """Every piece's tensor in ``manifest`` has its global shape and dtype (before anything is
+    written). A table's row-wise optimizer state under another column split is named as such:
+    torchrec keeps one value per row for each column shard, laid end to end, and a value per row
+    of k shards cannot be split or merged exactly into another number of shards."""
+    for piece in pieces:
+        entry = manifest.tensors.get(piece.name)
+        weight = manifest.tensors.get(piece.table or "")
+        if (entry is not None and weight is not None and piece.role == Role.TABLE_STATE and len(entry.shape) == 1
+                and len(piece.global_shape) == 1 and tuple(entry.shape) != tuple(piece.global_shape)):
+            rows = weight.shape[0]
+            raise CheckpointError(
+                f"table {piece.table!r}: its row-wise optimizer state {piece.name.rsplit('/', 1)[-1]!r} was saved for "
+                f"{entry.shape[0] // max(rows, 1)} column shard(s) of its {rows} rows in checkpoint {manifest.id}, and "
+                f"the current plan splits the table into {piece.global_shape[0] // max(rows, 1)}. torchrec keeps one "
+                "such value per row for each column shard, so it cannot move exactly to another column split: plan "
+                "the table with the column split it was saved with (the same sharding type and "
+                "ParameterConstraints.min_partition); the shards may sit on any ranks")
+        _check_entry(piece, entry)
+
+
 def _read_range(storage: Storage, key: str, byte_range: ByteRange) -> bytes:
     """``byte_range`` of ``key``. The range comes from a sealed manifest, so an object that does
     not hold it was truncated or replaced: that is a damaged chunk (CorruptChunkError, which a
@@ -296,9 +317,10 @@ def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
     for _nbytes, writes in results:
         for i, count, rows in writes:
             copied[i] += count
-            table = pieces[i].table
-            if rows is not None and table is not None:
-                applied.setdefault(table, []).append(rows)
+            # a table's rows are its weight's (its optimizer state holds the same rows, at other
+            # offsets where torchrec lays a column shard's row-wise state end to end)
+            if rows is not None and pieces[i].role == Role.TABLE_ROWS:
+                applied.setdefault(pieces[i].table, []).append(rows)
     for i, piece in enumerate(pieces):
         partial_ok = overlay and piece.role in TABLE_ROLES
         if not partial_ok and copied[i] != max(1, piece.tensor.numel()):

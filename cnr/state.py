@@ -21,7 +21,11 @@ from cnr.types import Role, ShardRegion
 @dataclass(frozen=True)
 class StatePiece:
     """One rank's part of a global tensor. ``replicated``: every rank holds all of it (each rank
-    stores a share of its rows, cnr.shares). ``table``: the table id for the table roles, else None."""
+    stores a share of its rows, cnr.shares). ``table``: the table id for the table roles, else None.
+    ``row_origin``: the table row of this piece's first row, where it is not ``region.offsets[0]``:
+    torchrec lays the row-wise optimizer state of a column-split table out as one vector per
+    column shard, end to end, so shard k's state starts at k * rows while it holds rows 0.. of
+    the table (cnr.app_state pairs each state shard with its weight shard)."""
 
     name: str
     global_shape: Tuple[int, ...]
@@ -30,6 +34,12 @@ class StatePiece:
     replicated: bool
     role: Role = Role.DENSE
     table: Optional[str] = None
+    row_origin: Optional[int] = None
+
+    @property
+    def first_row(self) -> int:
+        """The table row (or tensor row) of this piece's row 0."""
+        return self.region.offsets[0] if self.row_origin is None else self.row_origin
 
 
 def whole_piece(name: str, tensor: torch.Tensor, role: Role, replicated: bool = True,

@@ -6,23 +6,21 @@ Run it again and it resumes from the newest committed checkpoint; ``--synthesize
 writes N lines of random Criteo-format data to ``--data`` when that file does not exist.
 
 **The data position under a train pipeline.** TrainPipelineSparseDist pulls batches ahead of
-the one it trains (it starts the input AlltoAll of the next batch during the current one). A
-checkpoint taken between two ``progress()`` calls must store the reader position after the last
-*trained* batch, not the reader's own position, or a resume would skip the batches that were
-pulled but not trained. ``PipelineFeed`` does this: it remembers the reader cursor after each
-batch it hands to the pipeline, and each ``progress()`` trains exactly the oldest of them, so
-``trained()`` after ``progress()`` moves the stored cursor on by one batch. On restore the
-reader reopens at that cursor and a fresh pipeline pulls from there: every sample trains once.
+the one it trains (it starts the input AlltoAll of the next batch during the current one), so a
+loader's own position is ahead of the model's. ``cnr.PipelineFeed`` wraps the loader (here
+``TsvBatches``, the reader cursor after each batch as its state) and stores the position after
+the last *trained* batch: ``feed.progress(pipeline)`` trains the oldest pulled batch and moves
+the stored position on by one. On restore the reader reopens there and a fresh pipeline pulls
+from there: every sample trains once.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import time
 import warnings
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -37,44 +35,30 @@ NUM_DENSE, NUM_SPARSE = 13, 26
 SHARDING = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
 
 
-class PipelineFeed:
-    """A Stateful iterator of torchrec Batches for a train pipeline (see the module docstring).
-
-    ``open_reader(cursor)`` returns a cnr reader (``next_batch()``, ``cursor()``) at ``cursor``
-    (None: the start). The state is the global reader cursor after the last trained batch, the
-    same on every rank, so it also restores at another world size.
-    """
+class TsvBatches:
+    """A Stateful iterable of torchrec Batches from a cnr reader: ``open_reader(cursor)`` returns
+    one (``next_batch()``, ``cursor()``) at ``cursor`` (None: the start). The state after a batch
+    is the global reader cursor, the same on every rank, so it also restores at another world size."""
 
     def __init__(self, open_reader: Callable[[Optional[Dict[str, Any]]], Any]) -> None:
         self._open = open_reader
         self._reader = open_reader(None)
-        self._cursor: Dict[str, Any] = self._reader.cursor()
-        self._pulled: Deque[Dict[str, Any]] = collections.deque()
 
-    def __iter__(self) -> "PipelineFeed":
-        return self
-
-    def __next__(self):
+    def __iter__(self) -> Iterator[Any]:
         from torchrec.datasets.utils import Batch
 
-        try:
-            batch = self._reader.next_batch()
-        except DataExhaustedError:
-            raise StopIteration from None
-        self._pulled.append(self._reader.cursor())
-        return Batch(dense_features=batch.dense, sparse_features=batch.sparse, labels=batch.labels)
-
-    def trained(self) -> None:
-        """Call after each ``progress()``: the oldest pulled batch is now trained."""
-        self._cursor = self._pulled.popleft()
+        while True:
+            try:
+                batch = self._reader.next_batch()
+            except DataExhaustedError:
+                return
+            yield Batch(dense_features=batch.dense, sparse_features=batch.sparse, labels=batch.labels)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"cursor": self._cursor}
+        return {"cursor": self._reader.cursor()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._reader = self._open(state["cursor"])
-        self._cursor = state["cursor"]
-        self._pulled.clear()
 
 
 def synthesize(path: str, lines: int, rows: int, seed: int = 0) -> None:
@@ -129,8 +113,8 @@ def train(args: argparse.Namespace) -> None:
         synthesize(args.data, args.synthesize, args.rows)
     dist.barrier()
     features = [(f"cat_{i}", args.rows) for i in range(NUM_SPARSE)]
-    feed = PipelineFeed(lambda cursor: TsvReader([args.data], features, NUM_DENSE, args.batch_size, rank,
-                                                 world_size, cursor))
+    feed = cnr.PipelineFeed(TsvBatches(lambda cursor: TsvReader([args.data], features, NUM_DENSE, args.batch_size,
+                                                                rank, world_size, cursor)))
     dmp, optimizer = build(world_size, args.rows, args.dim)
     app_state = {"model": dmp, "optim": optimizer, "data": feed}
     options = cnr.CheckpointOptions(policy=args.policy, bits=args.bits, keep_last=2)
@@ -143,10 +127,9 @@ def train(args: argparse.Namespace) -> None:
         pending = None
         while step < args.steps:
             try:
-                pipeline.progress(feed)
+                feed.progress(pipeline)  # trains the oldest pulled batch; the feed's position follows it
             except StopIteration:
                 break
-            feed.trained()
             step += 1
             time.sleep(args.step_time)  # stands for a longer step (the tests kill the job mid-run)
             if step % args.save_every == 0 or step == args.steps:

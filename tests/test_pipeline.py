@@ -1,0 +1,86 @@
+"""cnr.PipelineFeed under torchrec's TrainPipelineSparseDist with torchdata's StatefulDataLoader:
+the stored position is the last trained batch, so a resume trains every batch once; a loader put
+straight into app_state under a pipeline is refused at save(). Real spawned gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cnr
+from cnr.launch import launch
+from cnr.bench.conformance_jobs import JobSpec, batch, build, differing, gathered, schedule
+
+SPEC = JobSpec(tables=("table_wise", "column_wise"), pipelined=True)
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Item i is step i + 1's batch of this rank (as tests/user_jobs.py draws them)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        return batch(SPEC, i + 1, self.rank)
+
+
+def _as_is(item):
+    return item
+
+
+def _run(rank, world_size, arg):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchrec.distributed.train_pipeline import train_pipelines as train_pipeline
+
+    dmp, opt = build(SPEC, world_size)
+    loader = StatefulDataLoader(_Batches(rank), batch_size=None, collate_fn=_as_is)
+    feed = loader if arg.get("raw") else cnr.PipelineFeed(loader)
+    app_state = {"model": dmp, "optim": opt, "loader": feed}
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive", keep_last=0)) as ckpt:
+        info = ckpt.restore()
+        step = info.step if info is not None else 0
+        pipeline = getattr(train_pipeline, arg.get("pipeline", "TrainPipelineSparseDist"))(dmp, opt, torch.device("cpu"))
+        batches = iter(feed)
+        while step < arg["steps"]:
+            schedule(dmp, step + 1)
+            if arg.get("raw"):
+                pipeline.progress(batches)
+            else:
+                feed.progress(pipeline)
+            step += 1
+            if step in arg.get("saves", ()):
+                try:
+                    ckpt.save(step).wait()
+                except ValueError as e:
+                    return {"error": str(e)}
+    state = gathered(app_state)
+    state["yielded"] = torch.tensor([feed.state_dict()["_num_yielded"]])
+    if rank == 0:
+        torch.save(state, arg["out"])
+    return {"error": None}
+
+
+# TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist need CUDA streams (record_stream)
+@pytest.mark.parametrize("pipeline", ["TrainPipelineSparseDist"])
+def test_a_resume_under_a_train_pipeline_trains_every_batch_once(tmp_path, pipeline):
+    uri = str(tmp_path / "ck")
+    launch(_run, 2, {"uri": str(tmp_path / "straight"), "steps": 6, "out": str(tmp_path / "a.pt"), "pipeline": pipeline})
+    launch(_run, 2, {"uri": uri, "steps": 3, "saves": [3], "out": str(tmp_path / "x.pt"), "pipeline": pipeline})
+    launch(_run, 2, {"uri": uri, "steps": 6, "out": str(tmp_path / "b.pt"), "pipeline": pipeline})
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert torch.load(tmp_path / "x.pt")["yielded"].item() == 3  # trained, though the pipeline pulled more
+    assert a["yielded"].item() == b["yielded"].item() == 6
+    assert differing(a, b) == []
+
+
+def test_a_loader_put_straight_into_app_state_under_a_pipeline_is_refused(tmp_path):
+    """#24.4: the loader runs ahead of training, and a resume from its own position skips batches."""
+    out = launch(_run, 2, {"uri": str(tmp_path / "ck"), "steps": 3, "saves": [3], "raw": True,
+                           "out": str(tmp_path / "x.pt")})
+    assert "app_state['loader'] is a StatefulDataLoader read by a torchrec train pipeline" in out["error"]
+    assert "cnr.PipelineFeed(loader)" in out["error"]
