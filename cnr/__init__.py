@@ -16,7 +16,8 @@ _EXPORTS = {
     "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
     "load_state_dict": "cnr.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
     "Subscriber": "cnr.subscribe", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
-    "DeterministicDataParallel": "cnr.dense_sync",
+    "DeterministicDataParallel": "cnr.dense_sync", "PipelineFeed": "cnr.pipeline",
+    "UnsupportedStateError": "cnr.coverage",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -26,7 +27,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from cnr.dense_sync import DeterministicDataParallel  # noqa: F401
     from cnr.errors import CheckpointError  # noqa: F401
     from cnr.load import load_state_dict  # noqa: F401
+    from cnr.coverage import UnsupportedStateError  # noqa: F401
     from cnr.options import CheckpointOptions, PublishOptions  # noqa: F401
+    from cnr.pipeline import PipelineFeed  # noqa: F401
     from cnr.subscribe import Subscriber  # noqa: F401
     from cnr.types import CheckpointInfo, CheckpointKind  # noqa: F401
 

@@ -22,7 +22,7 @@ encodes and stores the chunks, and rank 0's commits the manifest once every rank
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,13 @@ from cnr.app_restore import RestoredChain, _placement
 from cnr.app_state import AppState, TableRef, whole_tables
 from cnr.bit_width import BitWidthPlanner
 from cnr.checkpoint import ChainState, CheckpointEngine
+from cnr.coverage import check_supported
+from cnr.pipeline import check_loaders
 from cnr.errors import CheckpointError, CnrError
-from cnr.fallback import Skipped, restore_checkpoint, restore_newest
+from cnr.catalog import committed_ids
+from cnr.fallback import Skipped, _ids_from_rank0, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
-from cnr.manifest import Manifest
+from cnr.manifest import Manifest, step_of
 from cnr.codec.choose import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
@@ -47,6 +50,8 @@ from cnr.storage.tiered import TieredStorage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
 from cnr.upload import Writer
+from cnr import at_exit
+from cnr.mainguard import check_main_guard
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +95,18 @@ class Checkpointer:
     starts it before building its model, so the process's imports overlap the build).
     ``publish``: publish the model's rows to inference with ``publish()`` (cnr.publish), through a
     background writer of its own and the same row tracker.
+    ``new_history``: a Checkpointer that did not restore refuses to save where committed
+    checkpoints are (``save`` raises CheckpointError naming the newest): its own checkpoints would
+    start a second history there. True starts one on purpose. Its steps must still be above the
+    newest committed step (a restore takes the highest step), and retention counts both
+    histories' checkpoints together: with ``keep_last`` N the old history's checkpoints are
+    deleted once N newer ones committed (``keep_last=0`` keeps everything).
     """
 
     def __init__(self, uri: str, app_state: Mapping[str, Any], options: Optional[CheckpointOptions] = None,
                  metadata: Optional[Dict[str, Any]] = None, views: tuple = (), writer: Optional[Writer] = None,
-                 publish: Optional[PublishOptions] = None) -> None:
+                 publish: Optional[PublishOptions] = None, new_history: bool = False) -> None:
+        check_main_guard()  # before anything is opened: spawn would re-run an unguarded script in the writer
         self.options = options if options is not None else CheckpointOptions()
         if not isinstance(self.options, CheckpointOptions):
             raise TypeError(f"options must be a cnr.CheckpointOptions, got {type(self.options).__name__}")
@@ -104,10 +116,15 @@ class Checkpointer:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
         self.app = AppState(app_state, self.rank)
+        _on_every_rank(check_supported, self.app)  # state cnr cannot give back exactly: refused before training
         try:  # before anything is opened: a bad name is refused with nothing to undo
             table_bits = resolve_table_bits(self.options.table_bits, [(t.id, t.name) for t in self.app.tables])
         except ValueError as e:
             raise OptionsError(f"CheckpointOptions.{e}") from None
+        self.tracker: Optional[RowTracker] = None
+        if self.options.policy != "full" or views:  # a slot held by a foreign hook is refused before anything opens
+            self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
+            _on_every_rank(self.tracker.check_slots)
         self.metadata = dict(metadata or {})
         self.storage = open_checkpoint_store(uri, self.options)
         self.uri = self.storage.uri
@@ -116,17 +133,27 @@ class Checkpointer:
         try:  # the lease is the remote store's: it decides which job owns the location
             lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
             self.lease = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
+            # after the lease: a job that committed before it was taken is seen
+            self._newest = _newest_on_rank0(self.storage, self.rank)
         except BaseException:
+            if getattr(self, "lease", None) is not None:
+                self.lease.release()
             if writer is not None:
                 writer.close()
             self.storage.close()
             raise
-        self.tracker: Optional[RowTracker] = None
-        if self.options.policy != "full" or views:
-            self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
+        if self.tracker is not None:
             self.tracker.install()
         self.restores = 0
+        self.new_history = bool(new_history)
+        self._restored = False
+        # (step, what) a save must be above: ids sort by step, so a lower one is never the newest
+        self._step_floor: Optional[Tuple[int, str]] = None
+        if self._newest is not None:
+            self._step_floor = (self._newest[1], f"the newest committed checkpoint {self._newest[0]} in {self.uri}")
         self.skipped_on_restore: List[Skipped] = []
+        self.fresh_on_restore: List[str] = []  # app_state keys a partial restore left at their fresh values
+        self.unused_on_restore: List[str] = []  # saved keys a partial restore had no app_state entry for
         self.restored_manifest: Optional[Manifest] = None  # what the last restore() applied
         self._outcomes: Dict[str, CheckpointInfo] = {}
         self._recorded_bits: Optional[Dict[str, Any]] = None
@@ -147,10 +174,19 @@ class Checkpointer:
             self._exchange_server, self.engine.exchange = host_exchange(self.rank, self.world_size)
         self.engine.table_bits = table_bits
         self._closed = False
+        self._prepare_buffers()
+        at_exit.register(self)  # an in-flight checkpoint is finished or named at exit (cnr.at_exit)
+
+    def _prepare_buffers(self) -> None:
+        """Allocate the snapshot's host buffers in the background now, so no save() allocates them."""
+        try:
+            self.engine.prepare(self.app.pieces())
+        except Exception as e:  # noqa: BLE001 - an optimisation only; save() reports unstorable state
+            logger.debug("host buffers not prepared ahead: %s", e)
 
     # ---- restore -------------------------------------------------------------------------
 
-    def restore(self, checkpoint: Optional[str] = None) -> Optional[CheckpointInfo]:
+    def restore(self, checkpoint: Optional[str] = None, partial: bool = False) -> Optional[CheckpointInfo]:
         """Restore the newest committed checkpoint (or ``checkpoint``, an id) into app_state.
 
         Collective; call before the first ``save``. Returns None when nothing is committed.
@@ -158,32 +194,47 @@ class Checkpointer:
         that verifies (``options.on_damage="fallback"``, cnr.fallback; ``skipped_on_restore``
         then names what was passed over and why), or raises (``"fail"``). A ``checkpoint``
         named by id is restored or, when any rank finds it damaged, raises on every rank.
+
+        app_state and the checkpoint must hold the same keys, else CheckpointError names the keys
+        missing on each side before anything is written (an older checkpoint is not tried: it is
+        the application that differs). ``partial=True`` restores the keys both hold, logs a
+        warning, and sets ``fresh_on_restore`` (app_state keys left at their fresh values) and
+        ``unused_on_restore`` (saved keys not restored); the next checkpoint is then a full one.
         """
         if self.engine.stats.ids:
             raise RuntimeError("restore() must come before the first save()")
         if checkpoint:
             restored = restore_checkpoint(self.storage, checkpoint, self.app, self.rank, self.world_size,
-                                          self.options.restore_threads)
+                                          self.options.restore_threads, partial)
             self.skipped_on_restore = []
         else:
             restored, self.skipped_on_restore = restore_newest(self.storage, self.app, self.rank, self.world_size,
-                                                               self.options.restore_threads, self.options.on_damage)
+                                                               self.options.restore_threads, self.options.on_damage,
+                                                               partial)
             if restored is None:
                 return None
-        self._resume_from(restored)
+        self._resume_from(restored, by_id=bool(checkpoint))
         return _info(restored.manifest)
 
-    def _resume_from(self, restored: RestoredChain) -> None:
+    def _resume_from(self, restored: RestoredChain, by_id: bool = False) -> None:
         m = restored.manifest
         self.restored_manifest = m
+        self._restored = True
+        self.fresh_on_restore, self.unused_on_restore = list(restored.fresh), list(restored.unused)
+        # newer checkpoints a fallback passed over are damaged: saves may go past them; one named
+        # by id leaves the newer ones standing, and a restore takes the highest step
+        floor = (m.step, f"the restored checkpoint {m.id}")
+        self._step_floor = max(floor, self._step_floor) if by_id and self._step_floor else floor
+        self.restores = m.counters.get("restores", 0) + 1
+        self._recorded_bits = m.bit_width
+        self._start_step = m.step
+        if restored.partial:
+            return  # the chain lacks state of app_state's keys (or holds others): the next one is full
         if self.tracker is not None:
             self.tracker.seed("baseline", restored.increment_row_ids)
         history = list(m.chain_bytes) or [c.bytes for c in restored.chain]
         self.engine.chain = ChainState(last_full=restored.chain[0].id, last_committed=m.id, chain_bytes=history,
                                        increments=len(restored.chain) - 1)
-        self.restores = m.counters.get("restores", 0) + 1
-        self._recorded_bits = m.bit_width
-        self._start_step = m.step
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -196,28 +247,52 @@ class Checkpointer:
     def save(self, step: int) -> PendingCheckpoint:
         """Snapshot app_state at ``step`` and write it in the background (collective).
 
-        Raises TypeError naming the key path of state that cannot be stored, before anything is
-        written (on every rank, when any rank has such state).
+        Refused before anything is snapshotted: a step at or below the newest committed, restored
+        or previously saved one (ValueError), and the first save of a Checkpointer that restored
+        nothing where committed checkpoints are, unless ``new_history`` (CheckpointError).
+        Raises TypeError naming the key path of state that cannot be stored, or ValueError for a
+        loader whose position runs ahead of training under a train pipeline (cnr.pipeline),
+        before anything is written (on every rank, when any rank has such state).
         """
         if self._closed:
             raise RuntimeError("save() after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step {step!r} is not allowed; it must be an integer >= 0")
-        error: Optional[str] = None
+        self._check_history()
+        if self._step_floor is not None and step <= self._step_floor[0]:
+            raise ValueError(f"step {step} is not allowed: it must be above {self._step_floor[0]}, the step of "
+                             f"{self._step_floor[1]} (a restore takes the checkpoint with the highest step)")
+        error: Optional[Exception] = None
         try:
+            check_loaders(self.app.objects, self.app.kinds)  # a data position ahead of training
             pieces, app_json = self.app.collect()
-        except TypeError as e:
-            error = str(e)
+        except (TypeError, ValueError) as e:
+            error = e
         failed = torch.tensor([1 if error else 0], dtype=torch.int64)
         dist.all_reduce(failed)
         if error:
-            raise TypeError(error)
+            raise error
         if int(failed[0]):
             raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
         self.engine.bit_width = self._bits(step)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
         ckpt_id = self.engine.save(step, pieces, fields, app_json)
+        self._step_floor = (step, "the previous save()")
         return PendingCheckpoint(self, ckpt_id, step)
+
+    def _check_history(self) -> None:
+        """Refuse to save where committed checkpoints are unless they were restored or
+        ``new_history`` was asked for: the new checkpoints' retention would delete them. The same
+        on every rank (rank 0 listed the store after the lease was taken)."""
+        if self._restored or self.new_history or self._newest is None:
+            return
+        newest, step = self._newest
+        raise CheckpointError(
+            f"{self.uri} already holds committed checkpoints (newest {newest}, step {step}) and this "
+            "Checkpointer restored none: its checkpoints would start a second history there, and retention "
+            "would delete the first. Call restore() first to continue from it, pass "
+            "Checkpointer(..., new_history=True) to start a new history there on purpose (its steps must be "
+            f"above {step}), or give an empty location")
 
     def _outcome(self, ckpt_id: str) -> CheckpointInfo:
         if self.engine.stats.ids and self.engine.stats.ids[-1] == ckpt_id and ckpt_id not in self.engine.outcomes:
@@ -254,6 +329,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        at_exit.unregister(self)
         try:
             if self.publisher is not None:
                 self.publisher.close()
@@ -261,6 +337,7 @@ class Checkpointer:
             try:
                 self.engine.finish()
             finally:
+                self._untrack()
                 self._release_lease()
                 self.storage.close()
 
@@ -268,11 +345,18 @@ class Checkpointer:
         """Stop the writers without collectives (on an error path, other ranks may be gone)."""
         if not self._closed:
             self._closed = True
+            at_exit.unregister(self)
+            self._untrack()
             if self.publisher is not None:
                 self.publisher.abort()
             self.engine.writer.close()
             self._release_lease()
             self.storage.close()
+
+    def _untrack(self) -> None:
+        """Take the tracker out of torchrec's hook slots (another Checkpointer may go on tracking)."""
+        if self.tracker is not None:
+            self.tracker.uninstall()
 
     def _release_lease(self) -> None:
         if self.lease is not None:
@@ -286,6 +370,23 @@ class Checkpointer:
             self.close()
         else:
             self.abort()
+
+
+def _on_every_rank(check: Callable[..., None], *args: Any) -> None:
+    """Run ``check`` on every rank; when it raises on any rank, raise on every rank (its own error
+    where it failed, a CheckpointError naming it elsewhere), so no rank goes on alone (collective)."""
+    error: Optional[BaseException] = None
+    try:
+        check(*args)
+    except (CnrError, TypeError, ValueError) as e:
+        error = e
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, why) for r, why in enumerate(everyone) if why]
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {why}" for r, why in failed))
 
 
 def take_lease(storage: Storage, ttl_s: float, rank: int) -> Optional[Lease]:
@@ -305,6 +406,13 @@ def take_lease(storage: Storage, ttl_s: float, rank: int) -> Optional[Lease]:
     if lease is not None:
         lease.start_renewing()
     return lease
+
+
+def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:
+    """(id, step) of the newest committed checkpoint under ``storage``, listed by rank 0 and the
+    same on every rank (collective); None when nothing is committed."""
+    ids = _ids_from_rank0(lambda: committed_ids(storage)[:1], rank)
+    return (ids[0], step_of(ids[0])) if ids else None
 
 
 def _info(m: Manifest) -> CheckpointInfo:

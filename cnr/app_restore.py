@@ -7,25 +7,36 @@ its ``param_groups`` and each Stateful object its state; last, this rank's RNG s
 
 Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
 restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
-naming the key (a data loader's position is per rank: drop it from app_state, or restore at the
-saved world size). RNG state is restored only at the same world size.
+naming the key (a data loader's position is per rank: drop it from app_state and restore with
+``partial=True``, or restore at the saved world size). RNG state is restored only at the same
+world size.
+
+Keys: by default app_state and the checkpoint must hold the same keys, or the restore fails naming
+the keys missing on each side before anything is written (``check_keys``): an app_state entry
+without saved state would silently keep its fresh values, saved state without an entry would be
+silently dropped. ``partial=True`` restores the keys both hold and reports the others
+(``RestoredChain.fresh`` and ``unused``). A mismatch is a property of the application, not damage:
+cnr.fallback raises it rather than passing over the checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, sharded_modules, stateful_name
+from cnr.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, fused_group_tables, sharded_modules,
+                           stateful_name)
 from cnr.encode import DTYPES
 from cnr.errors import CheckpointError
 from cnr.manifest import Manifest
+from cnr.managed_collision import check_restore as check_managed_collisions
 from cnr.catalog import resolve_chain
 from cnr.chain_restore import restore_chain
-from cnr.restore import check_no_extra_tensors, restore_rng
+from cnr.restore import check_no_extra_tensors, check_shapes, restore_rng
 from cnr.state import StatePiece, global_names, whole_piece
 from cnr.storage.base import Storage
 from cnr.types import Role
@@ -42,6 +53,13 @@ class RestoredChain:
     chain: List[Manifest]
     increment_row_ids: Dict[str, torch.Tensor]
     bytes_read: int
+    fresh: List[str] = field(default_factory=list)  # app_state keys the checkpoint held no state of
+    unused: List[str] = field(default_factory=list)  # saved keys with no app_state entry
+
+    @property
+    def partial(self) -> bool:
+        """Whether app_state and the checkpoint held different keys (only under ``partial=True``)."""
+        return bool(self.fresh or self.unused)
 
 
 def _source_rank(manifest: Manifest, key: str, rank: int, world_size: int) -> int:
@@ -56,7 +74,7 @@ def _source_rank(manifest: Manifest, key: str, rank: int, world_size: int) -> in
         raise CheckpointError(
             f"app_state[{key!r}] saved a different state on each of {manifest.world_size} ranks in checkpoint "
             f"{manifest.id}; it cannot be given to {world_size} ranks. Restore at world size {manifest.world_size}, "
-            f"or leave {key!r} out of app_state for this restore")
+            f"or leave {key!r} out of app_state and restore with partial=True")
     return 0
 
 
@@ -153,38 +171,121 @@ def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int,
                 if name in params:
                     obj.state[params[name]].update({k: decode_tree(v, []) for k, v in states.items()})
         elif kind == MODULE:
+            by_table = _saved_table_groups(manifest, key)
             for path, sharded in sharded_modules(obj):
-                if getattr(sharded, "fused_optimizer", None) is not None:
-                    groups = _fused_groups(manifest, key, path, rank, world_size, len(sharded.fused_optimizer.param_groups))
-                    if groups is not None:
-                        _set_groups(sharded.fused_optimizer.param_groups, groups, f"the fused optimizer of {path!r}")
+                if getattr(sharded, "fused_optimizer", None) is None:
+                    continue
+                if by_table:
+                    _set_table_groups(manifest, key, path, sharded.fused_optimizer, by_table)
+                    continue
+                groups = _fused_groups(manifest, key, path, rank, world_size, len(sharded.fused_optimizer.param_groups))
+                if groups is not None:
+                    _set_groups(sharded.fused_optimizer.param_groups, groups, f"the fused optimizer of {path!r}")
+
+
+def _saved_table_groups(manifest: Manifest, key: str) -> Dict[str, List[Any]]:
+    """Table id -> the distinct fused param group values every rank saved for it."""
+    out: Dict[str, List[Any]] = {}
+    for saved in manifest.app_ranks:
+        for table, values in (saved.get(key) or {}).get("fused_table_groups", {}).items():
+            if values not in out.setdefault(table, []):
+                out[table].append(values)
+    return out
+
+
+def _set_table_groups(manifest: Manifest, key: str, path: str, fused: Any, saved: Dict[str, List[Any]]) -> None:
+    """Give each param group of ``fused`` the values saved for its tables, whichever ranks held
+    them: a group (one per table a rank holds now) takes its tables' values, which must agree."""
+    for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
+        missing = [t for t in tables if t not in saved]
+        if missing:
+            raise CheckpointError(f"checkpoint {manifest.id} holds no fused optimizer values (lr, ...) of tables "
+                                  f"{missing}")
+        values = [v for t in tables for v in saved[t]]
+        if any(v != values[0] for v in values):
+            raise CheckpointError(
+                f"tables {tables} share one fused optimizer param group now, but checkpoint {manifest.id} holds "
+                f"different values for them ({[decode_tree(v, []) for v in values]}); give them separate groups "
+                "(the plan that saved them) to restore each one's values")
+        group.update({k: v for k, v in decode_tree(values[0], []).items() if k != "params"})
 
 
 def _fused_groups(manifest: Manifest, key: str, path: str, rank: int, world_size: int, count: int):
-    """The saved param_groups of a sharded module's fused optimizer for this rank. How many
-    groups a rank's fused optimizer has follows its shards, so at another world size the first
-    rank that saved as many groups as this one has now is taken."""
+    """Checkpoints before fused_table_groups: the saved param_groups of a sharded module's fused
+    optimizer for this rank; at another world size the first rank that saved as many groups as
+    this one has now (or None: the lrs stay as they are)."""
     saved = [a.get(key, {}).get("fused_param_groups", {}).get(path) for a in manifest.app_ranks]
     if manifest.world_size == world_size:
         return saved[rank]
     return next((g for g in saved if g is not None and len(g) == count), None)
 
 
+def _saved_keys(manifest: Manifest) -> Dict[str, str]:
+    """app_state key -> kind ("" when not recorded) of everything ``manifest`` holds state of."""
+    saved = {k: str(v.get("kind", "")) if isinstance(v, dict) else "" for k, v in
+             (manifest.app_ranks[0] if manifest.app_ranks else {}).items()}
+    for name, entry in manifest.tensors.items():
+        if entry.role != Role.RNG:
+            saved.setdefault(name.split("/", 1)[0], "")
+    return saved
+
+
+def check_keys(manifest: Manifest, app: AppState, partial: bool = False) -> Tuple[List[str], List[str]]:
+    """(app_state keys the checkpoint holds no state of, saved keys app_state has no entry for).
+
+    Raises CheckpointError when a key changed kind, or (unless ``partial``) when any key is
+    missing on either side: a restore must not silently keep fresh values or drop saved state.
+    Version 1 manifests (cnr train) recorded no JSON for modules and optimizers, so only their
+    Stateful keys and tensors can be matched."""
+    saved = _saved_keys(manifest)
+    changed = [f"app_state[{k!r}] is a {app.kinds[k]} now but was saved as a {saved[k]}"
+               for k in app.kinds if saved.get(k) and saved[k] != app.kinds[k]]
+    if changed:
+        raise CheckpointError(f"checkpoint {manifest.id} does not fit app_state: " + "; ".join(changed))
+    fresh = sorted(k for k in app.kinds if k not in saved and (manifest.version > 1 or app.kinds[k] == STATEFUL))
+    unused = sorted(k for k in saved if k not in app.kinds)
+    if (fresh or unused) and not partial:
+        raise CheckpointError(
+            f"checkpoint {manifest.id} (step {manifest.step}) and app_state hold different keys: "
+            f"app_state keys with no saved state: {fresh}; saved keys with no app_state entry: {unused} "
+            f"(the checkpoint holds {sorted(saved)}, app_state {sorted(app.kinds)}). Give app_state the keys "
+            "it was saved with, or call restore(partial=True) to restore the keys both hold and leave the "
+            "others at their fresh values")
+    return fresh, unused
+
+
+def _only(app: AppState, keys: List[str]) -> AppState:
+    """``app`` restricted to ``keys``; optimizer parameters keep the names every module gives them."""
+    sub = copy.copy(app)
+    sub.objects = {k: v for k, v in app.objects.items() if k in keys}
+    sub.kinds = {k: app.kinds[k] for k in sub.objects}
+    sub.tables = [t for t in app.tables if t.id.split("/", 1)[0] in sub.objects]
+    return sub
+
+
 def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,
-                threads: int = 1, chain: Optional[List[Manifest]] = None) -> RestoredChain:
+                threads: int = 1, chain: Optional[List[Manifest]] = None, partial: bool = False) -> RestoredChain:
     """Restore ``manifest`` (and the chain it needs: ``chain`` when the caller resolved it
-    already) into ``app`` on this rank (collective)."""
+    already) into ``app`` on this rank (collective). ``partial``: see ``check_keys``."""
+    fresh, unused = check_keys(manifest, app, partial)
     chain = chain if chain is not None else resolve_chain(storage, manifest)
+    app = _only(app, [k for k in app.kinds if k not in fresh]) if fresh else app
     check_placements(manifest, app)
+    check_managed_collisions(manifest, {k: app.objects[k] for k in app.runtime_keys if k in app.kinds}, rank, world_size)
     targets = _stateful_targets(manifest, app, rank, world_size)
     _prepare_optimizers(manifest, app)
     pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
-    check_no_extra_tensors(manifest, global_names(pieces))
+    dropped = [n for n in manifest.tensors if n.split("/", 1)[0] in unused]  # saved state no entry takes
+    check_no_extra_tensors(manifest, global_names(pieces) + dropped)
+    check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
     pieces += [p for _src, stateful in targets.values() for p in stateful]
     nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
     _apply_json(manifest, app, targets, rank, world_size)
     restore_rng(storage, manifest, rank, world_size)
     logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
-    return RestoredChain(manifest, chain, row_ids, nbytes)
+    if (fresh or unused) and rank == 0:
+        logger.warning("partial restore of checkpoint %s: app_state keys left at their fresh values (no saved "
+                       "state): %s; saved keys not restored (no app_state entry): %s", manifest.id, fresh, unused)
+    return RestoredChain(manifest, chain, row_ids, nbytes, fresh, unused)
 

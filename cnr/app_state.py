@@ -3,7 +3,9 @@
 ``app_state`` maps a key (no "/") to one of (torch.distributed.checkpoint's conventions):
 - a module (a DistributedModelParallel, or any module holding torchrec sharded
   EmbeddingBagCollection / EmbeddingCollection modules): every tensor of its ``state_dict()``
-  and the state of its tables' fused optimizers;
+  and the state of its tables' fused optimizers. A module holding managed-collision modules
+  (MC-EC / MC-EBC) also gets a Stateful entry ``<key>.managed_collision`` for their runtime
+  state outside the state_dict (cnr.managed_collision);
 - an optimizer (``torch.optim.Optimizer``, torchrec ``KeyedOptimizer`` / ``CombinedOptimizer``):
   per-parameter state tensors and ``param_groups``; state already stored with a module's
   tables (fused, ShardedTensor) is skipped;
@@ -21,7 +23,7 @@ Nothing is pickled: the JSON parts go into the manifest, tensors into chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -64,10 +66,17 @@ def check_app_state(app_state: Mapping[str, Any]) -> Dict[str, str]:
 
 # ---- embedding tables of a module -----------------------------------------------------------------
 
-def sharded_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """(path as in ``module.state_dict()`` keys, sharded embedding module) for every torchrec
-    sharded embedding module inside ``module``. DMP's and DDP's wrapper levels are not part of
-    the state_dict keys, so they are left out of the path."""
+def is_managed_collision(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torchrec's sharded MC-EC / MC-EBC: a wrapper whose tables live in its
+    ``_embedding_module`` (cnr.managed_collision)."""
+    return hasattr(module, "_managed_collision_collection") and hasattr(module, "_embedding_module") \
+        and hasattr(module, "register_post_lookup_tracker_fn")
+
+
+def embedding_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(path as in ``module.state_dict()`` keys, module) for every torchrec sharded embedding
+    module inside ``module``, managed-collision wrappers as they are. DMP's and DDP's wrapper
+    levels are not part of the state_dict keys, so they are left out of the path."""
     out: List[Tuple[str, torch.nn.Module]] = []
 
     def walk(parent: torch.nn.Module, prefix: str) -> None:
@@ -81,6 +90,17 @@ def sharded_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]
                 walk(child, path)
 
     walk(module, "")
+    return out
+
+
+def sharded_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(path as in ``module.state_dict()`` keys, sharded EBC/EC) for every module holding tables
+    inside ``module``: a managed-collision wrapper stands for the EC/EBC it wraps."""
+    out = []
+    for path, child in embedding_modules(module):
+        if is_managed_collision(child):
+            path, child = (f"{path}._embedding_module" if path else "_embedding_module"), child._embedding_module
+        out.append((path, child))
     return out
 
 
@@ -173,6 +193,31 @@ def _groups_json(key: str, groups: List[Dict[str, Any]]) -> List[Any]:
     return out
 
 
+def fused_group_tables(key: str, path: str, fused: Any) -> List[List[str]]:
+    """The table ids each param group of a sharded module's fused optimizer trains."""
+    names = {id(p): k for k, p in fused.params.items()}
+    out = []
+    for i, group in enumerate(fused.param_groups):
+        unknown = [j for j, p in enumerate(group["params"]) if id(p) not in names]
+        if unknown:
+            raise ValueError(f"param group {i} of the fused optimizer of {path or key!r} holds parameters {unknown} "
+                             "that the optimizer does not name; cnr cannot tell which tables its lr belongs to")
+        out.append([f"{key}/{path}.{names[id(p)]}" if path else f"{key}/{names[id(p)]}" for p in group["params"]])
+    return out
+
+
+def fused_table_groups(key: str, path: str, fused: Any) -> Dict[str, Any]:
+    """Table id -> the values of its fused param group (lr, eps, ...; JSON), for every table the
+    fused optimizer of ``path`` trains on this rank. Keyed by table, not group: torchrec makes a
+    group per table a rank holds, so another world size or plan has other groups."""
+    out: Dict[str, Any] = {}
+    for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
+        values = encode_tree({k: v for k, v in group.items() if k != "params"},
+                             f"the fused optimizer of app_state[{key!r}].{path}.param_groups", [])
+        out.update({table: values for table in tables})
+    return out
+
+
 # ---- the app state -----------------------------------------------------------------------------------
 
 class AppState:
@@ -185,8 +230,27 @@ class AppState:
         self.objects = dict(app_state)
         self.kinds = check_app_state(self.objects)
         self.rank = rank
+        self.runtime_keys = self._add_managed_collision_state()
         self.tables = app_tables(self.objects)
         self.param_names = self._param_names()
+
+    def _add_managed_collision_state(self) -> List[str]:
+        """Add a Stateful entry ``<key>.managed_collision`` per module holding managed-collision
+        modules: their runtime state outside the state_dict (cnr.managed_collision). ValueError
+        for managed-collision modules cnr cannot checkpoint."""
+        from cnr.managed_collision import RUNTIME_SUFFIX, adapt
+
+        added = []
+        for key, kind in list(self.kinds.items()):
+            runtime = adapt(key, self.objects[key]) if kind == MODULE else None
+            if runtime is not None:
+                name = key + RUNTIME_SUFFIX
+                if name in self.objects:
+                    raise ValueError(f"app_state key {name!r} is taken by cnr for the managed-collision state of "
+                                     f"app_state[{key!r}]; rename that key")
+                self.objects[name], self.kinds[name] = runtime, STATEFUL
+                added.append(name)
+        return added
 
     def _param_names(self) -> Dict[int, str]:
         """id(parameter) -> ``<module key>.<parameter path>`` over the modules of app_state."""
@@ -229,21 +293,23 @@ class AppState:
 
     def _module(self, key: str, module: torch.nn.Module, pieces: List[StatePiece]) -> Dict[str, Any]:
         tables = {t.id for t in self.tables}
-        for sd_key, value in module.state_dict().items():
+        state_dict = module.state_dict()
+        for sd_key, value in state_dict.items():
             name = f"{key}/{sd_key}"
             pieces += pieces_of(name, value, Role.TABLE_ROWS if name in tables else Role.DENSE,
                                 name if name in tables else None)
-        fused_groups: Dict[str, Any] = {}
+        fused_groups: Dict[str, Any] = {}  # table id -> its fused param group's values
         for path, sharded in sharded_modules(module):
             fused = getattr(sharded, "fused_optimizer", None)
             if fused is None:
                 continue
             for param_key, states in fused.state_dict()["state"].items():
-                weight = f"{key}/{path}.{param_key}" if path else f"{key}/{param_key}"
+                weight_key = f"{path}.{param_key}" if path else param_key
+                weight = f"{key}/{weight_key}"
                 for state_key, value in states.items():
-                    pieces += pieces_of(f"{weight}/{state_key}", value, Role.TABLE_STATE, weight)
-            fused_groups[path] = _groups_json(key, fused.param_groups)
-        return {"kind": MODULE, "fused_param_groups": fused_groups}
+                    pieces += table_state_pieces(f"{weight}/{state_key}", value, weight, state_dict.get(weight_key))
+            fused_groups.update(fused_table_groups(key, path, fused))
+        return {"kind": MODULE, "fused_table_groups": fused_groups}
 
     def _optimizer(self, key: str, opt: torch.optim.Optimizer, pieces: List[StatePiece]) -> Dict[str, Any]:
         other: Dict[str, Any] = {}
@@ -264,6 +330,31 @@ class AppState:
             pieces.append(whole_piece(stateful_name(key, self.rank, i), t.detach().cpu().clone(), Role.STATEFUL,
                                       replicated=False))
         return {"kind": STATEFUL, "state": tree, "tensors": len(tensors)}
+
+
+def table_state_pieces(name: str, value: Any, table: str, weight: Any) -> List[StatePiece]:
+    """The pieces of one fused optimizer state tensor of ``table``, each tied to the table rows
+    it holds (``StatePiece.row_origin``).
+
+    torchrec builds a table's state shards in the order of its weight shards, and a state shard
+    holds state for the rows of its weight shard: pointwise state has the weight's shape, row-wise
+    state one value per row. The pairing is checked by row count. State that does not pair (a
+    single value per shard, as some GPU optimizers keep) is refused: an increment stores the
+    rows a lookup touched, and such state has no rows.
+    """
+    pieces = pieces_of(name, value, Role.TABLE_STATE, table)
+    if not _is_sharded(value):
+        return pieces
+    shards = weight.local_shards() if _is_sharded(weight) else []
+    paired = len(shards) == len(pieces) and all(
+        p.region.sizes[0] == s.metadata.shard_sizes[0] for p, s in zip(pieces, shards))
+    if not paired:
+        raise ValueError(
+            f"fused optimizer state {name!r} has shards of {[p.region.sizes for p in pieces]} that do not hold "
+            f"the rows of the table's shards ({[tuple(s.metadata.shard_sizes) for s in shards]}); cnr checkpoints "
+            "state kept per table row or per element, and cannot store this optimizer's state exactly")
+    return [p if p.region.offsets[0] == s.metadata.shard_offsets[0] else replace(p, row_origin=s.metadata.shard_offsets[0])
+            for p, s in zip(pieces, shards)]
 
 
 def _sparse_safe(opt: torch.optim.Optimizer, param: torch.Tensor) -> bool:

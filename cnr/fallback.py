@@ -9,8 +9,9 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
 - some rank found it *damaged* (a manifest, rank index or chunk that does not verify, a missing
   object or chain link): with ``on_damage="fallback"`` every rank moves on to the next older
   checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
-- some rank failed otherwise (the checkpoint does not fit the model, the store cannot be read):
-  every rank raises, as a restore without fallback would. A store that is unreachable is not
+- some rank failed otherwise (the checkpoint does not fit the model, app_state and the checkpoint
+  hold different keys, the store cannot be read): every rank raises, as a restore without
+  fallback would; an older checkpoint would not fit the application any better. A store that is unreachable is not
   damage: falling back would silently lose committed work.
 
 A checkpoint named by id (``restore_checkpoint``) gets the same attempt and agreement but is never
@@ -66,8 +67,9 @@ def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> Tuple[Manifest, Li
     return manifest, chain
 
 
-def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
-             threads: int) -> Tuple[Optional[RestoredChain], Optional[Tuple[str, str]], Optional[BaseException]]:
+def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
+             partial: bool = False
+             ) -> Tuple[Optional[RestoredChain], Optional[Tuple[str, str]], Optional[BaseException]]:
     """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, (DAMAGED or
     FAILED, why), the exception)."""
     try:
@@ -77,7 +79,7 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         return None, (FAILED, f"{type(e).__name__}: {e}"), e
     try:
-        return restore_app(storage, manifest, app, rank, world_size, threads, chain), None, None
+        return restore_app(storage, manifest, app, rank, world_size, threads, chain, partial), None, None
     except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
         return None, (DAMAGED, str(e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
@@ -85,12 +87,12 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
 
 
 def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
-                      threads: int) -> Tuple[Optional[RestoredChain], str]:
+                      threads: int, partial: bool = False) -> Tuple[Optional[RestoredChain], str]:
     """One attempt on every rank, then agreement (collective): (restored, "") when every rank
     restored ``ckpt_id``; (None, what is damaged, per rank) when some rank found damage. Raises
     on every rank when some rank failed otherwise: its own error there, a CheckpointError
     naming that rank's error on the others."""
-    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads)
+    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial)
     problems: List[Optional[Tuple[str, str]]] = [None] * world_size
     dist.all_gather_object(problems, problem)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -123,14 +125,14 @@ def _ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
 
 
 def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
-                       threads: int = 1) -> RestoredChain:
+                       threads: int = 1, partial: bool = False) -> RestoredChain:
     """Restore ``ckpt_id`` on every rank, or raise on every rank (collective): a checkpoint named
     by id is never replaced by another, and no rank goes on training when another could not
-    restore it."""
+    restore it. ``partial``: cnr.app_restore.check_keys."""
     key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
     if not _ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
         raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
-    restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads)
+    restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
     if restored is None:
         raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({damage})")
     logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
@@ -138,14 +140,15 @@ def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int,
 
 
 def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, threads: int = 1,
-                   on_damage: str = "fallback") -> Tuple[Optional[RestoredChain], List[Skipped]]:
+                   on_damage: str = "fallback", partial: bool = False) -> Tuple[Optional[RestoredChain], List[Skipped]]:
     """Restore the newest committed checkpoint that verifies (see the module docstring); return
-    it (None when nothing is committed) and the newer ones passed over."""
+    it (None when nothing is committed) and the newer ones passed over. ``partial``:
+    cnr.app_restore.check_keys (a key mismatch under strict matching raises, never falls back)."""
     if on_damage not in ON_DAMAGE:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
     skipped: List[Skipped] = []
     for ckpt_id in _ids_from_rank0(lambda: committed_ids(storage), rank):
-        restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads)
+        restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
             if skipped:

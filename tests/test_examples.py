@@ -107,7 +107,8 @@ def _restore_at_one(rank, world_size, arg):
     if arg["loader"]:
         app_state["loader"] = make_loader(rank, 16)
     with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive")) as ckpt:
-        ckpt.restore()
+        ckpt.restore(partial=not arg["loader"])  # the saved loader state is left out on purpose
+        assert ckpt.unused_on_restore == ([] if arg["loader"] else ["loader"])
         state = _gathered(app_state)
         state["lrs"] = [g["lr"] for g in adam.param_groups]  # floats, not a float32 tensor
     torch.save(state, arg["out"])
