@@ -120,6 +120,11 @@ class CheckpointEngine:
     def buffers(self, buffers: HostBuffers) -> None:
         self.handoff.buffers = buffers  # engines that take turns may share one set (cnr.bench.policies)
 
+    def prepare(self, pieces: List[StatePiece]) -> None:
+        """Allocate the host buffers of a full snapshot of ``pieces`` ahead, in the background, so
+        that no save allocates them (HostBuffers.prepare; the first save waits for what is left)."""
+        self.buffers.prepare(pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)])
+
     # ---- the boundary --------------------------------------------------------------------
 
     def save(self, step: int, pieces: List[StatePiece], fields: Optional[Dict[str, Any]] = None,

@@ -6,7 +6,9 @@ at ``step`` (on trainer rank ``rank``, default any) do ``action``. Points: the c
 of ``step`` (``before_data`` ... ``after_commit``, in the background writer; with a local tier
 ``before_remote_commit``: between the local and the remote commit, in the writer's flusher); ``after_step``: the
 trainer, right after training step ``step`` (and recording it in the sample trace); ``read_batch``:
-the reader process that reads the batch for training step ``step``. Actions:
+the reader process that reads the batch for training step ``step``; ``writer_start``: a background
+writer process once started, before it takes its first job (step 0, any rank: ``sleep=5:writer_start@0``).
+Actions:
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
                       background writer the trainer is killed too (it is the same machine).
   ``raise``           raise InjectedFault (a storage or encoding error).
@@ -24,7 +26,7 @@ from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
 POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "before_remote_commit", "after_step",
-          "read_batch")
+          "read_batch", "writer_start")
 
 # Set in the background writer: its points run there, and a machine failure takes the trainer too.
 KILL_PARENT = False

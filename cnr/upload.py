@@ -48,6 +48,7 @@ from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, SearchKernel, WriteStatus
 from cnr.uploader import Packer, Uploader
 from cnr.proc import WRITER, name_this_process
+from cnr.mainguard import EXIT_UNGUARDED, UNGUARDED_DEATH
 from cnr.range_search import Fused, WriterSearch
 
 logger = logging.getLogger(__name__)
@@ -249,8 +250,10 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
 
 
 def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, cancel,
-                retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> None:
-    """Entry point of the writer process: one storage client, jobs until a None sentinel."""
+                retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None,
+                ready=None) -> None:
+    """Entry point of the writer process: one storage client, jobs until a None sentinel.
+    ``ready`` (an Event) is set once the process is up and takes jobs (the trainer never waits for it)."""
     die_with_parent()
     name_this_process(WRITER)
     faults.KILL_PARENT = True
@@ -259,6 +262,9 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     redact_logging()
     torch.set_num_threads(1)  # chunks encode side by side on the encoder's threads instead (cnr.encode_pool)
     search = WriterSearch(SearchKernel(options.search_kernel), options.encode_threads)
+    maybe_crash("writer_start", 0, -1, cancel)  # a slow start-up, for tests (cnr.faults)
+    if ready is not None:
+        ready.set()
     job = jobs.get()
     if job is None:
         return
@@ -343,8 +349,10 @@ class Writer:
         self._jobs.cancel_join_thread()  # never block the trainer's exit on a writer that is gone
         self._results = self._ctx.Queue()
         self._cancel = self._ctx.Event()
+        self.ready = self._ctx.Event()  # set by the process once it takes jobs; submit never waits for it
         self._process = self._ctx.Process(target=writer_main, args=(self._uri, self._options, self._jobs, self._results,
-                                                                     self._cancel, self._retain, self._wrap_remote),
+                                                                     self._cancel, self._retain, self._wrap_remote,
+                                                                     self.ready),
                                           name="cnr-writer", daemon=True)
         self._process.start()
 
@@ -383,8 +391,10 @@ class Writer:
 
     def _check_deaths(self) -> None:
         if self.deaths >= MAX_WRITER_DEATHS:
+            code = self._process.exitcode
+            why = f": {UNGUARDED_DEATH}" if code == EXIT_UNGUARDED else ""
             raise WriterDied(f"the background writer process died {self.deaths} times in a row (last exit code "
-                             f"{self._process.exitcode}); checkpoints cannot be written, so training stops here")
+                             f"{code}){why}; checkpoints cannot be written, so training stops here")
 
     def wait(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
         """The in-flight job's result (blocking up to ``timeout`` s; None if still running)."""
@@ -409,14 +419,18 @@ class Writer:
             return result
 
     def _restart_if_allowed(self) -> None:
+        if self._process.exitcode == EXIT_UNGUARDED:
+            self.deaths = MAX_WRITER_DEATHS  # a new writer would re-run the script again: submit raises
         if self.deaths < MAX_WRITER_DEATHS:
             self._restart()  # else submit raises WriterDied
 
-    def cancel(self) -> WriteResult:
-        """Abandon the in-flight job and wait for the writer to let go of the host buffers."""
+    def cancel(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
+        """Abandon the in-flight job and wait for the writer to let go of the host buffers (None:
+        it had not within ``timeout`` s)."""
         self._cancel.set()
-        result = self.wait()
-        self._cancel.clear()
+        result = self.wait(timeout)
+        if self.in_flight is None:  # else it is still abandoning the job: the flag stays up for it
+            self._cancel.clear()
         return result
 
     def close(self) -> None:
@@ -432,4 +446,6 @@ class Writer:
 
 
 def _death(exitcode: Optional[int]) -> str:
+    if exitcode == EXIT_UNGUARDED:
+        return f"writer process exited (exit code {exitcode}): {UNGUARDED_DEATH}"
     return f"writer process died (exit code {exitcode}); a new writer takes the next checkpoint"
