@@ -12,7 +12,7 @@ from typing import List, Optional
 from cnr.errors import CnrError, redact, redact_logging
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
-              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore")  # cnr/bench/<name>.py, each with run(argv) -> dict
+              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/export.py
 
 

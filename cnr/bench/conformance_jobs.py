@@ -65,8 +65,8 @@ class Model(torch.nn.Module):
                     EmbeddingConfig(name=f"{t}_{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"{f}_{i}"])
                     for i in range(len(kinds[module]))], device=meta)
             elif module in kinds:
-                setattr(self, module, EmbeddingBagCollection(tables=[
-                    EmbeddingBagConfig(name=f"{t}_{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"{f}_{i}"])
+                setattr(self, module, EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                    name=f"{t}_{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"{f}_{i}"])
                     for i in range(len(kinds[module]))], is_weighted=module == "webc", device=meta))
         self.over = torch.nn.Linear(DIM * sum(len(k) for k in kinds.values()), 1)
         self.pipelined = spec.pipelined
