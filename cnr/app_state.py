@@ -93,13 +93,28 @@ def embedding_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Modul
     return out
 
 
+# wrappers of a sharded EC/EBC: torchrec's managed-collision modules (cnr.managed_collision) and
+# its feature-processed EBC, whose compute_and_output_dist is the wrapped EBC's (so its hook runs)
+_WRAPPED = ("_embedding_module", "_embedding_bag_collection")
+
+
+def _wrapped(module: torch.nn.Module) -> Optional[str]:
+    """The attribute holding the sharded EC/EBC that ``module`` wraps, or None."""
+    if is_managed_collision(module):
+        return _WRAPPED[0]
+    inner = getattr(module, _WRAPPED[1], None)
+    return _WRAPPED[1] if hasattr(inner, "register_post_lookup_tracker_fn") else None
+
+
 def sharded_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     """(path as in ``module.state_dict()`` keys, sharded EBC/EC) for every module holding tables
-    inside ``module``: a managed-collision wrapper stands for the EC/EBC it wraps."""
+    inside ``module``: a wrapper (managed collisions, feature processing) stands for the EC/EBC
+    it wraps."""
     out = []
     for path, child in embedding_modules(module):
-        if is_managed_collision(child):
-            path, child = (f"{path}._embedding_module" if path else "_embedding_module"), child._embedding_module
+        attr = _wrapped(child)
+        if attr is not None:
+            path, child = (f"{path}.{attr}" if path else attr), getattr(child, attr)
         out.append((path, child))
     return out
 
