@@ -21,6 +21,7 @@ from cnr.app_state import AppState
 from cnr.bench.conformance_mc import DIM, ROWS, batch, build, hash_zch as _hash_zch, runtime as _runtime
 from cnr.launch import launch
 from cnr.state import gather_global
+from test_api import cnr_manifests as _manifests
 
 STEPS = 7
 
@@ -80,17 +81,6 @@ def _assert_same(a: Dict[str, Any], b: Dict[str, Any]) -> None:
             assert (sa["history"] is None and sb["history"] is None) or torch.equal(sa["history"], sb["history"])
             assert sorted(sa["metadata"]) == sorted(sb["metadata"])
             assert all(torch.equal(v, sb["metadata"][k]) for k, v in sa["metadata"].items()), (rank, table)
-
-
-def _manifests(uri: str):
-    from cnr.catalog import list_checkpoints, read_manifest
-    from cnr.storage import open_storage
-
-    storage = open_storage(uri)
-    try:
-        return [read_manifest(storage, i.id) for i in list_checkpoints(storage) if i.status.value == "committed"]
-    finally:
-        storage.close()
 
 
 # full and intermittent: every policy runs in `python -m cnr bench conformance` (docs/conformance.md)
