@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from cnr.collectives import broadcast_host
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece
 from cnr.tracker import Captured, RowTracker
@@ -125,7 +126,7 @@ class HandOff:
             code = STATUSES.index(result.status) if result is not None else _NONE
         extra = result.extra if result is not None and self.rank == 0 else {}
         agreed = torch.tensor([code, extra.get("rows", 0), extra.get("bytes", 0)], dtype=torch.int64)
-        dist.broadcast(agreed, src=0)  # rank 0's writer commits, so its report is the outcome
+        broadcast_host(agreed, src=0)  # rank 0's writer commits, so its report is the outcome
         code = int(agreed[0])
         if code == _RUNNING:
             return RUNNING
@@ -144,4 +145,5 @@ class HandOff:
 
     def close(self) -> None:
         self.writer.close()
+        self.buffers.close()
 

@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from cnr.collectives import all_reduce_host
 from cnr.codec.zstd import zstd_spec
 from cnr.checkpoint import pieces_to_write
 from cnr.handoff import RUNNING, HandOff, SettleMode, Settled, rank0_decides
@@ -225,8 +226,8 @@ class Publisher:
         s = self.stats
         sums = torch.tensor([float(s.bytes_written)], dtype=torch.float64)
         maxes = torch.tensor([s.stall_seconds, s.snapshot_seconds], dtype=torch.float64)
-        dist.all_reduce(sums)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        all_reduce_host(sums)
+        all_reduce_host(maxes, op=dist.ReduceOp.MAX)
         return {"publishes": s.published, "publish_failed": s.failed, "publish_skipped": s.skipped,
                 "publish_bytes_written": int(sums[0]), "publish_stall_seconds": round(float(maxes[0]), 6),
                 "publish_snapshot_seconds": round(float(maxes[1]), 6),

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -54,7 +55,7 @@ def _host(piece: StatePiece, data: torch.Tensor, row_ids: Optional[torch.Tensor]
     return HostPiece(piece.name, piece.global_shape, piece.region, piece.replicated, data, row_ids, piece.role, piece.table)
 
 
-def _alloc(shape: Tuple[int, ...], dtype: torch.dtype, pin: bool, touch: bool = False) -> torch.Tensor:
+def _alloc(shape: Tuple[int, ...], dtype: torch.dtype, touch: bool = False) -> torch.Tensor:
     """A tensor in shared memory. Made shared directly: ``empty().share_memory_()`` first copies the
     private allocation into the shared one (2.1 s against 0.5 s for 800 MB here). ``touch``: fault
     its pages in now (memset through ctypes runs without the GIL, on one core)."""
@@ -62,10 +63,55 @@ def _alloc(shape: Tuple[int, ...], dtype: torch.dtype, pin: bool, touch: bool = 
     buf = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
     if touch and nbytes:
         ctypes.memset(buf.data_ptr(), 0, nbytes)
-    if pin and buf.numel():
-        # pin the shared pages in place so device-to-host copies can be asynchronous
-        torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
     return buf
+
+
+# cudaErrorHostMemoryAlreadyRegistered: the range is registered already
+_ALREADY_REGISTERED = 712
+
+
+def _consume_cuda_error() -> None:
+    """Take a failed CUDA runtime call's error off the runtime. torch exposes no
+    cudaGetLastError, but checks it after each kernel launch: left there, the error would be
+    raised by the next, unrelated launch (a training step's, or a snapshot copy's)."""
+    try:
+        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())).add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+
+
+def _pin(buf: torch.Tensor) -> bool:
+    """Page-lock ``buf``'s (shared) pages in place, so device-to-host copies into it can be
+    asynchronous; return whether they are. A registration another buffer left at this address
+    is replaced (its pages are not this buffer's: a copy through it would land elsewhere). On
+    failure the buffer stays pageable, and copies into it are synchronous but still exact."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err == _ALREADY_REGISTERED:
+        _consume_cuda_error()
+        cudart.cudaHostUnregister(ptr)
+        err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err == 0:
+        return True
+    _consume_cuda_error()
+    logger.warning("could not pin a %d-byte snapshot buffer (CUDA error %d); its device-to-host copies are "
+                   "synchronous", nbytes, err)
+    return False
+
+
+def _unpin_all(pinned: Dict[int, int]) -> None:
+    """Unregister every buffer in ``pinned`` (data pointer -> bytes) and empty it. Must run before
+    the buffers' memory is unmapped: a registration that outlives its pages is found again by the
+    next buffer mapped at that address, and a copy through it lands in the old pages."""
+    if not pinned:
+        return
+    cudart = torch.cuda.cudart()
+    for ptr in list(pinned):
+        if int(cudart.cudaHostUnregister(ptr)) != 0:
+            _consume_cuda_error()
+        del pinned[ptr]
 
 
 def _spec(piece: StatePiece) -> _Spec:
@@ -84,6 +130,9 @@ class HostBuffers:
         self._stream = None
         self._preparing: Optional[threading.Thread] = None
         self.allocations = 0  # buffers a capture had to allocate itself (prepare() did not cover them)
+        self._pinned: Dict[int, int] = {}  # data pointer -> bytes of each buffer registered with CUDA
+        # unregistered before the buffers go, also when this object is collected without close()
+        self._unpin = weakref.finalize(self, _unpin_all, self._pinned)
 
     def prepare(self, pieces: Sequence[StatePiece]) -> None:
         """Allocate the buffers a full capture of ``pieces`` needs, with their pages faulted in, on a
@@ -101,8 +150,7 @@ class HostBuffers:
         try:
             for key, shape, dtype, pin in specs:
                 if not self._fits(key, shape, dtype):
-                    self._data[key] = _alloc(shape, dtype, pin, touch=True)
-                    self._ids[key] = _alloc((shape[0],), torch.int64, False, touch=True)
+                    self._store(key, _alloc(shape, dtype, touch=True), _alloc((shape[0],), torch.int64, touch=True), pin)
         except Exception as e:  # noqa: BLE001 - an optimisation only: the capture allocates what is missing
             logger.warning("could not allocate the snapshot's host buffers ahead (%s); the first snapshot will", e)
 
@@ -125,9 +173,30 @@ class HostBuffers:
         key, shape, dtype, pin = _spec(piece)
         if not self._fits(key, shape, dtype):
             self.allocations += 1
-            self._data[key] = _alloc(shape, dtype, pin)
-            self._ids[key] = _alloc((shape[0],), torch.int64, False)
+            self._store(key, _alloc(shape, dtype), _alloc((shape[0],), torch.int64), pin)
         return self._data[key], self._ids[key]
+
+    def _store(self, key: _Key, data: torch.Tensor, ids: torch.Tensor, pin: bool) -> None:
+        """Hold ``data`` and ``ids`` as ``key``'s buffers, pinning ``data`` when ``pin``; the buffer
+        they replace is unregistered first (its memory goes once nothing else holds it)."""
+        old = self._data.get(key)
+        if old is not None and old.data_ptr() in self._pinned:
+            _unpin_all({old.data_ptr(): self._pinned.pop(old.data_ptr())})
+        if pin and data.numel() and _pin(data):
+            self._pinned[data.data_ptr()] = data.numel() * data.element_size()
+        self._data[key], self._ids[key] = data, ids
+
+    def pinned(self, piece: StatePiece) -> bool:
+        """Whether ``piece``'s full-capture buffer is registered with CUDA (page-locked)."""
+        buf = self._data.get(_spec(piece)[0])
+        return buf is not None and buf.data_ptr() in self._pinned
+
+    def close(self) -> None:
+        """Unregister the pinned buffers and drop every buffer (after the last capture)."""
+        self.wait_prepared()
+        self._unpin()
+        self._data.clear()
+        self._ids.clear()
 
     def capture(self, pieces: List[StatePiece], row_ids: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[List[HostPiece], float]:
         """Copy ``pieces`` to host; for tables in ``row_ids`` (ascending global ids) only those rows.

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cnr.collectives import all_reduce_host
 from cnr.app_state import app_tables
 from cnr.hook_slot import TrackerHookError, attach, describe, detach, foreign, holds, occupant, refusal
 
@@ -291,7 +292,7 @@ class RowTracker:
         for t in dp:
             part = self.current[t.bit_start // 8:(t.bit_start + t.rows + 7) // 8]
             flags = torch.from_numpy(np.unpackbits(part, bitorder="little"))
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            all_reduce_host(flags, op=dist.ReduceOp.MAX)
             part[:] = np.packbits(flags.numpy(), bitorder="little")
 
     def capture(self, view: str, clear: bool) -> Captured:

@@ -44,3 +44,32 @@ def test_bench_full_checkpoint_tiny(tmp_path):
     assert set(r) == FULL_CHECKPOINT_KEYS
     assert 0 < r["cnr_snapshot_s"] <= r["cnr_stall_s"] and r["world_size"] == 1
     assert r["bytes"] > 0 and r["full_fp32_bytes"] > 0 and r["dcp_bytes"] > 0
+
+
+def test_bench_snapshot_device_option(capsys):
+    import pytest
+    import torch
+
+    from cnr.bench.snapshot import parse_args
+
+    assert parse_args([]).device == "cpu"
+    assert parse_args(["--device", "cpu", "--repeats", "1"]).device == "cpu"
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--device", "tpu"])
+    assert e.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert parse_args(["--device", "cuda"]).device == "cuda"
+
+
+def test_bench_snapshot_refuses_cuda_without_a_gpu(capsys, monkeypatch):
+    import pytest
+    import torch
+
+    from cnr.bench.snapshot import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's answer, on a GPU machine too
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--device", "cuda"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "--device cuda is not allowed here: torch.cuda.is_available() is False" in err and "allowed: --device cpu" in err

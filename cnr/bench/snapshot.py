@@ -8,10 +8,17 @@ On configs/bench.yaml (world size 1), in one process:
   (``stall_over_memcpy``) and ``torch.distributed.checkpoint.save`` of the same model
   (``stall_over_dcp``);
 - scaling: a baseline plus one increment at three table sizes.
+
+``--device cuda`` builds the model on the GPU (world size 1, NCCL): the snapshot then copies
+from the device into pinned host buffers, and its stall is judged against a device-to-host copy
+of the same bytes into an existing pinned buffer, synchronized (``stall_over_d2h``,
+``stall_over_d2h_incremental``, ``d2h_full_s`` and each increment's ``d2h_s``), in place of the
+CPU's memcpy fields. ``--device cpu`` (the default) runs on gloo, on a GPU machine too.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -21,13 +28,14 @@ import time
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import cnr
-from cnr.bench.common import argv_list, base_parser, load, ratio
+from cnr.bench.common import argv_list, base_parser, load, parse_factors, ratio
 from cnr.config import Config
-from cnr.data import make_reader
-from cnr.launch import launch
+from cnr.data import make_reader, to_device
+from cnr.launch import rank_device
 from cnr.options import CheckpointOptions
 from cnr.parallel import build_sharded_model, train_step
 
@@ -44,12 +52,35 @@ def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _d2h_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of a device-to-host copy of ``nbytes`` into an existing pinned host buffer,
+    synchronized (the GPU's counterpart of ``_memcpy_seconds``)."""
+    src = torch.ones(max(1, nbytes), dtype=torch.uint8, device=device)
+    dst = torch.zeros(max(1, nbytes), dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)  # warm: the first copy pays for setup
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _copy_seconds(nbytes: int, device: torch.device) -> float:
+    """The baseline copy of ``nbytes`` on ``device``: memcpy on the CPU, device-to-host on CUDA."""
+    return _d2h_seconds(nbytes, device) if device.type == "cuda" else _memcpy_seconds(nbytes)
+
+
 class _Run:
     """A sharded model, its reader, and a cnr.Checkpointer writing under ``workdir`` (tracked
     unless the policy is "full": the Checkpointer installs its own tracker then)."""
 
-    def __init__(self, config: Config, workdir: str, name: str) -> None:
-        self.sharded = build_sharded_model(config, torch.device("cpu"))
+    def __init__(self, config: Config, workdir: str, name: str, device: torch.device) -> None:
+        self.device = device
+        self.sharded = build_sharded_model(config, device)
         self.reader = make_reader(config, 0, 1, None, "train")
         app_state = {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}
         self.ckpt = cnr.Checkpointer(os.path.join(workdir, name), app_state,
@@ -59,7 +90,7 @@ class _Run:
 
     def train_interval(self) -> None:
         for _ in range(self.interval):
-            train_step(self.sharded, self.reader.next_batch())
+            train_step(self.sharded, to_device(self.reader.next_batch(), self.device))
         self.step += self.interval
 
     def checkpoint(self) -> Dict[str, Any]:
@@ -84,9 +115,9 @@ class _Run:
         self.ckpt.close()
 
 
-def _full_and_incremental(config: Config, workdir: str, repeats: int) -> Dict[str, Any]:
+def _full_and_incremental(config: Config, workdir: str, repeats: int, device: torch.device) -> Dict[str, Any]:
     full_run = _Run(dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, policy="full")),
-                    workdir, "full")
+                    workdir, "full", device)
     fulls = []
     for _ in range(repeats + 1):  # the first allocates the host buffers; steady state after it
         full_run.train_interval()
@@ -101,19 +132,20 @@ def _full_and_incremental(config: Config, workdir: str, repeats: int) -> Dict[st
         dcp_seconds.append(time.perf_counter() - start)
     full_run.close()
     del full_run, state, sharded
-    inc_run = _Run(config, workdir, "incremental")
+    inc_run = _Run(config, workdir, "incremental", device)
     inc_run.train_interval()
     inc_run.checkpoint()
     increments = []
+    base = _baseline(device)
     for _ in range(repeats):
         inc_run.train_interval()
         inc = inc_run.checkpoint()
-        inc["memcpy_s"] = round(_memcpy_seconds(inc["snapshot_bytes"]), 5)
-        inc["stall_over_memcpy"] = ratio(inc["stall_s"], inc["memcpy_s"])
+        inc[f"{base}_s"] = round(_copy_seconds(inc["snapshot_bytes"], device), 5)
+        inc[f"stall_over_{base}"] = ratio(inc["stall_s"], inc[f"{base}_s"])
         increments.append(inc)
     inc_run.close()
     return {"fulls": fulls[1:], "increments": increments, "dcp_save_s": round(dcp_seconds[1], 4),
-            "memcpy_full_s": round(_memcpy_seconds(fulls[-1]["snapshot_bytes"]), 5)}
+            f"{base}_full_s": round(_copy_seconds(fulls[-1]["snapshot_bytes"], device), 5)}
 
 
 def _scaled(config: Config, factor: float) -> Config:
@@ -121,10 +153,10 @@ def _scaled(config: Config, factor: float) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, tables=tables))
 
 
-def _scaling(config: Config, workdir: str, factors: List[float]) -> List[Dict[str, Any]]:
+def _scaling(config: Config, workdir: str, factors: List[float], device: torch.device) -> List[Dict[str, Any]]:
     out = []
     for f in factors:
-        run = _Run(_scaled(config, f), os.path.join(workdir, f"scale-{f}"), "ck")
+        run = _Run(_scaled(config, f), os.path.join(workdir, f"scale-{f}"), "ck", device)
         run.train_interval()
         run.checkpoint()
         run.train_interval()
@@ -139,22 +171,28 @@ def _median(rows: List[Dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
+def _baseline(device: torch.device) -> str:
+    """The name of the stall's baseline copy on ``device`` (in the output's field names)."""
+    return "d2h" if device.type == "cuda" else "memcpy"
+
+
+def _bench(arg: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     config, workdir = arg["config"], arg["workdir"]
-    main = _full_and_incremental(config, workdir, arg["repeats"])
+    base = _baseline(device)
+    main = _full_and_incremental(config, workdir, arg["repeats"], device)
     fulls, incs = main["fulls"], main["increments"]
     stall_full, stall_inc = _median(fulls, "stall_s"), _median(incs, "stall_s")
     save_full, save_inc = _median(fulls, "save_s"), _median(incs, "save_s")
     bytes_full, bytes_inc = _median(fulls, "bytes_written"), _median(incs, "bytes_written")
-    scaling = _scaling(config, workdir, arg["scales"]) if arg["scales"] else []
+    scaling = _scaling(config, workdir, arg["scales"], device) if arg["scales"] else []
     return {
         "stall_full_s": stall_full, "stall_incremental_s": stall_inc,
         "save_call_full_s": save_full, "save_call_incremental_s": save_inc,
-        "stall_over_memcpy": ratio(stall_full, main["memcpy_full_s"]),
-        "stall_over_memcpy_incremental": _median(incs, "stall_over_memcpy"),
+        f"stall_over_{base}": ratio(stall_full, main[f"{base}_full_s"]),
+        f"stall_over_{base}_incremental": _median(incs, f"stall_over_{base}"),
         "stall_over_dcp": ratio(stall_full, main["dcp_save_s"]),
         "stall_over_dcp_incremental": ratio(stall_inc, main["dcp_save_s"]),
-        "dcp_save_s": main["dcp_save_s"], "memcpy_full_s": main["memcpy_full_s"],
+        "dcp_save_s": main["dcp_save_s"], f"{base}_full_s": main[f"{base}_full_s"],
         "background_full_s": _median(fulls, "background_s"), "background_incremental_s": _median(incs, "background_s"),
         "bytes_full": bytes_full, "bytes_incremental": bytes_inc,
         "write_bandwidth_saved": round(1 - bytes_inc / bytes_full, 4),
@@ -163,17 +201,48 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def run(argv: List[str]) -> Dict[str, Any]:
+DEVICES = ("cpu", "cuda")
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    """The options; ``--device cuda`` where CUDA is unavailable is refused (exit status 2)."""
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--scales", default="0.25,0.5,1.0", help="table-size factors for the scaling rows ('' to skip)")
     parser.add_argument("--repeats", type=int, default=3, help="measured checkpoints of each kind (medians reported)")
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="where the model trains: cpu (gloo; the default) or cuda (cuda:0, NCCL)")
     args = parser.parse_args(argv_list(argv))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda is not allowed here: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                     f"CUDA build {torch.version.cuda or 'none'}); allowed: --device cpu")
+    return args
+
+
+def _run_in_process(arg: Dict[str, Any], device_type: str) -> Dict[str, Any]:
+    """``_bench`` at world size 1 in this process: NCCL and cuda:0 for cuda, gloo for the CPU
+    (also where CUDA is available), through a file store in ``arg['workdir']``."""
+    device = rank_device(0) if device_type == "cuda" else torch.device("cpu")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = tempfile.mkdtemp(prefix="cnr-pg-")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}/store",
+                            rank=0, world_size=1)
+    try:
+        return _bench(arg, device)
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def run(argv: List[str]) -> Dict[str, Any]:
+    args = parse_args(argv)
     config = load(args)
-    scales = [float(x) for x in args.scales.split(",") if x]
+    scales = parse_factors("--scales", args.scales)
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-")
     try:
-        result = launch(_bench, 1, {"config": config, "workdir": workdir, "scales": scales, "repeats": args.repeats})
+        result = _run_in_process({"config": config, "workdir": workdir, "scales": scales, "repeats": args.repeats},
+                                 args.device)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    return {"bench": "snapshot", "config": os.path.basename(args.config), **result}
+    extra = {"device": "cuda", "gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}
+    return {"bench": "snapshot", "config": os.path.basename(args.config), **extra, **result}

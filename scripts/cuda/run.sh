@@ -1,0 +1,12 @@
+# On the device (second call, repo root): setup, then the CUDA tests and bench snapshot on cuda.
+set -u
+T0=$SECONDS
+bash .dev/setup.sh > "$OUT/setup.log" 2>&1; echo "setup rc=$? s=$((SECONDS - T0))"; tail -3 "$OUT/setup.log"
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# `cnr train` subprocesses of the tests set PYTHONPATH to the repo alone: give them /tmp/site too
+echo /tmp/site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/cnr-device.pth"
+step() { local n=$1 t=$2; shift 2; local a=$SECONDS; timeout -k 5 "$t" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? s=$((SECONDS - a))"; tail -3 "$OUT/$n.log"; }
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs -k "not cpu"
+step bench_cuda 150 python3 -m cnr bench snapshot --device cuda --repeats 2 --scales ''
+step ws1_resume 150 python3 -m pytest -q -p no:cacheprovider tests/test_train_resume.py::test_resume_is_bit_exact_world_size_1
+echo "total s=$((SECONDS - T0))"
