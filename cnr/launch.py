@@ -13,14 +13,15 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from cnr.errors import CnrError
+from cnr.errors import CnrError, ConfigError
+from cnr.proc import die_with_parent
 
 RankFn = Callable[[int, int, Any], Optional[Dict[str, Any]]]
 
@@ -57,7 +58,10 @@ def _finish_checkpointers(failed: bool) -> None:
         traceback.print_exc()
 
 
-def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawned: bool = True) -> None:
+def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawned: bool = True,
+           launcher_pid: Optional[int] = None) -> None:
+    if spawned and launcher_pid is not None:
+        die_with_parent(launcher_pid)  # a killed launcher takes its ranks (and their writers) with it
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         default_backend(), init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
@@ -91,6 +95,27 @@ def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawn
         os._exit(code)
 
 
+def max_nproc() -> Tuple[int, str]:
+    """The most local ranks this machine runs, and why: one per GPU on CUDA (nccl needs a device
+    per rank); on the CPU twice the cores this process may use (gloo ranks time-share cores; more
+    only multiplies processes, each with its torch, writer and readers, without adding compute)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "one rank per visible CUDA device"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(2, 2 * cores), f"twice the {cores} CPU core(s) this process may use"
+
+
+def check_nproc(nproc: int) -> None:
+    """Raise ConfigError naming ``nproc`` and the allowed range unless this machine runs that
+    many local ranks (``--nproc``); before any process starts."""
+    high, why = max_nproc()
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= high:
+        raise ConfigError(f"--nproc {nproc} is not allowed; it must be from 1 to {high} on this machine ({why})")
+
+
 def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
     """Run ``fn(rank, world_size, arg)`` on every rank; return rank 0's result."""
     if under_torchrun():
@@ -99,11 +124,12 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
             return fn(dist.get_rank(), dist.get_world_size(), arg)
         finally:
             dist.destroy_process_group()
+    check_nproc(nproc)
     with tempfile.TemporaryDirectory(prefix="cnr-launch-") as workdir:
         if nproc == 1:
             _entry(0, 1, fn, arg, workdir, spawned=False)
         else:
-            context = mp.start_processes(_entry, args=(nproc, fn, arg, workdir), nprocs=nproc, join=False,
+            context = mp.start_processes(_entry, args=(nproc, fn, arg, workdir, True, os.getpid()), nprocs=nproc, join=False,
                                          start_method="spawn")
             try:
                 while not context.join(timeout=0.5):

@@ -139,6 +139,17 @@ def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True) -> Dec
         _read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize))
 
 
+def fetch_chunk_bytes(storage: Storage, ref: ChunkRef) -> bytes:
+    """One chunk's stored bytes, verified (decoded) before they are handed out: a copy (cnr.merge)
+    must not carry a damaged chunk, or bytes damaged on their way, into a new checkpoint."""
+    def read(source: Storage) -> bytes:
+        blob = _read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes))
+        decode_chunk(blob, ref, dequantize=False)
+        return blob
+
+    return from_sources(storage, ref.key, read)
+
+
 def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
     """Write the chunk's listed rows that fall inside ``span``; return their global ids."""
     p0, p1, q0, q1 = span
@@ -149,8 +160,9 @@ def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: 
     for b0 in range(0, ids.numel(), step):
         b1 = min(ids.numel(), b0 + step)
         keep = slice(None) if every else inside[b0:b1]
-        local = ids[b0:b1][keep] - p0
-        data = chunk.values(b0, b1)[keep]
+        # the decoded rows are on the host; a table on the GPU takes its ids and values there
+        local = (ids[b0:b1][keep] - p0).to(target.device)
+        data = chunk.values(b0, b1)[keep].to(target.device)
         if q1 == q0 == 0:
             target.index_copy_(0, local, data)
         else:
@@ -171,7 +183,7 @@ def _write_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: De
         values = chunk.take(local[b0:b0 + step])
         if q1 > q0:  # the chunk holds whole rows of the piece (chain_restore checks), maybe wider ones
             values = values[:, q0 - c0:q1 - c0]
-        target.index_copy_(0, dest[b0:b0 + step], values)
+        target.index_copy_(0, dest[b0:b0 + step].to(target.device), values.to(target.device))
 
 
 def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk,
@@ -245,11 +257,17 @@ def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
 
 def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int) -> memoryview:
     """The bytes of ``key`` from its first needed chunk to its last: one GET of the whole object
-    (S3 then also checks the object's own checksum) or one ranged GET of that span."""
+    (S3 then also checks the object's own checksum) or one ranged GET of that span. No read goes
+    past the ``size`` bytes the manifest records for the object: an object that holds more is
+    read by range (its other bytes are no chunk of this checkpoint)."""
     lo = min(ref.offset for ref, _t in chunks)
     hi = max(ref.offset + ref.nbytes for ref, _t in chunks)
-    whole = lo == 0 and hi == size
-    return memoryview(storage.get(key) if whole else _read_range(storage, key, ByteRange(lo, hi - lo)))
+    if lo == 0 and hi == size:
+        try:
+            return memoryview(storage.get(key, limit=size))
+        except InvalidKeyError:
+            pass  # it holds more than the manifest records (or the key is refused: the ranged read says so)
+    return memoryview(_read_range(storage, key, ByteRange(lo, hi - lo)))
 
 
 _Writes = List[Tuple[int, int, Optional[torch.Tensor]]]

@@ -20,7 +20,7 @@ from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key
 from cnr.catalog import read_manifest, resolve_chain, scan_checkpoints
 from cnr.restore import fetch_chunk
-from cnr.storage.base import Storage, from_sources
+from cnr.storage.base import Storage, from_sources, read_document
 from cnr.types import CheckpointStatus
 
 _ChunkId = Tuple[str, str, int, int, int, int]
@@ -43,7 +43,8 @@ def check_rank_indexes(storage: Storage, manifest: Manifest) -> None:
     found: Set[_ChunkId] = set()
     for rank in range(manifest.world_size):
         key = rank_index_key(manifest.id, rank)
-        index = from_sources(storage, key, lambda source: parse_rank_index(source.get(key), where=f"{source.uri}/{key}"))
+        index = from_sources(storage, key, lambda source: parse_rank_index(read_document(source, key),
+                                                                           where=f"{source.uri}/{key}"))
         if index.id != manifest.id or index.rank != rank or index.world_size != manifest.world_size:
             raise CheckpointError(f"{storage.uri}/{key} describes checkpoint {index.id!r} rank {index.rank}")
         found |= _chunk_ids(index.tensors)

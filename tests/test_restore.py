@@ -91,10 +91,10 @@ class _CountingStorage(LocalStorage):
         self.gets: List[str] = []
         self.ranges: List[object] = []
 
-    def get(self, key, byte_range=None):
+    def get(self, key, byte_range=None, **kwargs):
         self.gets.append(key)
         self.ranges.append(byte_range)
-        return super().get(key, byte_range)
+        return super().get(key, byte_range, **kwargs)
 
 
 def test_each_chunk_is_fetched_once_and_intra_op_threads_are_put_back(tmp_path):

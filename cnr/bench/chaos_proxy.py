@@ -78,6 +78,9 @@ class ForwardingHandler(BaseHTTPRequestHandler):
     per request whether to forward it (tests/s3_proxy.py uses it too)."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
+    # headers and body go out in two writes: without TCP_NODELAY the second waits for the
+    # client's delayed ACK (40 ms a reply; a 132-request verify took 6.4 s against 0.8 s)
+    disable_nagle_algorithm = True
     upstream: Tuple[str, int]
 
     def log_message(self, *_args) -> None:  # no access log on stderr
@@ -107,6 +110,10 @@ class ForwardingHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def reply_body(self, status: int, data: bytes) -> bytes:
+        """The reply body passed back to the client (a subclass may damage it in transit)."""
+        return data
+
     def _forward(self, body: bytes) -> int:
         """Send the request upstream and its reply back; the reply's HTTP status."""
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
@@ -115,7 +122,7 @@ class ForwardingHandler(BaseHTTPRequestHandler):
             headers["Content-Length"] = str(len(body))
             conn.request(self.command, self.path, body=body, headers=headers)
             reply = conn.getresponse()
-            data = reply.read()
+            data = self.reply_body(reply.status, reply.read())
             self.send_response(reply.status)
             for k, v in reply.getheaders():
                 if k.lower() not in _HOP_HEADERS:

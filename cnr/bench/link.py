@@ -52,9 +52,9 @@ class LinkedStorage(Storage):
     def uri(self) -> str:
         return self.inner.uri
 
-    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
         started = time.monotonic()
-        data = self.inner.get(key, byte_range)
+        data = self.inner.get(key, byte_range, limit=limit)
         if self.link is not None:
             self.link.carry(len(data), started)
         return data

@@ -7,6 +7,7 @@ A ``put`` is atomic: readers see the whole object or no object, never a partial 
 from __future__ import annotations
 
 import abc
+import hashlib
 import logging
 import re
 from typing import Callable, List, Optional, Sequence, TypeVar, Union
@@ -60,6 +61,28 @@ def check_range(byte_range: ByteRange, size: int, key: str) -> None:
         )
 
 
+def check_limit(size: int, limit: Optional[int], key: str) -> None:
+    """Raise InvalidKeyError when an object of ``size`` bytes holds more than ``limit`` (None: no
+    limit), before any of it is read: a whole-object read is bounded by what its reader expects."""
+    if limit is not None and size > limit:
+        raise InvalidKeyError(f"{key!r} holds {size} bytes, more than the {limit} its reader expects "
+                              "(the size recorded for it)")
+
+
+DOCUMENT_LIMIT = 1 << 30
+"""The most bytes a manifest or rank index may hold: their own sizes are recorded nowhere, and a
+chunk's entry takes about 200 bytes, so this lists millions of chunks."""
+
+
+def read_document(storage: "Storage", key: str) -> bytes:
+    """A manifest or rank index, read whole but bounded by DOCUMENT_LIMIT: a larger object is
+    damaged (CheckpointError), and none of it is read."""
+    try:
+        return storage.get(key, limit=DOCUMENT_LIMIT)
+    except InvalidKeyError as e:
+        raise CheckpointError(f"{storage.uri}/{key} is not a checkpoint document: {e}") from e
+
+
 class Storage(abc.ABC):
     """A flat key -> bytes store. Implementations must pass tests/test_storage_contract.py."""
 
@@ -97,8 +120,12 @@ class Storage(abc.ABC):
         return (self,)
 
     @abc.abstractmethod
-    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
-        """Return the object (or ``byte_range`` of it). Raises KeyNotFoundError if absent."""
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
+        """Return the object (or ``byte_range`` of it). Raises KeyNotFoundError if absent.
+
+        Every read is bounded: a range by its length; a whole object by ``limit`` when given (the
+        size a manifest records for it; an object that holds more raises InvalidKeyError before
+        its bytes are read), else by the size the store reports for it."""
 
     @abc.abstractmethod
     def size(self, key: str) -> int:
@@ -124,15 +151,76 @@ class Storage(abc.ABC):
         """Release clients and connections. The default holds none."""
 
 
+READS = 10
+"""The most reads of one object (each a fresh request) a verified read makes before it calls a
+copy damaged: bytes damaged in transit differ from read to read, a damaged copy reads the same."""
+REFUSED_READS = 3
+"""The most reads a store's own check may refuse (no bytes to compare: S3's checksum, each one
+after the S3 backend's own retries) before the copy counts as damaged."""
+
+
 def from_sources(storage: Storage, key: str, read: Callable[[Storage], _T]) -> _T:
     """``read`` (a get that verifies what it got) from the first of ``storage.read_sources()``
     whose copy of ``key`` is there and verifies: a node-local tier, then the remote store
-    (cnr.storage.tiered). Raises the last source's error when none does."""
+    (cnr.storage.tiered). Raises the last source's error when none does.
+
+    A copy that does not verify (CheckpointError, or a store's own checksum check refusing every
+    try: cnr.storage.s3) is read again, a fresh request each time, before it counts as damaged:
+    until two reads return the same bytes (the stored copy itself is damaged; a damaged local
+    file costs one extra read), ``READS`` reads all failed, or the store's own check refused
+    ``REFUSED_READS`` of them, so bytes damaged on their way from the store do not make a
+    restore pass over an intact checkpoint."""
     sources = storage.read_sources()
     for n, source in enumerate(sources[:-1]):
         try:
-            return read(source)
+            return verified_read(source, key, read)
         except (CheckpointError, StorageError) as e:
             log = logger.debug if isinstance(e, KeyNotFoundError) else logger.warning  # absent: a tier not written yet
             log("%s/%s cannot be used (%s); reading it from %s", source.uri, key, e, sources[n + 1].uri)
-    return read(sources[-1])
+    return verified_read(sources[-1], key, read)
+
+
+class _Recorded:
+    """``source`` with what its gets returned kept, to tell a damaged copy (the same bytes on
+    every read) from damage in transit (other bytes each time)."""
+
+    def __init__(self, source: Storage) -> None:
+        self._source = source
+        self.got: List[bytes] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._source, name)
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, **kwargs) -> bytes:
+        data = self._source.get(key, byte_range, **kwargs)
+        self.got.append(data)
+        return data
+
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for data in self.got:
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        return h.digest()
+
+
+def verified_read(source: Storage, key: str, read: Callable[[Storage], _T]) -> _T:
+    """``read`` of ``key`` from ``source`` alone, re-read as ``from_sources`` re-reads each source
+    (the lease reads its records this way: they live on the remote store only)."""
+    seen: List[bytes] = []
+    refused = 0
+    for attempt in range(1, READS + 1):
+        recorded = _Recorded(source)
+        try:
+            return read(recorded)  # type: ignore[arg-type] - a Storage in all but name
+        except CheckpointError as e:
+            digest = recorded.digest() if recorded.got else None  # None: the store's own check refused the bytes
+            recorded.got.clear()
+            refused += digest is None
+            if attempt == READS or digest in seen or refused == REFUSED_READS:
+                raise  # the same bytes came twice, or every read failed: damaged
+            if digest is not None:
+                seen.append(digest)
+            logger.warning("%s/%s does not verify (%s); reading it again (read %d of at most %d) in case it was "
+                           "damaged on its way", source.uri, key, e, attempt + 1, READS)
+    raise AssertionError("unreachable")

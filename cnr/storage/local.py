@@ -1,14 +1,21 @@
-"""Local-directory backend: the embedded default. Writes are temp file + fsync + rename."""
+"""Local-directory backend: the embedded default. Writes are temp file + fsync + rename.
+
+Reads take only regular files inside the root: a key whose path is a FIFO, a device, a socket or
+a directory, or that leads outside the root through a symlink (``/dev/zero``, another job's
+files), is not an object (KeyNotFoundError, naming what it is), so a read never blocks on a FIFO
+and never runs past the file's size; ``get``'s ``limit`` bounds a whole-object read further.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from typing import List, Optional
 
 from cnr.errors import KeyNotFoundError, StorageError
-from cnr.storage.base import Buffer, Storage, check_range, validate_key, validate_prefix
+from cnr.storage.base import Buffer, Storage, check_limit, check_range, validate_key, validate_prefix
 from cnr.types import ByteRange
 
 _TMP_MARK = ".tmp-"
@@ -64,30 +71,73 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"cannot create {key!r} under {self._root}: {e.strerror or e}") from e
 
-    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
-        path = self._path(key)
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
         try:
-            with open(path, "rb") as f:
+            fd, size = self._open_object(key)
+            with os.fdopen(fd, "rb") as f:
                 if byte_range is None:
-                    return f.read()
-                check_range(byte_range, os.fstat(f.fileno()).st_size, key)
+                    check_limit(size, limit, key)
+                    return f.read(size)
+                check_range(byte_range, size, key)
                 f.seek(byte_range.start)
                 return f.read(byte_range.length)
         except FileNotFoundError as e:
             raise KeyNotFoundError(f"no object {key!r} under {self._root}") from e
-        except IsADirectoryError as e:
+        except (IsADirectoryError, NotADirectoryError) as e:
             raise KeyNotFoundError(f"no object {key!r} under {self._root} (it is a directory)") from e
         except OSError as e:
             raise StorageError(f"cannot read {key!r} under {self._root}: {e.strerror or e}") from e
 
     def size(self, key: str) -> int:
-        path = self._path(key)
-        if not os.path.isfile(path):
-            raise KeyNotFoundError(f"no object {key!r} under {self._root}")
-        return os.path.getsize(path)
+        try:
+            return self._stat_object(key).st_size
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise KeyNotFoundError(f"no object {key!r} under {self._root}") from e
+        except OSError as e:
+            raise StorageError(f"cannot stat {key!r} under {self._root}: {e.strerror or e}") from e
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        try:
+            self._stat_object(key)
+            return True
+        except (KeyNotFoundError, OSError):
+            return False
+
+    def _real_path(self, key: str) -> str:
+        """``key``'s path with symlinks resolved; KeyNotFoundError when it leads outside the root."""
+        path = self._path(key)
+        real, root = os.path.realpath(path), os.path.realpath(self._root)
+        if os.path.commonpath([real, root]) != root:
+            raise KeyNotFoundError(f"{key!r} under {self._root} is a link to {real}, outside the store: "
+                                   "the local store reads only regular files inside its root")
+        return real
+
+    def _not_an_object(self, key: str, mode: int) -> KeyNotFoundError:
+        kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+        kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+        return KeyNotFoundError(f"{key!r} under {self._root} is {kind}, not a regular file: not an object "
+                                "(the local store reads only regular files inside its root)")
+
+    def _stat_object(self, key: str) -> os.stat_result:
+        st = os.stat(self._real_path(key))
+        if not stat.S_ISREG(st.st_mode):
+            raise self._not_an_object(key, st.st_mode)
+        return st
+
+    def _open_object(self, key: str):
+        """An open descriptor of ``key``'s regular file and its size. Opened without blocking (a
+        FIFO would wait for a writer) and without following a last-moment symlink."""
+        fd = os.open(self._real_path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._not_an_object(key, st.st_mode)
+            os.set_blocking(fd, True)
+            return fd, st.st_size
+        except BaseException:
+            os.close(fd)
+            raise
 
     def list(self, prefix: str = "") -> List[str]:
         prefix = validate_prefix(prefix)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import Dict, Set
+from typing import Dict, Optional, Set
 
 import botocore.exceptions as bexc
 
@@ -49,13 +49,14 @@ class BufferReader(io.RawIOBase):
         return len(data)
 
 
-def read_body(response) -> bytes:
-    """Read and close a GetObject reply's body, with botocore's length and checksum checks."""
+def read_body(response, amount: Optional[int] = None) -> bytes:
+    """Read and close a GetObject reply's body, with botocore's length and checksum checks;
+    ``amount``: read no more than that many bytes (the rest is dropped with the connection)."""
     # Not ``with body:`` -- StreamingBody.__enter__ hands out the raw urllib3 stream, which
     # skips botocore's Content-Length check and CRC validation.
     body = response["Body"]
     try:
-        return body.read()
+        return body.read() if amount is None else body.read(amount)
     finally:
         body.close()
 

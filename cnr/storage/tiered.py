@@ -153,16 +153,16 @@ class TieredStorage(Storage):
     def read_sources(self) -> Sequence[Storage]:
         return (self.local, self.remote)
 
-    def get(self, key: str, byte_range: Optional[ByteRange] = None) -> bytes:
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
         try:
-            return self.local.get(key, byte_range)
+            return self.local.get(key, byte_range, limit=limit)
         except KeyNotFoundError:
-            return self.remote.get(key, byte_range)
+            return self.remote.get(key, byte_range, limit=limit)
         except InvalidKeyError:
             raise  # a bad key, or a range outside the local copy: a verified read tries the remote (from_sources)
         except StorageError as e:
             logger.warning("local tier read of %s failed (%s); reading the remote copy", key, e)
-            return self.remote.get(key, byte_range)
+            return self.remote.get(key, byte_range, limit=limit)
 
     def size(self, key: str) -> int:
         try:
