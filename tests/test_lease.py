@@ -15,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cli_helpers import TINY, run_cnr
-from cnr.errors import CheckpointError
-from cnr.lease import Lease, LeaseHeldError, LeaseRecord, check_held, generations, holder, lease_key, machine_id
+from cnr.errors import CheckpointError, StorageError
+from cnr.lease import (PROBE_KEY, ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError,
+                       check_held, generations, holder, lease_key, machine_id)
+from s3_proxy import S3Proxy
 
 
 def _record(**changes) -> LeaseRecord:
@@ -62,6 +64,95 @@ def test_holder_on_another_machine_is_live_until_its_ttl_ran_out(storage):
 def test_unreadable_record_is_taken_over(storage, blob):
     storage.put(lease_key(2), blob)
     assert Lease.acquire(storage, ttl_s=30).record.generation == 3
+
+
+def test_damaged_newest_record_is_taken_over_naming_it(storage, caplog):
+    storage.put(lease_key(7), _record(generation=6).to_bytes())  # a record copied under another name
+    with caplog.at_level("WARNING", logger="cnr.lease"):
+        assert Lease.acquire(storage, ttl_s=30).record.generation == 8
+    assert f"the previous record {lease_key(7)} was damaged (it says generation 6)" in caplog.text
+
+
+def test_generation_after_the_last_12_digit_one_is_held_and_refuses_a_second_job(storage):
+    """#25.6: the taker of the last 12-digit generation writes lease/1000000000000.json; the lease
+    code must list it (before: it did not, so every commit failed "lost the lease" and a second
+    job was let in)."""
+    last = 10**12 - 1
+    storage.put(lease_key(last), _record(generation=last, released=True).to_bytes())
+    lease = Lease.acquire(storage, ttl_s=30)
+    assert lease.record.generation == 10**12 and lease_key(10**12) == "lease/1000000000000.json"
+    assert generations(storage) == [10**12]
+    check_held(storage, lease.ref)  # the fence before every commit: still held
+    assert lease.renew() and not lease.lost
+    with pytest.raises(LeaseHeldError, match=f"pid {lease.record.pid}"):
+        Lease.acquire(storage, ttl_s=30)
+    lease.release()
+    assert Lease.acquire(storage, ttl_s=30).record.generation == 10**12 + 1 and generations(storage) == [10**12 + 1]
+
+
+@pytest.mark.parametrize("key", ["lease/0000000000005.json", "lease/5.json", "lease/holder.json", "lease/v2/x"])
+def test_unknown_key_under_lease_is_refused_and_fences(storage, key):
+    lease = Lease.acquire(storage, ttl_s=30)
+    storage.put(key, b"{}")
+    with pytest.raises(CheckpointError, match=f"holds {key}, which is not a lease record this version of cnr knows"):
+        check_held(storage, lease.ref)  # the holder commits nothing while it cannot tell
+    lease.release()
+    with pytest.raises(UnknownLeaseError, match=f"delete {key} and start again"):
+        Lease.acquire(storage, ttl_s=30)
+    storage.delete(key)
+    assert Lease.acquire(storage, ttl_s=30).record.generation == 1
+
+
+def test_record_of_another_format_version_is_refused(storage):
+    storage.put(lease_key(3), b'{"format": "cnr.lease/2", "generation": 3}')
+    with pytest.raises(UnknownLeaseError, match=r"lease/000000000003.json, .*format 'cnr.lease/2'"):
+        Lease.acquire(storage, ttl_s=30)
+    assert generations(storage) == [3]
+
+
+def test_a_record_that_cannot_be_read_is_not_taken_over(storage, monkeypatch):
+    """A storage error reading the newest record says nothing about its holder: refuse, not take over."""
+    storage.put(lease_key(0), _record().to_bytes())
+
+    def get(key, byte_range=None):
+        raise StorageError(f"cannot read {key}: connection reset")
+
+    monkeypatch.setattr(storage, "get", get)
+    with pytest.raises(StorageError, match="connection reset"):
+        Lease.acquire(storage, ttl_s=30, clock=lambda: time.time() + 3600)
+    assert generations(storage) == [0]
+
+
+def test_store_ignoring_if_none_match_is_refused(moto, s3_bucket):
+    """#25.7: an S3-compatible store that ignores If-None-Match (the proxy strips it): every job is
+    refused at acquire, naming the store (before: racing jobs could both win)."""
+    from cnr.storage.s3 import S3Storage
+
+    with S3Proxy(moto.endpoint, "ignore_if_none_match") as proxy:
+        stores = [S3Storage(s3_bucket, "job", endpoint_url=proxy.endpoint, backoff_base=0.01) for _ in range(4)]
+
+        def attempt(store):
+            try:
+                return Lease.acquire(store, ttl_s=30)
+            except ConditionalWriteError as e:
+                return e
+
+        with ThreadPoolExecutor(4) as pool:
+            outcomes = list(pool.map(attempt, stores))
+        for outcome in outcomes:
+            assert isinstance(outcome, ConditionalWriteError), outcome
+            assert f"storage s3://{s3_bucket}/job does not honour conditional writes" in str(outcome)
+            assert "If-None-Match" in str(outcome) and "412" in str(outcome)
+        assert proxy.stripped >= 8  # two probe creates each
+        assert stores[0].list("lease") == []  # no record, the probe removed
+        for store in stores:
+            store.close()
+    direct = S3Storage(s3_bucket, "job")  # the same bucket without the proxy: moto honours it
+    try:
+        assert Lease.acquire(direct, ttl_s=30).record.generation == 0
+        assert direct.list("lease") == [lease_key(0), PROBE_KEY]
+    finally:
+        direct.close()
 
 
 def test_racing_jobs_exactly_one_wins(storage):
@@ -149,3 +240,51 @@ def test_second_train_job_on_one_location_is_refused(tmp_path):
     assert "Traceback" not in err
     assert sorted(os.listdir(store)) == ["lease"]
     check_held(open_storage(store), running.ref)
+
+
+def test_train_on_a_store_ignoring_if_none_match_is_refused(tmp_path, moto, s3_bucket):
+    """#25.7 through the CLI: exit 2, one error line naming the store, no checkpoint written."""
+    uri = f"s3://{s3_bucket}/jobs/run-1"
+    with S3Proxy(moto.endpoint, "ignore_if_none_match") as proxy:
+        rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--set", "train.steps=20"], str(tmp_path),
+                               env={"AWS_ENDPOINT_URL": proxy.endpoint})
+    assert rc == 2, err[-3000:]
+    assert f"error: storage {uri} does not honour conditional writes" in err and "Traceback" not in err
+    from cnr.storage.s3 import S3Storage
+
+    store = S3Storage(s3_bucket, "jobs/run-1")
+    try:
+        assert store.list("") == []
+    finally:
+        store.close()
+
+
+class _GarbledOnce:
+    """``storage`` whose first read of each lease record comes back garbled (damage in transit)."""
+
+    def __init__(self, storage) -> None:
+        self._storage, self.garbled = storage, 0
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+    def get(self, key, byte_range=None, **kwargs):
+        data = self._storage.get(key, byte_range, **kwargs)
+        if key.startswith("lease/") and key.endswith(".json") and not self.garbled:
+            self.garbled += 1
+            return b"\x00garbled" + data[8:]
+        return data
+
+
+def test_a_live_record_garbled_in_transit_is_read_again_not_taken_over(storage):
+    """The newest record reads back garbled once (a reply damaged on its way): it is read again
+    and its live holder refuses the second job; before, the garbled read was taken for a damaged
+    record and the lease taken over from a live job."""
+    first = Lease.acquire(storage)
+    try:
+        garbling = _GarbledOnce(storage)
+        with pytest.raises(LeaseHeldError):
+            Lease.acquire(garbling)
+        assert garbling.garbled == 1
+    finally:
+        first.release()

@@ -56,7 +56,7 @@ def test_diverging_training_keeps_the_last_finite_checkpoint(tmp_path):
     store = str(tmp_path / "ck")
     summary = train(str(tmp_path), store, "--set", "train.dense_lr=1e37", "--set", "train.sparse_lr=1e37", "--set", "train.steps=80",
                     "--set", "checkpoint.interval=10", "--set", "checkpoint.keep_last=1",
-                    "--set", "checkpoint.policy=full")
+                    "--set", "checkpoint.policy=full", expect_rc=3)  # its last checkpoints were refused: exit 3
     assert not math.isfinite(summary["eval_logloss"])  # it really diverged
     assert summary["nonfinite_checkpoints"] >= 1, summary
     assert summary["nonfinite_checkpoints"] == summary["failed_checkpoints"]

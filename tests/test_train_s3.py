@@ -30,15 +30,19 @@ def test_bucket_failing_for_good_mid_run(tmp_path, moto, s3_bucket, baseline_ws1
     """Ten writes after the step-20 commit the bucket refuses writes (or vanishes) for good: the
     step-40 checkpoint breaks off mid-data and step 60's fails at once, each with an error naming
     the bucket and key, even though no failure marker can be written; training runs to the end
-    unaffected; the step-20 checkpoint stays committed and restorable."""
+    unaffected; the step-20 checkpoint stays committed and restorable. The job does not exit 0 as if
+    fine: its summary and exit status 3 say that no checkpoint committed since step 20."""
     uri = f"s3://{s3_bucket}/jobs/run-1"
     with S3Proxy(moto.endpoint, mode, grace_writes=10) as proxy:
         # small chunks, so step 40 has many left when the bucket fails: they must not all be tried
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--set", "checkpoint.chunk_bytes=4096"],
                                str(tmp_path), env={"AWS_ENDPOINT_URL": proxy.endpoint})
-    assert rc == 0, err[-4000:]
+    assert rc == 3, err[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert (summary["steps"], summary["checkpoints"], summary["failed_checkpoints"]) == (60, 1, 2)
+    assert (summary["last_committed_step"], summary["no_commit_since_step"]) == (20, 20)
+    assert summary["commit_failure"].startswith("no checkpoint committed since step 20: the 2 checkpoint(s)")
+    assert err.strip().splitlines()[-1].startswith("error: no checkpoint committed since step 20") and code in err
     assert summary["state_sha256"] == baseline_ws1[0]["state_sha256"]  # training itself is unaffected
     errors = summary["checkpoint_errors"]
     assert sorted(int(i.split("-")[0]) for i in errors) == [40, 60]
