@@ -168,8 +168,9 @@ class CheckpointConfig:
     ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
     ``failures``). ``commit_timeout_s``: how long rank 0's
     writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
-    after a commit, keep the newest ``keep_last`` committed checkpoints and every checkpoint
-    their chains need, delete the rest (0: keep everything). ``merge_every``: with the
+    after a commit, keep the newest ``keep_last`` checkpoints of the job's history whose chains
+    verify and every checkpoint their chains need, delete older ones of that history
+    (cnr.retention; 0: keep everything). ``merge_every``: with the
     consecutive policy, merge the chain into a new full baseline in the background once this
     many increments followed the newest one (cnr.merge; 0: never). ``max_chain_ratio``: with
     the intermittent or consecutive policy, a new baseline whenever the next checkpoint's chain
@@ -181,7 +182,8 @@ class CheckpointConfig:
     does ("fallback", with a warning) or stops ("fail"). ``local_dir``: a node-local directory
     (cnr.storage.tiered; "" none): each rank stores its chunks there first, the checkpoint
     commits there once every rank's data is durable, and a background flush then copies it to
-    the storage and commits it there; give each node its own. ``local_keep_last``: committed
+    the storage and commits it there; give each node its own (jobs on different locations may
+    share it: each location has its own subdirectory, cnr.local_tier). ``local_keep_last``: committed
     checkpoints (with their chains) the local tier keeps (0: all; what the storage does not hold
     yet is never deleted from it).
     """

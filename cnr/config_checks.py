@@ -5,7 +5,8 @@ ConfigError naming the key, the value and what is allowed, before any work start
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence
+import os
+from typing import Dict, Optional, Sequence, Tuple
 
 from cnr.config import (
     ARCHES, BIT_POLICIES, COMPRESSIONS, DATA_SOURCES, DENSE_OPTIMIZERS, MALFORMED_POLICIES, MAX_EMBEDDING_DIM,
@@ -15,6 +16,10 @@ from cnr.config import (
 from cnr.errors import ConfigError
 from cnr.policy import CAPPED_POLICIES, POLICIES
 from cnr.types import STORED_QUANT_METHODS, ShardingKind
+
+
+MAX_LEARNING_RATE = 3.4028234663852886e38  # the largest fp32 number: fbgemm and torch's optimizers take lr as fp32
+SPARSE_STATE_FLOATS = {"rowwise_adagrad": 1, "adagrad": -1, "sgd": 0, "adam": -2}  # per row; -k: k x embedding_dim
 
 
 def _require(ok: bool, message: str) -> None:
@@ -75,8 +80,9 @@ def validate(config: Config) -> None:
     _require(t.seed >= 0, f"config key 'train.seed' = {t.seed} is not allowed; it must be >= 0")
     _one_of("train.sparse_optimizer", t.sparse_optimizer, SPARSE_OPTIMIZERS)
     _one_of("train.dense_optimizer", t.dense_optimizer, DENSE_OPTIMIZERS)
-    _positive("train.sparse_lr", t.sparse_lr)
-    _positive("train.dense_lr", t.dense_lr)
+    for key, lr in (("train.sparse_lr", t.sparse_lr), ("train.dense_lr", t.dense_lr)):
+        _require(0 < lr <= MAX_LEARNING_RATE, f"config key {key!r} = {lr!r} is not allowed; it must be in "
+                 f"(0, {MAX_LEARNING_RATE:.7g}] (the optimizers compute in fp32: a larger rate overflows it)")
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
     validate_checkpoint(c)
@@ -192,3 +198,59 @@ def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[s
             _require(feature not in seen_features,
                      f"feature {feature!r} of table {table.name!r} is already served by table {seen_features.get(feature)!r}")
             seen_features[feature] = table.name
+
+
+# ---- what the machine can hold (cnr.job.prepare_job, before any rank starts) -----------------
+
+def host_memory_bytes() -> Tuple[int, str]:
+    """The memory this machine lets the job use: physical memory, or a smaller cgroup limit; and
+    where that figure comes from."""
+    best = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = int(f.read().strip())
+        except (OSError, ValueError):  # absent, or "max": no limit there
+            continue
+        if 0 < limit < best[0]:
+            best = (limit, f"the cgroup limit in {path}")
+    return best
+
+
+def _host_bytes_per_row(config: Config, on_cpu: bool) -> int:
+    """Host bytes one embedding row needs at least: on CPU its fp32 weights and sparse optimizer
+    state live there; with checkpoints on, a full snapshot copies both, and the row's id, into
+    host buffers (cnr.snapshot.HostBuffers) on every device."""
+    dim = config.model.embedding_dim
+    state = SPARSE_STATE_FLOATS.get(config.train.sparse_optimizer, 0)
+    row = 4 * dim + 4 * (state if state >= 0 else -state * dim)
+    copies = int(on_cpu) + int(config.checkpoint.enabled)
+    return copies * row + (8 if config.checkpoint.enabled else 0)
+
+
+def check_host_memory(config: Config, on_cpu: bool, node_share: float = 1.0,
+                      memory: Optional[Tuple[int, str]] = None) -> None:
+    """Refuse tables whose rows cannot fit in this machine's memory (``host_memory_bytes``),
+    naming the largest table, its rows and the most it may have. ``node_share``: the part of
+    every table this machine holds (1 for ``--nproc`` ranks on it; its ranks' share of the world
+    under torchrun)."""
+    per_row = _host_bytes_per_row(config, on_cpu)
+    if per_row == 0:
+        return
+    limit, source = memory or host_memory_bytes()
+    need = sum(t.rows for t in config.model.tables) * per_row * node_share
+    if need <= limit:
+        return
+    i, table = max(enumerate(config.model.tables), key=lambda it: it[1].rows)
+    others = (sum(t.rows for t in config.model.tables) - table.rows) * per_row * node_share
+    most = int((limit - others) // (per_row * node_share))
+    held = (["weights and optimizer state"] if on_cpu else []) + \
+        (["a full snapshot's host buffers"] if config.checkpoint.enabled else [])
+    allowed = (f"allowed: model.tables[{i}].rows in [1, {most}] with the other tables as they are" if most >= 1 else
+               "the other tables alone need more: make them smaller, or spread the job over more machines (torchrun)")
+    raise ConfigError(
+        f"config key 'model.tables[{i}].rows' = {table.rows} is not allowed on this machine: the tables need at least "
+        f"{need / 2**30:.1f} GiB of host memory ({per_row} bytes per row at embedding_dim "
+        f"{config.model.embedding_dim} with {config.train.sparse_optimizer}: {' and '.join(held)}), more than its "
+        f"{limit / 2**30:.1f} GiB ({source}); {allowed}"
+    )

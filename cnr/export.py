@@ -29,6 +29,7 @@ import torch
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.load import load_state_dict
 from cnr.manifest import Manifest
+from cnr.paths import check_creatable_dir
 from cnr.catalog import newest_committed, read_manifest
 from cnr.storage import open_storage
 from cnr.types import Role
@@ -71,6 +72,7 @@ def export_dcp(uri: str, out: str, checkpoint: Optional[str] = None,
     committed) under ``uri`` to the new DCP directory ``out``; return a summary dict."""
     out = os.path.abspath(out)
     _check_out(out)
+    check_creatable_dir(out, "export target")  # before reading the store: creates nothing
     manifest = _manifest(uri, checkpoint)
     available = module_keys(manifest)
     wanted = sorted(set(keys)) if keys else available

@@ -5,6 +5,15 @@ a checkpoint's remote commit requires, the writer's hooks (fault injection and r
 a remote commit), the local tier's retention, the flush a new writer resumes after a crash, and
 where each checkpoint is committed (``cnr inspect --local-dir``).
 
+The tier is keyed by the storage location: ``local_dir/<key>/``, where ``<key>`` is a digest of the
+location (``storage_location``: a local directory's real path, an S3 bucket and prefix with a
+non-AWS endpoint) and ``local_dir/<key>/location.json`` records the location itself. Jobs on
+different locations that share one ``local_dir`` (one NVMe directory per node) never see each
+other's checkpoints; a record naming another location is refused, never used or deleted. A
+``local_dir`` laid out the earlier, un-keyed way (``local_dir/checkpoints/``) is refused with
+what to do, and so is a ``local_dir`` that is, holds or lies inside the storage directory, after
+symlinks and bind mounts: local retention deletes only inside the tier.
+
 A checkpoint commits locally once rank 0 has every rank's index: from the shared local directory
 on one node; on several nodes from the writers' exchange (``Peers``, cnr.peer_exchange), or else
 once the other node has flushed its index (its chunks first) to the remote store. Rank 0's
@@ -14,17 +23,22 @@ writer then sends the manifest to the other ranks' writers, which store it in th
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
+import shlex
+import stat
 import threading
 import time
+import uuid
 from typing import Callable, Dict, List, Optional, Sequence
 
 from cnr.commit import commit_requires
 from cnr.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
-from cnr.errors import ConfigError
+from cnr.errors import ConfigError, StorageError
 from cnr.faults import maybe_crash
-from cnr.manifest import RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes, step_of
+from cnr.manifest import ROOT, RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes, step_of
 from cnr.options import CheckpointOptions
 from cnr.peer_exchange import PeerExchange
 from cnr.retention import plan_retention, remove_checkpoint, retain_checkpoints
@@ -42,19 +56,18 @@ def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[i
     """The checkpoint store at ``uri``, behind ``options.local_dir`` when one is set.
 
     ``rank``: the writer's rank, for its hooks (rank 0 runs retention after each remote commit);
-    None for a reader (restore, inspect). ``wrap_remote``: applied to the store at ``uri`` (a
-    benchmark's emulated link, cnr.bench.link.over_link)."""
+    None for a reader (restore, inspect), which creates nothing in ``local_dir``. ``wrap_remote``:
+    applied to the store at ``uri`` (a benchmark's emulated link, cnr.bench.link.over_link)."""
     remote = open_storage(uri)
-    if wrap_remote is not None:
-        remote = wrap_remote(remote)
     if not options.local_dir:
-        return remote
-    local = LocalStorage(options.local_dir)
+        return wrap_remote(remote) if wrap_remote is not None else remote
     try:
-        check_apart(local, remote)
-    except ConfigError:
+        local = open_local_tier(options.local_dir, remote, create=rank is not None)
+    except (ConfigError, StorageError):
         remote.close()
         raise
+    if wrap_remote is not None:
+        remote = wrap_remote(remote)
     before = after = None
     if rank is not None:
         before = functools.partial(_fault_before_remote_commit, rank)
@@ -64,14 +77,152 @@ def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[i
                          before_remote_commit=before, on_remote_commit=after)
 
 
-def check_apart(local: LocalStorage, remote: Storage) -> None:
-    """Refuse a local tier inside the storage directory, or a storage directory inside the tier."""
+# ---- the tier's place in local_dir ----------------------------------------------------------
+
+LOCATION_RECORD = "location.json"  # in local_dir/<key>/: the location the tier holds checkpoints of
+_RECORD_FORMAT = "cnr-local-tier"
+_KEY_CHARS = 16  # hex digits of the location's SHA-256: 64 bits
+
+
+def storage_location(remote: Storage) -> str:
+    """The identity of a checkpoint location, the same in every process of a node: a local
+    directory's real path (symlinks resolved) as a file:// URI; an S3 location's URI, with its
+    endpoint unless that is AWS's own (a bucket name is unique only per endpoint)."""
+    if isinstance(remote, LocalStorage):
+        return "file://" + os.path.realpath(remote.root)
+    uri = remote.uri
+    client = getattr(remote, "client", None)
+    if uri.startswith("s3://") and client is not None:
+        from cnr.storage.s3_errors import safe_endpoint
+
+        endpoint = safe_endpoint(client)
+        host = endpoint.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+        if host != "amazonaws.com" and not host.endswith(".amazonaws.com"):
+            return f"{uri} at {endpoint}"
+    return uri
+
+
+def location_key(location: str) -> str:
+    """The name of ``location``'s subdirectory of a local_dir."""
+    return hashlib.sha256(location.encode()).hexdigest()[:_KEY_CHARS]
+
+
+def local_tier_root(local_dir: str, remote: Storage) -> str:
+    """The directory of the local tier in front of ``remote``: ``local_dir/<key>``."""
+    return os.path.join(os.path.abspath(local_dir), location_key(storage_location(remote)))
+
+
+def open_local_tier(local_dir: str, remote: Storage, create: bool) -> LocalStorage:
+    """The local tier in ``local_dir`` for the store ``remote`` (see the module docstring).
+    ``create``: a writer's, which records the location (creating the directory); a reader
+    creates nothing. ConfigError for a ``local_dir`` that overlaps the storage, an un-keyed
+    one, or a record naming another location."""
+    check_apart(local_dir, remote)
+    _refuse_unkeyed(local_dir, remote)
+    location = storage_location(remote)
+    root = os.path.join(os.path.abspath(local_dir), location_key(location))
+    recorded = _read_record(root)
+    if recorded is not None and recorded != location:
+        raise ConfigError(
+            f"config key 'checkpoint.local_dir' = {local_dir!r}: its tier {root} records the storage location "
+            f"{recorded!r}, not {location!r}; cnr neither uses nor deletes another location's checkpoints. Move "
+            f"{root} away if it is stale, or give checkpoint.local_dir another directory")
+    if create and recorded is None:
+        _write_record(root, location)
+    return LocalStorage(root)
+
+
+def _read_record(root: str) -> Optional[str]:
+    """The location ``root``'s record names; None when there is none (a tier made by hand, or by
+    a writer killed at its start) or it cannot be read (damage: the directory's name, the
+    location's digest, still vouches for it)."""
+    path = os.path.join(root, LOCATION_RECORD)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO there must not block
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError("not a regular file")
+            record = json.loads(f.read(1 << 16).decode("utf-8"))
+        if record.get("format") != _RECORD_FORMAT or not isinstance(record.get("storage"), str):
+            raise ValueError(f"not a {_RECORD_FORMAT} record")
+        return record["storage"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        logger.warning("the local tier's location record %s cannot be read (%s); the directory's name is the "
+                       "location's digest, so it is kept and its record rewritten by the next writer", path, e)
+        return None
+
+
+def _write_record(root: str, location: str) -> None:
+    """Write ``root``'s location record atomically (ranks of a node may race: they write the same)."""
+    path = os.path.join(root, LOCATION_RECORD)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    body = json.dumps({"format": _RECORD_FORMAT, "version": 1, "storage": location}, sort_keys=True).encode()
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise StorageError(f"the local tier {root} is not writable ({e.strerror or e}); give checkpoint.local_dir "
+                           "a node-local directory you can create and write") from e
+
+
+def _refuse_unkeyed(local_dir: str, remote: Storage) -> None:
+    """Refuse a local_dir holding checkpoints directly (the layout before the tier was keyed): it
+    records no location, so whose they are is unknown. They are neither used nor deleted."""
+    old = os.path.join(os.path.abspath(local_dir), ROOT)
+    if not os.path.lexists(old):
+        return
+    root = local_tier_root(local_dir, remote)
+    raise ConfigError(
+        f"config key 'checkpoint.local_dir' = {local_dir!r} holds checkpoints in the un-keyed layout of earlier cnr "
+        f"versions ({old}), which does not record the storage they belong to; cnr neither uses nor deletes them. "
+        f"If they are {remote.uri}'s, move them into its keyed tier: mkdir -p {shlex.quote(root)} && mv "
+        f"{shlex.quote(old)} {shlex.quote(root + os.sep)} ; "
+        "otherwise move them away, or give checkpoint.local_dir another directory")
+
+
+def check_apart(local_dir: str, remote: Storage) -> None:
+    """Refuse a local_dir that is the storage directory, lies inside it or holds it, after
+    symlinks and bind mounts (compared by device and inode too)."""
     if not isinstance(remote, LocalStorage):
         return
-    a, b = local.root, remote.root
-    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
-        raise ConfigError(f"config key 'checkpoint.local_dir' = {a!r} is not allowed with storage {remote.uri}: "
-                          "the local tier and the storage must be separate directories")
+    if _within(local_dir, remote.root) or _within(remote.root, local_dir):
+        raise ConfigError(f"config key 'checkpoint.local_dir' = {local_dir!r} is not allowed with storage {remote.uri}: "
+                          "the local tier and the storage must be separate directories (neither inside the other, "
+                          "also through symlinks or mounts)")
+
+
+def _within(path: str, other: str) -> bool:
+    """Whether ``path`` is ``other`` or lies inside it: by real paths, and by the device and
+    inode of ``other`` against every existing ancestor of ``path`` (a bind mount)."""
+    real, other_real = os.path.realpath(path), os.path.realpath(other)
+    if os.path.commonpath([real, other_real]) == other_real:
+        return True
+    try:
+        target = os.stat(other_real)
+    except OSError:
+        return False  # missing: nothing can reach it but its own path
+    current = real
+    while True:
+        try:
+            st = os.stat(current)
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                return True
+        except OSError:
+            pass
+        parent = os.path.dirname(current)
+        if parent == current:
+            return False
+        current = parent
 
 
 def _is_manifest(key: str) -> bool:
@@ -105,12 +256,27 @@ def retain_local(tier: TieredStorage, keep_last: int) -> Dict[str, List[str]]:
         removable = [i for i in plan.delete + plan.purge if i in local_ids and checkpoint_prefix(i) not in pending]
         deleted = [i for i in removable if i in plan.delete and tier.remote.exists(manifest_key(i))]
         purged = [i for i in removable if i in plan.purge]
+        outside = [i for i in deleted + purged if not _inside_tier(tier.local, i)]
+        if outside:
+            logger.warning("local tier retention leaves %s alone: their directories lead outside the tier %s",
+                           outside, tier.local.uri)
+        deleted, purged = [i for i in deleted if i not in outside], [i for i in purged if i not in outside]
         for ckpt_id in deleted + purged:
             remove_checkpoint(tier.local, ckpt_id, keep_marker=False)
         return {"deleted": deleted, "purged": purged}
     except Exception as e:  # noqa: BLE001 - see the docstring
         logger.warning("local tier retention failed (the checkpoints stand): %s", e)
         return {"deleted": [], "purged": []}
+
+
+def _inside_tier(local: Storage, ckpt_id: str) -> bool:
+    """Whether ``ckpt_id``'s directory in the local tier is inside it after symlinks (a link
+    planted there to the storage's copy must not make local retention delete that copy)."""
+    if not isinstance(local, LocalStorage):
+        return True
+    root = os.path.realpath(local.root)
+    real = os.path.realpath(os.path.join(local.root, *checkpoint_prefix(ckpt_id).split("/")))
+    return os.path.commonpath([real, root]) == root
 
 
 def resume_flush(tier: TieredStorage, rank: int) -> List[str]:

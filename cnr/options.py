@@ -48,8 +48,8 @@ class CheckpointOptions:
       width (chosen by the failure budget, or the fallback) every table is stored at it.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
       ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
-    - ``keep_last``: committed checkpoints kept after each commit with what their chains need
-      (0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
+    - ``keep_last``: checkpoints of the job's history whose chains verify, kept after each commit
+      with what their chains need (cnr.retention; 0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
     - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
       chain (what a restore reads) is predicted to exceed this many baselines' bytes (0: no cap).
     - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``encode_threads``/``restore_threads``:
@@ -63,7 +63,8 @@ class CheckpointOptions:
       "fallback" restores the newest one that does (cnr.fallback), "fail" raises.
     - ``local_dir``: a node-local directory in front of the storage (cnr.storage.tiered; "" none):
       a checkpoint commits there once every rank's chunks are durable on its node, then is
-      flushed to the storage in the background and commits there too. ``local_keep_last``:
+      flushed to the storage in the background and commits there too; each storage location has
+      its own subdirectory of it (cnr.local_tier), so jobs may share one. ``local_keep_last``:
       committed checkpoints (with their chains) the local tier keeps (0: all).
     - ``lease_ttl_s``: the storage location's lease (cnr.lease, one writing job per location)
       expires this long after its holder's last renewal, when the holder is on another machine.

@@ -18,6 +18,7 @@ from typing import List
 
 from cli_helpers import MIXED_SHARDING, ROOT, TINY, train
 from cnr.catalog import list_checkpoints
+from cnr.local_tier import local_tier_root
 from cnr.manifest import parse_rank_index, rank_index_key
 from cnr.storage.local import LocalStorage
 
@@ -69,7 +70,7 @@ def test_two_nodes_resume_bit_exact_and_restore_on_one_node(tmp_path):
     storage = LocalStorage(os.path.join(cwd, "ck"))
     ckpt = list_checkpoints(storage)[-1].id
     for node in (0, 1):  # each node's tier holds its own ranks' objects and the manifest (cnr.peer_exchange)
-        held = LocalStorage(os.path.join(cwd, f"node-{node}")).list(f"checkpoints/{ckpt}")
+        held = LocalStorage(local_tier_root(os.path.join(cwd, f"node-{node}"), storage)).list(f"checkpoints/{ckpt}")
         assert {k.split("/")[2][:10] for k in held} - {"manifest.j"} == {f"rank-{r:05d}" for r in (2 * node, 2 * node + 1)}
         assert f"checkpoints/{ckpt}/manifest.json" in held
     per_rank = [sum(c.nbytes for t in parse_rank_index(storage.get(rank_index_key(ckpt, r))).tensors.values()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import random
 import re
@@ -44,9 +45,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 from cnr.bench import chaos_job
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_proxy import ChaosProxy
-from cnr.bench.common import ROOT, argv_list
+from cnr.bench.common import ROOT, argv_list, workdir_arg
 from cnr.manifest import chain_links
 from cnr.catalog import scan_checkpoints
+from cnr.errors import ConfigError
 from cnr.storage.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
 from cnr.trace import load_trace
@@ -72,7 +74,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--delay-s", default="2,6", help="LO,HI: seconds of training before each event, drawn uniformly")
     p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
     p.add_argument("--budget-s", type=float, default=540.0, help="no new event after this many seconds")
-    p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--workdir", default=None, type=workdir_arg, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv_list(argv))
     for name in ("steps", "interval", "nproc", "events"):
         if getattr(args, name) < 1:
@@ -85,10 +87,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         args.delay_s = tuple(float(x) for x in args.delay_s.split(","))
     except ValueError:
         args.delay_s = ()
-    if len(args.delay_s) != 2 or not 0 < args.delay_s[0] <= args.delay_s[1]:
+    if len(args.delay_s) != 2 or not 0 < args.delay_s[0] <= args.delay_s[1] < math.inf:
         p.error("--delay-s is not allowed as given; give LO,HI seconds with 0 < LO <= HI")
     if not 0.0 <= args.fault_rate < 1.0:
         p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
+    if not 0.0 < args.budget_s < math.inf:  # nan would fire no event and report success
+        raise ConfigError(f"--budget-s {args.budget_s} is not allowed; it must be a finite number of seconds > 0")
     return args
 
 

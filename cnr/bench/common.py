@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -15,9 +16,11 @@ import cnr
 from cnr.app_state import collect_state
 from cnr.config import Config, load_config
 from cnr.data import make_reader, to_device
+from cnr.errors import ConfigError
 from cnr.launch import launch
 from cnr.options import CheckpointOptions
 from cnr.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.paths import check_creatable_dir
 from cnr.state import StatePiece
 from cnr.types import WriteStatus
 
@@ -25,11 +28,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench.yaml")
 
 
+def workdir_arg(text: str) -> str:
+    """argparse ``type`` of ``--workdir``: a directory that exists or can be created, and can be
+    written; refused (ConfigError: ``error:`` and exit 2) before any work, creating nothing."""
+    check_creatable_dir(text, "--workdir")
+    return text
+
+
+def parse_factors(option: str, text: str) -> List[float]:
+    """Comma-separated finite numbers > 0 ('' for none); ConfigError naming ``option`` otherwise."""
+    try:
+        factors = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        factors = [math.nan]
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ConfigError(f"{option} {text!r} is not allowed; give comma-separated finite numbers > 0, e.g. "
+                          "0.25,0.5,1.0 ('' for none)")
+    return factors
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", default=BENCH_CONFIG, help="YAML config (default configs/bench.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--workdir", default=None, type=workdir_arg, help="where to write (default: a temporary directory)")
     return p
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from cnr.bench.common import argv_list
+from cnr.bench.common import argv_list, workdir_arg
 from cnr.errors import ConfigError
 
 MODELS = ("ebc-family", "managed-collision")
@@ -306,7 +306,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dense", default=None, help=f"comma list of {', '.join(DENSE)} (default all)")
     p.add_argument("--policies", default=None, help=f"comma list of {', '.join(POLICIES)} (default all)")
     p.add_argument("--resumes", default=None, help=f"comma list of {', '.join(RESUMES)} (default all)")
-    p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory, removed after)")
+    p.add_argument("--workdir", default=None, type=workdir_arg,
+                   help="where to write (default: a temporary directory, removed after)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one launch (default 600)")
     args = p.parse_args(argv_list(argv))
     args.models = _names(args.models, MODELS, "--models")

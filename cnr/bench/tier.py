@@ -19,6 +19,7 @@ from cnr.bench.common import TrainedModel, ratio
 from cnr.bench.link import Link, LinkedStorage, over_link
 from cnr.catalog import newest_committed, resolve_chain
 from cnr.chain_restore import restore_chain
+from cnr.local_tier import local_tier_root
 from cnr.manifest import manifest_key
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
@@ -76,7 +77,8 @@ def _restores(model: TrainedModel, uri: str, local_dir: str, link_rate: float) -
     """One restore of the newest checkpoint through the tier, then from the backend alone (and
     over the link)."""
     out: Dict[str, float] = {}
-    tier = TieredStorage(LocalStorage(local_dir), open_storage(uri))
+    remote = open_storage(uri)
+    tier = TieredStorage(LocalStorage(local_tier_root(local_dir, remote)), remote)  # the writer's keyed tier
     try:
         out["restore_local_s"] = _restore_seconds(model, tier)
     finally:
