@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cnr.collectives import all_reduce_host
 from cnr.app_restore import RestoredChain, _placement
 from cnr.app_state import AppState, TableRef, whole_tables
 from cnr.bit_width import BitWidthPlanner
@@ -34,9 +35,11 @@ from cnr.checkpoint import ChainState, CheckpointEngine
 from cnr.coverage import check_supported
 from cnr.pipeline import check_loaders
 from cnr.errors import CheckpointError, CnrError
-from cnr.catalog import committed_ids
+from cnr.catalog import restore_ids
 from cnr.fallback import Skipped, _ids_from_rank0, restore_checkpoint, restore_newest
 from cnr.lease import Lease, LeaseHeldError
+from cnr.lineage import new_lineage_id, record_activation
+from cnr.handoff import rank0_decides
 from cnr.manifest import Manifest, step_of
 from cnr.codec.choose import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
@@ -48,7 +51,7 @@ from cnr.peer_exchange import host_exchange
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
-from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, RetentionScope, TableSpec
 from cnr.upload import Writer
 from cnr import at_exit
 from cnr.mainguard import check_main_guard
@@ -97,10 +100,12 @@ class Checkpointer:
     background writer of its own and the same row tracker.
     ``new_history``: a Checkpointer that did not restore refuses to save where committed
     checkpoints are (``save`` raises CheckpointError naming the newest): its own checkpoints would
-    start a second history there. True starts one on purpose. Its steps must still be above the
-    newest committed step (a restore takes the highest step), and retention counts both
-    histories' checkpoints together: with ``keep_last`` N the old history's checkpoints are
-    deleted once N newer ones committed (``keep_last=0`` keeps everything).
+    start a second history there. True starts one on purpose: a new lineage (cnr.lineage), whose
+    steps may start again from 0, which restores prefer to the older history from its first commit
+    on, and whose retention never deletes the older history's checkpoints (they stay restorable
+    by id; only a job continuing that history deletes them, by its own rules).
+    ``lineage``: the history this Checkpointer's checkpoints belong to (the restored checkpoint's,
+    else a new one; the same on every rank).
     """
 
     def __init__(self, uri: str, app_state: Mapping[str, Any], options: Optional[CheckpointOptions] = None,
@@ -135,6 +140,9 @@ class Checkpointer:
             self.lease = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
             # after the lease: a job that committed before it was taken is seen
             self._newest = _newest_on_rank0(self.storage, self.rank)
+            self.lineage: str = rank0_decides(new_lineage_id, self.rank)  # a restore continues its checkpoint's
+            if self._newest is None or new_history:  # a new history: the location's current one from now on
+                _activate_on_rank0(self.storage, self.lineage, "", self._newest is not None, self.rank)
         except BaseException:
             if getattr(self, "lease", None) is not None:
                 self.lease.release()
@@ -147,9 +155,11 @@ class Checkpointer:
         self.restores = 0
         self.new_history = bool(new_history)
         self._restored = False
+        self._pinned: Tuple[str, ...] = ()  # what retention keeps for this job whatever is newer (cnr.retention)
         # (step, what) a save must be above: ids sort by step, so a lower one is never the newest
+        # of its history (a new history's steps start afresh: restores prefer it, cnr.lineage)
         self._step_floor: Optional[Tuple[int, str]] = None
-        if self._newest is not None:
+        if self._newest is not None and not self.new_history:
             self._step_floor = (self._newest[1], f"the newest committed checkpoint {self._newest[0]} in {self.uri}")
         self.skipped_on_restore: List[Skipped] = []
         self.fresh_on_restore: List[str] = []  # app_state keys a partial restore left at their fresh values
@@ -214,12 +224,18 @@ class Checkpointer:
             if restored is None:
                 return None
         self._resume_from(restored, by_id=bool(checkpoint))
+        # a checkpoint of a history that is not the current one: it is again (cnr.lineage)
+        _activate_on_rank0(self.storage, self.lineage, restored.manifest.id, False, self.rank)
         return _info(restored.manifest)
 
     def _resume_from(self, restored: RestoredChain, by_id: bool = False) -> None:
         m = restored.manifest
         self.restored_manifest = m
         self._restored = True
+        self.lineage = m.lineage  # the job continues the restored checkpoint's history
+        # not the newest committed (a fallback past damage, or one named by id): retention keeps it
+        passed_over = bool(self.skipped_on_restore) or (by_id and (self._newest is None or m.id != self._newest[0]))
+        self._pinned = (m.id,) if passed_over else ()
         self.fresh_on_restore, self.unused_on_restore = list(restored.fresh), list(restored.unused)
         # newer checkpoints a fallback passed over are damaged: saves may go past them; one named
         # by id leaves the newer ones standing, and a restore takes the highest step
@@ -258,7 +274,7 @@ class Checkpointer:
             raise RuntimeError("save() after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step {step!r} is not allowed; it must be an integer >= 0")
-        self._check_history()
+        self.check_history()
         if self._step_floor is not None and step <= self._step_floor[0]:
             raise ValueError(f"step {step} is not allowed: it must be above {self._step_floor[0]}, the step of "
                              f"{self._step_floor[1]} (a restore takes the checkpoint with the highest step)")
@@ -269,30 +285,33 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             error = e
         failed = torch.tensor([1 if error else 0], dtype=torch.int64)
-        dist.all_reduce(failed)
+        all_reduce_host(failed)
         if error:
             raise error
         if int(failed[0]):
             raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
         self.engine.bit_width = self._bits(step)
+        self.engine.retention = RetentionScope(self.lineage, self._pinned)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
         ckpt_id = self.engine.save(step, pieces, fields, app_json)
         self._step_floor = (step, "the previous save()")
         return PendingCheckpoint(self, ckpt_id, step)
 
-    def _check_history(self) -> None:
-        """Refuse to save where committed checkpoints are unless they were restored or
-        ``new_history`` was asked for: the new checkpoints' retention would delete them. The same
-        on every rank (rank 0 listed the store after the lease was taken)."""
+    def check_history(self, what_to_do: str = "") -> None:
+        """Raise CheckpointError unless this Checkpointer may save: it restored a checkpoint, was
+        given ``new_history``, or its location held no committed checkpoint when it took the lease
+        (rank 0 listed it then, so this is the same on every rank and sees a job that committed
+        and ended just before). ``save`` checks it; an application that knows it will not restore
+        (cnr train without --resume) calls it first, to be refused before it trains.
+        ``what_to_do``: the remedy the message names (default: this API's)."""
         if self._restored or self.new_history or self._newest is None:
             return
         newest, step = self._newest
         raise CheckpointError(
             f"{self.uri} already holds committed checkpoints (newest {newest}, step {step}) and this "
-            "Checkpointer restored none: its checkpoints would start a second history there, and retention "
-            "would delete the first. Call restore() first to continue from it, pass "
-            "Checkpointer(..., new_history=True) to start a new history there on purpose (its steps must be "
-            f"above {step}), or give an empty location")
+            "Checkpointer restored none: its checkpoints would start a second history there. "
+            + (what_to_do or "Call restore() first to continue from it, pass Checkpointer(..., new_history=True) to "
+               "start a new history there on purpose (the old one is kept), or give an empty location"))
 
     def _outcome(self, ckpt_id: str) -> CheckpointInfo:
         if self.engine.stats.ids and self.engine.stats.ids[-1] == ckpt_id and ckpt_id not in self.engine.outcomes:
@@ -408,16 +427,32 @@ def take_lease(storage: Storage, ttl_s: float, rank: int) -> Optional[Lease]:
     return lease
 
 
+def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:
+    """Rank 0 makes ``lineage`` the location's current history (cnr.lineage.record_activation);
+    every rank raises CheckpointError when it cannot (collective)."""
+    def activate() -> str:
+        try:
+            record_activation(storage, lineage, restored_from, beside_others)
+            return ""
+        except CnrError as e:
+            return f"{type(e).__name__}: {e}"
+
+    error = rank0_decides(activate, rank)
+    if error:
+        raise CheckpointError(f"could not record this job's history (lineage) at {storage.uri}: {error}")
+
+
 def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:
-    """(id, step) of the newest committed checkpoint under ``storage``, listed by rank 0 and the
-    same on every rank (collective); None when nothing is committed."""
-    ids = _ids_from_rank0(lambda: committed_ids(storage)[:1], rank)
+    """(id, step) of the committed checkpoint a restore tries first under ``storage`` (the
+    current history's newest, cnr.lineage), listed by rank 0 and the same on every rank
+    (collective); None when nothing is committed."""
+    ids = _ids_from_rank0(lambda: restore_ids(storage)[:1], rank)
     return (ids[0], step_of(ids[0])) if ids else None
 
 
 def _info(m: Manifest) -> CheckpointInfo:
     return CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                          method=m.method)
+                          method=m.method, lineage=m.lineage)
 
 
 

@@ -11,7 +11,8 @@ from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.manifest import (
     ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest, step_of,
 )
-from cnr.storage.base import Storage, from_sources
+from cnr.lineage import restore_order
+from cnr.storage.base import Storage, from_sources, read_document
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
     key = manifest_key(ckpt_id)
-    manifest = from_sources(storage, key, lambda source: parse_manifest(source.get(key), where=f"{source.uri}/{key}"))
+    manifest = from_sources(storage, key, lambda source: parse_manifest(read_document(source, key),
+                                                                        where=f"{source.uri}/{key}"))
     if manifest.id != ckpt_id:
         raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
     return manifest
@@ -53,7 +55,7 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
     for ckpt_id in checkpoint_ids(storage):
         step = step_of(ckpt_id)
         if not storage.exists(manifest_key(ckpt_id)):
-            nbytes = sum(storage.size(k) for k in storage.list(checkpoint_prefix(ckpt_id)))
+            nbytes = sum(_size_or_zero(storage, k) for k in storage.list(checkpoint_prefix(ckpt_id)))
             error = failure_of(storage, ckpt_id)
             status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
             found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
@@ -66,8 +68,17 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
                                          error=str(e)), None))
             continue
         found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                                     method=m.method), m))
+                                     method=m.method, lineage=m.lineage), m))
     return found
+
+
+def _size_or_zero(storage: Storage, key: str) -> int:
+    """A listed key's size; 0 when it is gone since the listing or is no object (a FIFO, a link
+    out of a local store's root): an uncommitted checkpoint's size is informative only."""
+    try:
+        return storage.size(key)
+    except KeyNotFoundError:
+        return 0
 
 
 def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
@@ -126,10 +137,16 @@ def committed_ids(storage: Storage) -> List[str]:
     return [i for i in reversed(checkpoint_ids(storage)) if storage.exists(manifest_key(i))]
 
 
+def restore_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with a manifest in the order a restore tries them: the current
+    history's first, each history's highest step first (cnr.lineage.restore_order)."""
+    return restore_order(storage, committed_ids(storage))
+
+
 def newest_committed(storage: Storage) -> Optional[Manifest]:
-    """The committed checkpoint with the highest step whose manifest reads, or None. A damaged
-    newer manifest is skipped with a warning naming it."""
-    for ckpt_id in committed_ids(storage):
+    """The committed checkpoint a restore tries first (``restore_ids``) whose manifest reads, or
+    None. A damaged newer manifest is skipped with a warning naming it."""
+    for ckpt_id in restore_ids(storage):
         try:
             return read_manifest(storage, ckpt_id)
         except KeyNotFoundError:

@@ -27,7 +27,9 @@ from cnr.policy import BitDecision, fixed_bits, next_kind, stored_optimizer_bits
 from cnr.snapshot import HostBuffers, HostPiece
 from cnr.state import StatePiece, whole_piece
 from cnr.tracker import Captured, RowTracker
-from cnr.types import RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, Role
+from cnr.types import (
+    RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
+)
 from cnr.upload import WriteJob, WriteResult, Writer
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ class CheckpointEngine:
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
         self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
+        # rank 0's lineage and pinned checkpoints for the commit and retention (cnr.retention); None: lineage ""
+        self.retention: Optional[RetentionScope] = None
         self.exchange: Optional[ExchangeAddress] = None  # the writers' exchange (cnr.peer_exchange), if any
         # options.table_bits keyed by table id (cnr.codec.choose.resolve_table_bits; the
         # Checkpointer knows the tables and sets it)
@@ -152,6 +156,7 @@ class CheckpointEngine:
                             method=c.quant_method, app=dict(app or {}),
                             optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
                             lease=self.lease, compression=c.compression_chain(), exchange=self.exchange,
+                            retention=self.retention,
                             small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
                             table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 
@@ -213,7 +218,7 @@ class CheckpointEngine:
         the background; the merged baseline is the chain's new start. If a merge still runs, the
         next commit tries again."""
         if self.merger is not None and self.chain.increments >= self.options.merge_every \
-                and self.merger.start(ckpt_id):
+                and self.merger.start(ckpt_id, self.retention):
             self.chain.increments = 0
 
     def _settle(self, abandon: bool) -> None:

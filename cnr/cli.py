@@ -14,6 +14,8 @@ from cnr.errors import CnrError, redact, redact_logging
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
               "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/export.py
+MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
+EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (README, Command line)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -22,10 +24,13 @@ def _train(args: argparse.Namespace) -> int:
     from cnr.job import prepare_job, run_job_rank
 
     config = load_config(args.config, args.set)
-    job = prepare_job(config, args.storage, args.resume, args.nproc)
+    job = prepare_job(config, args.storage, args.resume, args.nproc, new_history=args.new_history)
     summary = launch(run_job_rank, args.nproc, job)
     if summary is not None:  # under torchrun only rank 0 has the summary
         print(json.dumps(summary, sort_keys=True), flush=True)
+        if summary.get("commit_failure"):  # trained to the end, but its newest checkpoints did not commit
+            print(f"error: {redact(summary['commit_failure'])}", file=sys.stderr)
+            return EXIT_NOT_COMMITTED
     return 0
 
 
@@ -42,7 +47,8 @@ def _inspect(args: argparse.Namespace) -> int:
     infos = list_checkpoints(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
-         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method}
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method,
+         "lineage": i.lineage}
         for i in infos
     ]
     tiers = committed_in(storage, infos)
@@ -121,12 +127,16 @@ def _report(args: argparse.Namespace) -> int:
 def _check_subscribe_args(args: argparse.Namespace) -> None:
     from cnr.errors import ConfigError
 
-    if not args.poll_s > 0:
-        raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be > 0 seconds")
+    if not 0 < args.poll_s <= MAX_POLL_S:
+        raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be in (0, {MAX_POLL_S:.0f}] seconds")
     if not args.timeout_s >= 0:
         raise ConfigError(f"--timeout-s {args.timeout_s} is not allowed; it must be >= 0 seconds (0: no limit)")
     if args.until_seq is not None and args.until_seq < 1:
         raise ConfigError(f"--until-seq {args.until_seq} is not allowed; sequence numbers start at 1")
+    if args.state is not None:
+        from cnr.paths import check_writable_file
+
+        check_writable_file(args.state, "--state")
 
 
 def _subscribe(args: argparse.Namespace) -> int:
@@ -179,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
     t.add_argument("--storage", default="./checkpoints", help="local path, file://PATH or s3://BUCKET/PREFIX")
     t.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint first")
-    t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
+    t.add_argument("--new-history", action="store_true", help="start a new history of checkpoints where committed "
+                   "ones are (they are kept: this job's retention never deletes them, and --resume later continues "
+                   "the new history)")
+    t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn, at most one per GPU (CUDA) or twice "
+                   "the usable CPU cores; they die with this launcher (ignored under torchrun)")
     t.set_defaults(func=_train)
     i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
     i.add_argument("uri")

@@ -19,7 +19,7 @@ from cnr.manifest import (
     Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, merge_rank_indexes, parse_rank_index, rank_index_key,
 )
 from cnr.catalog import marker_error
-from cnr.storage.base import Storage
+from cnr.storage.base import Storage, from_sources, read_document
 from cnr.types import TABLE_ROLES, CheckpointKind, Role
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
             blob, exchange = _published_index(exchange, ckpt_id, r)
             if blob is not None or storage.exists(key):
                 where = f"rank {r}'s published index of {ckpt_id}" if blob is not None else f"{storage.uri}/{key}"
-                index = parse_rank_index(blob if blob is not None else storage.get(key), where=where)
+                # read from the store: verified, and read again when damaged in transit (from_sources)
+                index = parse_rank_index(blob, where=where) if blob is not None else from_sources(
+                    storage, key, lambda source: parse_rank_index(read_document(source, key), where=where))
                 if index.id != ckpt_id or index.rank != r or index.world_size != world_size:
                     raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
                 indexes[r] = index
@@ -112,8 +114,9 @@ def _published_index(exchange, ckpt_id: str, rank: int):
 
 def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:
     """The manifest of ``job``: rank 0's ``manifest_fields`` (tables, metadata, counters, bit_width,
-    chain_bytes) with every rank's tensors and app state. Its ``chain_bytes`` extend the history
-    the trainer sent with the chunk bytes every rank stored for this checkpoint."""
+    chain_bytes) and its retention scope's lineage (cnr.lineage), with every rank's tensors and app
+    state. Its ``chain_bytes`` extend the history the trainer sent with the chunk bytes every rank
+    stored for this checkpoint."""
     fields: Dict[str, Any] = job.manifest_fields or {}
     stored = sum(c.nbytes for t in tensors.values() for c in t.chunks)
     before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
@@ -122,6 +125,7 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[st
         created_unix=time.time(), tables=tuple(fields.get("tables", ())), tensors=tensors,
         counters={"step": job.step, **fields.get("counters", {})}, metadata=dict(fields.get("metadata", {})),
         app_ranks=tuple(app_ranks), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
+        lineage=job.retention.lineage if getattr(job, "retention", None) is not None else "",
     )
 
 

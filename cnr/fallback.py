@@ -1,6 +1,7 @@
 """Restore the newest committed checkpoint that verifies, falling back past damaged ones.
 
-Collective. Rank 0 lists the committed checkpoints, newest first; every rank tries the first:
+Collective. Rank 0 lists the committed checkpoints in restore order (the current history's first,
+each history's highest step first, cnr.lineage); every rank tries the first:
 it reads the manifest and its chain (rank 0 also checks each link's manifest against its rank
 indexes, cnr.verify), then restores it into the application (cnr.app_restore), whose chunks are
 verified as they are read. The ranks then agree (an all-gather of what went wrong, if anything):
@@ -38,7 +39,7 @@ from cnr.config import ON_DAMAGE
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.handoff import rank0_decides
 from cnr.manifest import MERGED_SUFFIX, Manifest, manifest_key
-from cnr.catalog import committed_ids, read_manifest, resolve_chain
+from cnr.catalog import read_manifest, resolve_chain, restore_ids
 from cnr.storage.base import Storage
 from cnr.verify import DAMAGE, check_rank_indexes
 
@@ -147,7 +148,7 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
     if on_damage not in ON_DAMAGE:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
     skipped: List[Skipped] = []
-    for ckpt_id in _ids_from_rank0(lambda: committed_ids(storage), rank):
+    for ckpt_id in _ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.lineage)
         restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)

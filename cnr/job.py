@@ -15,13 +15,19 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from cnr.config import Config
+from cnr.config_checks import check_host_memory
 from cnr.errors import ConfigError
 from cnr.manifest import Manifest
 from cnr.catalog import newest_committed
+from cnr.launch import check_nproc, under_torchrun
 from cnr.policy import failure_rate
 from cnr.publish_location import check_publish_storage, publish_uri
 from cnr.local_tier import open_checkpoint_store
 from cnr.options import CheckpointOptions
+from cnr.paths import check_creatable_dir
+
+FRESH_START_REMEDY = ("pass --resume to continue from it, --new-history to start a new history beside it (the old "
+                      "one is kept), or give --storage an empty location")
 
 # fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
 CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
@@ -43,6 +49,7 @@ class TrainJob:
     config: Config
     storage_uri: str
     resume: bool
+    new_history: bool = False  # --new-history: start another history beside the location's (cnr.lineage)
 
 
 def _saved_config(manifest: Manifest) -> Dict[str, Any]:
@@ -83,11 +90,32 @@ def check_compatible(manifest: Manifest, config: Config) -> None:
         raise ConfigError(f"--resume: checkpoint {manifest.id} does not match the model: " + "; ".join(problems))
 
 
-def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> TrainJob:
-    """Validate everything that can be checked before spawning ranks; writes nothing on error."""
-    if nproc < 1:
+def _node_share() -> float:
+    """The part of the tables this machine's ranks hold at least: all of them for ``--nproc`` ranks,
+    under torchrun its local ranks' share of the world."""
+    if not under_torchrun():
+        return 1.0
+    world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    return min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) / world)
+
+
+def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_history: bool = False) -> TrainJob:
+    """Validate everything that can be checked before spawning ranks; writes nothing on error.
+    A fresh start where committed checkpoints are is refused here and again under the lease
+    (cnr.train), since a job may commit and end in between; ``new_history`` allows it."""
+    if new_history and (resume or not config.checkpoint.enabled):
+        raise ConfigError("--new-history starts a new history of checkpoints beside the location's; it is not "
+                          "allowed " + ("with --resume, which continues the newest history" if resume else
+                                        "with checkpoint.enabled: false, which writes no checkpoint"))
+    if not under_torchrun():
+        check_nproc(nproc)  # --nproc spawns that many ranks: no more than this machine runs
+    elif nproc < 1:
         raise ConfigError(f"--nproc {nproc} is not allowed; it must be >= 1")
-    check_device_support(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_device_support(config, device)
+    check_host_memory(config, device.type == "cpu", _node_share())
+    if config.data.trace_dir:
+        check_creatable_dir(config.data.trace_dir, "config key 'data.trace_dir'")
     for path in list(config.data.tsv_paths) + list(config.data.eval_tsv_paths):
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist or is not a file")
@@ -102,17 +130,17 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int) -> T
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
         if resume and newest is not None:
             check_compatible(newest, config)
-        if not resume and newest is not None and config.checkpoint.enabled:
+        if not resume and newest is not None and config.checkpoint.enabled and not new_history:
             raise ConfigError(
                 f"{storage.uri} already holds committed checkpoints (newest {newest.id}, step {newest.step}); "
-                "pass --resume to continue from it, or give --storage an empty location"
+                + FRESH_START_REMEDY
             )
         if config.checkpoint.enabled:
             storage.check_writable()
         storage.close()
     if config.checkpoint.bit_policy == "failures":
         failure_rate(config.checkpoint)  # reads the failure log now: a bad one is an error before any work
-    return TrainJob(config, storage_uri, resume)
+    return TrainJob(config, storage_uri, resume, new_history)
 
 
 def run_job_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:

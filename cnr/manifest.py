@@ -37,11 +37,14 @@ logger = logging.getLogger(__name__)
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 4
-"""Version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.integrity);
+VERSION = 5
+"""Version 5 records the checkpoint's job lineage (``lineage``, cnr.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.integrity);
 version 2 (the library API) records each tensor's role and table, the application's state per
-rank (``app``) and opaque application metadata; versions 1 (cnr train only) and 2 still read."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 4 still read,
+with lineage "" (none recorded)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+LINEAGE_VERSION = 5
+_LINEAGE = re.compile(r"^(|[0-9a-f]{32})$")
 
 
 def checkpoint_prefix(ckpt_id: str) -> str:
@@ -147,6 +150,8 @@ class Manifest:
     ``chain_bytes``: chunk bytes of the newest full checkpoint of the job and of every committed
     checkpoint after it, this one last (what the intermittent predictor reads on resume).
     ``bit_width``: the bit-width decision in force (cnr.policy.BitDecision.to_dict()).
+    ``lineage``: the job history it belongs to (cnr.lineage: 32 hex digits; "" when none is
+    recorded, as in every manifest before version 5).
     ``version``: the format version it was read from.
     """
 
@@ -164,6 +169,7 @@ class Manifest:
     chain_bytes: Tuple[int, ...] = ()
     bit_width: Dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
+    lineage: str = ""
 
     @property
     def bytes(self) -> int:
@@ -223,6 +229,7 @@ def manifest_to_bytes(m: Manifest) -> bytes:
                     "placement": t.placement} for t in m.tables],
         "tensors": _tensors_to_dict(m.tensors), "counters": m.counters, "metadata": m.metadata,
         "app": list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
+        "lineage": check_lineage(m.lineage, f"manifest {m.id}"),
     }
     return seal(json.dumps(body, indent=1, sort_keys=True).encode())
 
@@ -362,6 +369,16 @@ _COMMON = {"format": str, "version": int, "id": str, "step": int, "kind": str, "
            "created_unix": _NUM, "tables": list, "tensors": dict, "counters": dict}
 _V1_FIELDS = {**_COMMON, "arch": str, "sparse_optimizer": str, "dense_optimizer": str, "reader": dict, "config": dict}
 _V2_FIELDS = {**_COMMON, "metadata": dict, "app": list, "chain_bytes": list, "bit_width": dict}
+_V5_FIELDS = {**_V2_FIELDS, "lineage": str}
+
+
+def check_lineage(value: str, where: str) -> str:
+    """``value`` if it is a lineage id (32 lowercase hex digits) or "" (none recorded), else
+    CheckpointError naming it."""
+    if not isinstance(value, str) or not _LINEAGE.match(value):
+        raise CheckpointError(f"{where} lineage {value!r:.80} is not allowed; it must be 32 lowercase hex digits "
+                              "or empty (none recorded)")
+    return value
 
 
 def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, ...]:
@@ -394,7 +411,7 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
     if version == 1:
         r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
     else:
-        r = _Reader(obj, where, _V2_FIELDS)
+        r = _Reader(obj, where, _V5_FIELDS if version >= LINEAGE_VERSION else _V2_FIELDS)
     try:
         kind = CheckpointKind(r["kind"])
     except ValueError as e:
@@ -423,6 +440,7 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
         created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),
         tensors=tensors, counters=counters, metadata=metadata, app_ranks=app_ranks,
         chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}), version=version,
+        lineage=check_lineage(r.get("lineage", ""), where),
     )
 
 

@@ -37,11 +37,11 @@ from cnr.errors import CheckpointError
 from cnr.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id
 from cnr.catalog import read_manifest, resolve_chain
 from cnr.quantize import QuantizedRows
-from cnr.restore import fetch_chunk
+from cnr.restore import fetch_chunk, fetch_chunk_bytes
 from cnr.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, ByteRange, CheckpointKind, ChunkRef, Encoding
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding, RetentionScope
 from cnr.upload import die_with_parent, row_blocks
 from cnr.uploader import Packer, Uploader
 from cnr.proc import MERGER, name_this_process
@@ -165,7 +165,7 @@ def _copy_whole(storage: Storage, packer: Packer, entry: TensorEntry) -> List[Ch
     refs = []
     for ref in entry.chunks:
         start = time.time()
-        blob = storage.get(ref.key, ByteRange(ref.offset, ref.nbytes))
+        blob = fetch_chunk_bytes(storage, ref)  # verified: the copy must not carry damage
         refs.append(packer.add(blob, ref, start, time.time()))
     return refs
 
@@ -229,8 +229,9 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
 
 
 def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, keep_last: int,
-               compression: Compression = ()) -> None:
-    """The merge process: merge, commit, run retention; exit 1 with the error logged on failure."""
+               compression: Compression = (), scope: Optional[RetentionScope] = None) -> None:
+    """The merge process: merge, commit, run retention (``scope``: the job's, cnr.retention; its
+    lineage is the merged chain's); exit 1 with the error logged on failure."""
     die_with_parent()
     name_this_process(MERGER)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -240,7 +241,7 @@ def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, k
         merged = merge_chain(storage, ckpt_id, chunk_bytes, threads, compression)
         logger.info("merged the chain of %s into full checkpoint %s (%d bytes) in %.1f s",
                     ckpt_id, merged.id, merged.bytes, time.perf_counter() - start)
-        retain_checkpoints(storage, keep_last)
+        retain_checkpoints(storage, keep_last, scope or RetentionScope(merged.lineage))
     except Exception as e:  # noqa: BLE001 - reported to the log; the chain stays valid
         logger.error("merging the chain of %s failed; it stays as it is: %s: %s", ckpt_id, type(e).__name__, e)
         raise SystemExit(1) from None
@@ -268,15 +269,16 @@ class Merger:
                          self._process.exitcode)
         self._process = None
 
-    def start(self, ckpt_id: str) -> bool:
-        """Start merging the chain of committed ``ckpt_id``; False if a merge is still running."""
+    def start(self, ckpt_id: str, scope: Optional[RetentionScope] = None) -> bool:
+        """Start merging the chain of committed ``ckpt_id`` (``scope``: the job's retention scope);
+        False if a merge is still running."""
         self._reap()
         if self._process is not None:
             return False
         uri, chunk_bytes, threads, keep_last, compression = self._args
         self._process = mp.get_context("spawn").Process(
             target=merge_main, name="cnr-merge", daemon=True,
-            args=(uri, ckpt_id, chunk_bytes, threads, keep_last, compression))
+            args=(uri, ckpt_id, chunk_bytes, threads, keep_last, compression, scope))
         self._process.start()
         self._ckpt_id = ckpt_id
         logger.info("merging the chain of %s into a new baseline in the background", ckpt_id)

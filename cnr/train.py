@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cnr.collectives import all_reduce_host
 from cnr.api import Checkpointer
 from cnr.app_state import collect_state
 from cnr.checkpoint import SaveStats
@@ -27,13 +28,14 @@ from cnr.launch import rank_device
 from cnr.manifest import Manifest
 from cnr.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.job import TrainJob
+from cnr.job import FRESH_START_REMEDY, TrainJob
 from cnr.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish import Publisher, make_publisher
 from cnr.publish_location import publish_uri
 from cnr.state import global_names, state_digest
 from cnr.local_tier import open_checkpoint_store
 from cnr.trace import SampleTrace, reset_trace
+from cnr.types import CheckpointStatus
 from cnr.upload import Writer
 
 logger = logging.getLogger(__name__)
@@ -185,7 +187,10 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         ckpt = None
         if writer is not None:
             ckpt = Checkpointer(job.storage_uri, app_state, _options(config), metadata={"config": config.to_dict()},
-                                writer=writer, publish=_publish_options(job.storage_uri, config))
+                                writer=writer, publish=_publish_options(job.storage_uri, config),
+                                new_history=job.new_history)
+            if manifest is None and config.checkpoint.enabled:
+                _check_fresh_start(ckpt)
             if manifest is not None:
                 info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
                 if info is None:
@@ -233,7 +238,39 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         "checkpoint_bits": saving.engine.bit_width.bits if saving is not None else None,
         "restored_checkpoint": manifest.id if manifest is not None else None,
         "restore_fallbacks": [{"id": s.id, "reason": s.reason} for s in ckpt.skipped_on_restore] if ckpt else [],
+        "lineage": ckpt.lineage if ckpt is not None else None,
+        **commit_status(saving, manifest.step if manifest is not None else None),
     }
+
+
+def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) -> Dict[str, Any]:
+    """Whether this run's checkpoints ended committed: ``last_committed_step`` (the newest committed
+    checkpoint's step, this run's or the restored one; None: none), and, when the checkpoints
+    taken after it all failed, ``no_commit_since_step`` (that step, 0 for none) and
+    ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise."""
+    outcomes = sorted(saving.engine.outcomes.values(), key=lambda i: i.step) if saving is not None else []
+    last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
+    since = last if last is not None else 0
+    failed = [i for i in outcomes if i.status != CheckpointStatus.COMMITTED and (last is None or i.step > last)]
+    out: Dict[str, Any] = {"last_committed_step": last, "no_commit_since_step": None, "commit_failure": None}
+    if failed:
+        newest = failed[-1]
+        out["no_commit_since_step"] = since
+        out["commit_failure"] = (f"no checkpoint committed since step {since}: the {len(failed)} checkpoint(s) taken "
+                                 f"after it failed, the newest ({newest.id}, step {newest.step}) with: "
+                                 f"{(newest.error or 'no reason given')[:500]}")
+    return out
+
+
+def _check_fresh_start(ckpt: Checkpointer) -> None:
+    """A job without --resume, now under the lease: refused (before it trains) when its location
+    holds committed checkpoints, unless --new-history. cnr.job checked before the ranks started,
+    but a job holding the lease then may have committed and ended since (issue #25, item 3)."""
+    try:
+        ckpt.check_history(FRESH_START_REMEDY)
+    except CheckpointError:
+        ckpt.abort()  # releases the lease at once: the location's owner may resume
+        raise
 
 
 def _open_trace(config: Config, rank: int, step: int) -> Optional[SampleTrace]:
@@ -302,8 +339,8 @@ def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Bound
 def _reduce_stats(s: Optional[SaveStats], train_seconds: float) -> Dict[str, Any]:
     sums = torch.tensor([s.bytes_written if s else 0, s.full_fp32_bytes if s else 0], dtype=torch.float64)
     maxes = torch.tensor([s.stall_seconds if s else 0.0, train_seconds], dtype=torch.float64)
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    all_reduce_host(sums)
+    all_reduce_host(maxes, op=dist.ReduceOp.MAX)
     return {
         "checkpoints": s.checkpoints if s else 0, "failed_checkpoints": s.failed if s else 0,
         "nonfinite_checkpoints": len(s.nonfinite) if s else 0,

@@ -233,6 +233,18 @@ class CheckpointInfo:
     base: Optional[str] = None
     error: Optional[str] = None
     method: str = ""
+    lineage: str = ""  # the history it belongs to (cnr.lineage); "" when its manifest records none or is unread
+
+
+@dataclass(frozen=True)
+class RetentionScope:
+    """Whose retention runs (cnr.retention): ``lineage``, the job's history (cnr.lineage; "" for
+    checkpoints that record none), the only one whose checkpoints it may delete; ``pinned``,
+    checkpoint ids whose chains it keeps whatever is newer (what the job restored when that was
+    not the newest committed one: a fallback past damage, or a restore by id)."""
+
+    lineage: str = ""
+    pinned: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

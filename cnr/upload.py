@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
-from cnr.retention import retain_checkpoints
+from cnr.retention import retain_checkpoints, use_scope
 from cnr.options import CheckpointOptions
 from cnr.codec.choose import encode_block, searched_rows
 from cnr.encode import dtype_name
@@ -45,7 +45,9 @@ from cnr.local_tier import Peers, open_checkpoint_store, resume_flush, retain_lo
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, SearchKernel, WriteStatus
+from cnr.types import (
+    CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, SearchKernel, WriteStatus,
+)
 from cnr.uploader import Packer, Uploader
 from cnr.proc import WRITER, name_this_process
 from cnr.mainguard import EXIT_UNGUARDED, UNGUARDED_DEATH
@@ -68,7 +70,9 @@ class WriteJob:
     ``lease``: rank 0's lease on the storage (cnr.lease),
     checked right before the commit; None when the job holds none (benchmarks). ``exchange``:
     rank 0's store for the writers' commit objects (cnr.peer_exchange; with a local tier on
-    several ranks), else None.
+    several ranks), else None. ``retention``: the job's lineage and pinned checkpoints (set by
+    cnr.Checkpointer; rank 0's manifest names the lineage, and its retention uses both,
+    cnr.retention); None: lineage "", nothing pinned.
     """
 
     ckpt_id: str
@@ -89,6 +93,7 @@ class WriteJob:
     small_table_bits: int = 8
     table_bits: Dict[str, int] = field(default_factory=dict)
     exchange: Optional[ExchangeAddress] = None
+    retention: Optional[RetentionScope] = None
 
 
 # What a writer reports, in the order the trainer broadcasts them by index (cnr.checkpoint, cnr.publish).
@@ -281,6 +286,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     peers = Peers.connect(job.exchange, storage, options.commit_timeout_s)
     try:
         while job is not None:
+            use_scope(job.retention)  # this job's retention, also where a hook runs it (cnr.local_tier)
             result = _run_job(storage, uploader, encoders, options, job, cancel, peers, search)
             results.put(result)
             if peers is not None and result.status == WriteStatus.WRITTEN:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import cnr
 from cnr.app_state import AppState
-from cnr.catalog import checkpoint_ids
+from cnr.catalog import checkpoint_ids, restore_ids
 from cnr.launch import launch
 from cnr.state import gather_global
 from cnr.storage.local import LocalStorage
@@ -65,9 +65,10 @@ def _histories(rank, world_size, arg):
         ckpt.save(12).wait()
         out["again_12"] = _refused(lambda: ckpt.save(12))
     with cnr.Checkpointer(uri, app_state, options, new_history=True) as ckpt:  # a new history, on purpose
-        out["new_at_12"] = _refused(lambda: ckpt.save(12))
-        out["new_13"] = ckpt.save(13).wait().step
+        out["new_3"] = ckpt.save(3).wait().step  # its steps start afresh (#25: restores prefer it)
+        out["new_again_3"] = _refused(lambda: ckpt.save(3))
     out["committed"] = [int(i.split("-")[0]) for i in _ids(uri)]
+    out["restore_order"] = [int(i.split("-")[0]) for i in restore_ids(LocalStorage(uri))]
     return out
 
 
@@ -88,10 +89,10 @@ def test_saving_without_restore_where_checkpoints_are_and_saving_an_old_step_are
     assert out["at_restored"].startswith("ValueError: step 10 is not allowed: it must be above 10, the step of the "
                                          "restored checkpoint " + newest)
     assert out["again_12"].startswith("ValueError: step 12 is not allowed: it must be above 12")
-    assert out["new_at_12"].startswith("ValueError: step 12 is not allowed: it must be above 12, the step of the "
-                                       "newest committed checkpoint 0000000012-")
-    # the opt-in saves, and nothing of the first history went (keep_last=0)
-    assert out["new_13"] == 13 and out["committed"] == [5, 10, 12, 13]
+    assert out["new_again_3"].startswith("ValueError: step 3 is not allowed: it must be above 3, the step of the "
+                                         "previous save()")
+    # the opt-in saves, nothing of the first history went, and a restore now takes the new history
+    assert out["new_3"] == 3 and out["committed"] == [3, 5, 10, 12] and out["restore_order"] == [3, 12, 10, 5]
 
 
 class _Counter:

@@ -63,9 +63,9 @@ def test_every_single_bit_flip_is_refused(store, which):
 
 def test_a_flip_cannot_downgrade_a_sealed_manifest(store):
     blob = LocalStorage(str(store)).get(manifest_key(_ids(store)[-1]))
-    assert b'"version": 4' in blob
+    assert b'"version": 5' in blob
     with pytest.raises(CheckpointError, match="SHA-256"):
-        parse_manifest(blob.replace(b'"version": 4', b'"version": 2'))
+        parse_manifest(blob.replace(b'"version": 5', b'"version": 2'))
     unsealed = b"{" + blob[blob.index(b", ") + 2:]  # the seal cut off whole
     with pytest.raises(CheckpointError, match="has no SHA-256 seal"):
         parse_manifest(unsealed)

@@ -75,7 +75,9 @@ def _mutate(fn):
     [
         (lambda o: o.update(extra=1), "unknown fields \\['extra'\\]"),
         (lambda o: o.pop("metadata"), "missing fields \\['metadata'\\]"),
-        (lambda o: o.update(version=5), "version 5"),
+        (lambda o: o.update(version=6), "version 6"),
+        (lambda o: o.pop("lineage"), "missing fields \\['lineage'\\]"),
+        (lambda o: o.update(lineage="../x"), "lineage '../x' is not allowed"),
         (lambda o: o["counters"].update(step=-100), "counters.step = -100"),
         (lambda o: o.update(step=10**30), "step = 1000000000000000000000000000000 is outside"),
         (lambda o: o["counters"].update(step=11), "counters.step = 11 but the checkpoint is at step"),

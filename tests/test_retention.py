@@ -144,8 +144,8 @@ def test_training_keeps_only_the_newest_chain_and_failure_markers(tmp_path, base
 
 def test_nothing_is_deleted_when_the_new_checkpoint_does_not_commit(tmp_path):
     opts = ["--set", "checkpoint.policy=one_shot", "--set", "checkpoint.keep_last=1", "--set", "checkpoint.interval=10"]
-    s = train(str(tmp_path), "ck", *opts, env={"CNR_FAULT_INJECT": "raise:before_commit@60"})
-    assert s["failed_checkpoints"] == 1
+    s = train(str(tmp_path), "ck", *opts, env={"CNR_FAULT_INJECT": "raise:before_commit@60"}, expect_rc=3)
+    assert s["failed_checkpoints"] == 1 and s["no_commit_since_step"] == 50  # the last one failed: exit 3
     listed = {c["step"]: c for c in inspect(str(tmp_path), "ck")}
     assert sorted(step for step, c in listed.items() if c["committed"]) == [10, 50]
     assert listed[60]["status"] == "failed" and listed[60]["bytes"] > 1000  # newer than any commit: untouched
