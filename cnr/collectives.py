@@ -9,7 +9,7 @@ with a CPU backend (gloo, or a device map such as ``cpu:gloo,cuda:nccl``) keeps 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,24 +23,24 @@ def control_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def _run_on_control_device(tensor: torch.Tensor, collective: Callable[[torch.Tensor], None],
+                           group: Optional[dist.ProcessGroup]) -> None:
+    """``collective(t)`` on ``tensor`` where ``group`` can run it; the result lands in ``tensor``."""
+    device = control_device(group)
+    if device.type == "cpu":
+        collective(tensor)
+        return
+    moved = tensor.to(device)
+    collective(moved)
+    tensor.copy_(moved.cpu())
+
+
 def all_reduce_host(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                     group: Optional[dist.ProcessGroup] = None) -> None:
     """``dist.all_reduce`` of the host tensor ``tensor``, in place, on any group."""
-    device = control_device(group)
-    if device.type == "cpu":
-        dist.all_reduce(tensor, op=op, group=group)
-        return
-    moved = tensor.to(device)
-    dist.all_reduce(moved, op=op, group=group)
-    tensor.copy_(moved.cpu())
+    _run_on_control_device(tensor, lambda t: dist.all_reduce(t, op=op, group=group), group)
 
 
 def broadcast_host(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
     """``dist.broadcast`` of the host tensor ``tensor`` from global rank ``src``, in place."""
-    device = control_device(group)
-    if device.type == "cpu":
-        dist.broadcast(tensor, src=src, group=group)
-        return
-    moved = tensor.to(device)
-    dist.broadcast(moved, src=src, group=group)
-    tensor.copy_(moved.cpu())
+    _run_on_control_device(tensor, lambda t: dist.broadcast(t, src=src, group=group), group)

@@ -42,9 +42,9 @@ from cnr.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding, RetentionScope
-from cnr.upload import die_with_parent, row_blocks
+from cnr.upload import row_blocks
 from cnr.uploader import Packer, Uploader
-from cnr.proc import MERGER, name_this_process
+from cnr.proc import MERGER, die_with_spawner, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, k
                compression: Compression = (), scope: Optional[RetentionScope] = None) -> None:
     """The merge process: merge, commit, run retention (``scope``: the job's, cnr.retention; its
     lineage is the merged chain's); exit 1 with the error logged on failure."""
-    die_with_parent()
+    die_with_spawner()
     name_this_process(MERGER)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     storage = open_storage(storage_uri)

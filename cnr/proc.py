@@ -59,3 +59,11 @@ def _watch(parent_pid: int, sentinel) -> None:
     while os.getppid() == parent_pid:
         time.sleep(_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_spawner() -> None:
+    """``die_with_parent`` for a process started by multiprocessing (a writer, a merge): its
+    parent is the process that spawned it. Nothing happens in a process started otherwise."""
+    parent = mp.parent_process()
+    if parent is not None:
+        die_with_parent(parent.pid)

@@ -13,12 +13,10 @@ it never opens torchrec: it needs only storage, encoding and manifests.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
 import logging
-import os
 import queue
 import signal
 import threading
@@ -49,7 +47,7 @@ from cnr.types import (
     CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, SearchKernel, WriteStatus,
 )
 from cnr.uploader import Packer, Uploader
-from cnr.proc import WRITER, name_this_process
+from cnr.proc import WRITER, die_with_spawner, name_this_process
 from cnr.mainguard import EXIT_UNGUARDED, UNGUARDED_DEATH
 from cnr.range_search import Fused, WriterSearch
 
@@ -197,20 +195,6 @@ def _drain(uploader: Uploader) -> None:
         pass
 
 
-def die_with_parent() -> None:
-    """Call first in a background process (writer, merge): it is killed when its trainer dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    # A trainer killed while this process was still importing is gone before prctl took effect:
-    # no signal will come, and the writer would wait for jobs forever.
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)
-
-
 def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, EncodePool], options: CheckpointOptions,
              job: WriteJob, cancel, peers: Optional[Peers] = None,
              search: Optional[WriterSearch] = None) -> WriteResult:
@@ -259,7 +243,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
                 ready=None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel.
     ``ready`` (an Event) is set once the process is up and takes jobs (the trainer never waits for it)."""
-    die_with_parent()
+    die_with_spawner()
     name_this_process(WRITER)
     faults.KILL_PARENT = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle

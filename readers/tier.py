@@ -24,7 +24,6 @@ Readers die with their trainer (PR_SET_PDEATHSIG, and a parent check while they 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ import multiprocessing as mp
 from cnr.errors import CnrError
 from cnr.faults import maybe_crash
 from cnr.readers.batch import Batch, RawBatch, to_batch
-from cnr.proc import READER, name_this_process
+from cnr.proc import READER, die_with_parent, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -127,17 +126,6 @@ class ReaderArgs:
     parent_pid: int
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # A SIGKILLed trainer runs no cleanup: the kernel must take its readers down with it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent checks in _put/_get still end the reader
-    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
-        os._exit(1)
-
-
 def _put(data: Any, item: Tuple, parent_pid: int) -> None:
     """Put ``item`` on the bounded queue, waiting while it is full; exit if the trainer is gone."""
     while True:
@@ -169,7 +157,7 @@ def _describe(e: BaseException) -> str:
 
 def reader_main(args: ReaderArgs, control: Any, data: Any) -> None:
     """Entry point of a reader process: build the reader, then serve grants until stopped."""
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)  # a SIGKILLed trainer runs no cleanup: its readers go with it
     name_this_process(READER)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     reader: Optional[StreamReader] = None
