@@ -117,3 +117,55 @@ def tsv_full(tmp_path_factory, tsv_data):
         out[nproc] = (train(cwd, "ck", *tsv_data["opts"], "--set", "data.reader_processes=0",
                             "--set", "data.trace_dir=trace", nproc=nproc), cwd)
     return out
+
+
+# The slow tier: `make test` leaves these out, `make test-slow` runs them, CI runs both. Each is an
+# end-to-end job trained, killed and resumed several times over; the comment names the cheaper
+# test of the same behaviour that stays in `make test`.
+SLOW_TESTS = {
+    # reader position exactly once: test_api's kill_and_resume[intermittent] restores the loader
+    "tests/test_exactly_once.py::test_exactly_once_synthetic",
+    "tests/test_exactly_once.py::test_exactly_once_tsv[2]",
+    "tests/test_train_tsv.py::test_tsv_training_resumes_bit_exact",  # test_readers_tsv
+    # multi-node and cross-world-size resumes: test_train_resume ws2 -> ws1
+    "tests/test_multinode.py::test_two_nodes_resume_bit_exact_and_restore_on_one_node",
+    "tests/test_train_policies.py::test_consecutive_chain_restores_across_world_sizes",
+    "tests/test_api.py::test_kill_and_resume_at_world_size_1_then_restore_at_2[full]",
+    "tests/test_api.py::test_kill_and_resume_at_world_size_1_then_restore_at_2[consecutive]",
+    "tests/test_api.py::test_kill_and_resume_at_world_size_1_then_restore_at_2[one_shot]",
+    "tests/test_train_resume.py::test_resume_is_bit_exact_world_size_1[dcn-adagrad-adam]",
+    # kills: test_train_crash's sigkill_during_checkpoint[before_data-20]
+    "tests/test_train_crash.py::test_sigkill_of_one_rank_at_world_size_2",
+    "tests/test_train_crash.py::test_sigkill_during_checkpoint[mid_data-20]",
+    "tests/test_api_lifecycle.py::test_writer_rerunning_an_unguarded_script_names_the_cause",
+    "tests/test_train_background.py::test_overlap_waits_and_counts_the_wait_as_stall",
+    # benches: their own unit tests and `python -m cnr bench ...` (figures in docs/benchmarks.md)
+    "tests/test_bench_chaos.py::test_short_chaos_run_loses_nothing",
+    "tests/test_bench_upload.py::test_bench_upload_tiny_on_s3_and_local",
+    "tests/test_bench_conformance.py::test_managed_collision_cells_are_exact_or_refused_never_wrong",
+    "tests/test_bench_accuracy.py::test_bench_accuracy_tiny_control_is_exact",
+    "tests/test_bench_policies.py::test_bench_policies_runs_real_training",
+    # conformance: test_conformance's other cells and test_managed_collision
+    "tests/test_conformance.py::test_column_split_tables_resume_exactly_and_restore_at_one_rank",
+    "tests/test_conformance.py::test_another_plan_at_the_same_world_size_restores_exactly",
+    # examples: test_pipeline resumes a TrainPipelineSparseDist bit-exact
+    "tests/test_examples.py::test_dlrm_criteo_pipeline_killed_and_resumed_is_bit_exact",
+    "tests/test_examples.py::test_two_tower_killed_and_resumed_is_bit_exact",
+    # S3 end to end: test_storage_s3 (errors, retries) and test_lease on S3
+    "tests/test_train_s3.py::test_train_and_resume_on_s3_bit_exact[2]",
+    "tests/test_train_s3.py::test_bucket_failing_for_good_mid_run[bucket_gone-NoSuchBucket]",
+    "tests/test_train_s3.py::test_bucket_failing_for_good_mid_run[deny_writes-AccessDenied]",
+    "tests/test_publish.py::test_two_ranks_on_s3_publish_8bit_within_the_bound",
+    # policies and quantized resumes: test_policy, test_train_quantized[4-adaptive,naive-extra0]
+    "tests/test_train_policies.py::test_bit_width_from_failures_falls_back_to_8_bits_and_survives_restarts",
+    "tests/test_train_quantized.py::test_quantized_checkpoints_resume_close_to_fp32[8-naive-extra1]",
+    # retention and the local tier: the other case of each file
+    "tests/test_retention_verified.py::test_retention_after_a_fallback_past_a_damaged_baseline_then_a_crash",
+    "tests/test_local_tier.py::test_lost_or_damaged_local_tier_resumes_from_remote[deleted]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
