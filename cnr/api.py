@@ -51,7 +51,7 @@ from cnr.peer_exchange import host_exchange
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.tracker import DEFAULT_VIEWS, RowTracker
-from cnr.types import CheckpointInfo, CheckpointStatus, RetentionScope, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, LeaseRef, RetentionScope, TableSpec
 from cnr.upload import Writer
 from cnr import at_exit
 from cnr.mainguard import check_main_guard
@@ -137,7 +137,7 @@ class Checkpointer:
         self.tables = [_table_spec(t) for t in self.app.tables]
         try:  # the lease is the remote store's: it decides which job owns the location
             lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
-            self.lease = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
+            self.lease, self._lease_ref = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
             # after the lease: a job that committed before it was taken is seen
             self._newest = _newest_on_rank0(self.storage, self.rank)
             self.lineage: str = rank0_decides(new_lineage_id, self.rank)  # a restore continues its checkpoint's
@@ -177,7 +177,7 @@ class Checkpointer:
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options.for_writer(rows_per_rank)))
-        self.engine.lease = self.lease.ref if self.lease is not None else None
+        self.engine.lease = self._lease_ref  # every rank's: rank 0 fences its commits, all fence their flushes
         # with a local tier per node, the writers hand each other indexes and manifests (collective)
         self._exchange_server = None
         if self.options.local_dir and self.world_size > 1:
@@ -359,6 +359,26 @@ class Checkpointer:
                 self._untrack()
                 self._release_lease()
                 self.storage.close()
+        self._warn_local_only()
+
+    @property
+    def local_only_checkpoints(self) -> List[str]:
+        """After ``close`` on rank 0 with ``options.local_dir``: the checkpoints committed only on the
+        node-local tier, oldest first (the storage was unreachable until the bounded end of the
+        flush, or another job took the lease); [] elsewhere. Resume from them on this node with the
+        same ``local_dir``: the resumed writer flushes them to the storage first."""
+        report = getattr(self.engine, "flush_report", None)
+        return list(report.local_only) if report is not None else []
+
+    def _warn_local_only(self) -> None:
+        report = getattr(self.engine, "flush_report", None)
+        if report is None or not report.local_only:
+            return
+        why = (f"another job holds the lease on {self.uri} now: {report.fenced_out}" if report.fenced_out else
+               f"{self.uri} was still unreachable when the job ended")
+        logger.warning("checkpoints %s exist ONLY on the node-local tier %s, not in %s (%s); resume on this node "
+                       "with the same local_dir to continue from them", list(report.local_only),
+                       self.options.local_dir, self.uri, why)
 
     def abort(self) -> None:
         """Stop the writers without collectives (on an error path, other ranks may be gone)."""
@@ -408,23 +428,26 @@ def _on_every_rank(check: Callable[..., None], *args: Any) -> None:
         raise CheckpointError("; ".join(f"rank {r}: {why}" for r, why in failed))
 
 
-def take_lease(storage: Storage, ttl_s: float, rank: int) -> Optional[Lease]:
+def take_lease(storage: Storage, ttl_s: float, rank: int) -> Tuple[Optional[Lease], LeaseRef]:
     """Rank 0 takes the storage location's lease (cnr.lease) and renews it from now on; every
-    rank raises LeaseHeldError (or the storage's error) when it cannot (collective)."""
+    rank raises LeaseHeldError (or the storage's error) when it cannot (collective). Returns rank
+    0's Lease (None elsewhere) and, on every rank, which generation it is: every rank's writer
+    checks it before flushing after a remote outage (cnr.storage.tiered)."""
     lease: Optional[Lease] = None
-    refused: List[Any] = [None]
+    shared: List[Any] = [None, None]  # (why it was refused, or None), the held generation
     if rank == 0:
         try:
             lease = Lease.acquire(storage, ttl_s)
+            shared[1] = (lease.ref.generation, lease.ref.owner)
         except CnrError as e:
-            refused = [(type(e).__name__, str(e))]
-    dist.broadcast_object_list(refused, src=0)
-    if refused[0] is not None:
-        kind, message = refused[0]
+            shared[0] = (type(e).__name__, str(e))
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        kind, message = shared[0]
         raise LeaseHeldError(message) if kind == LeaseHeldError.__name__ else CheckpointError(message)
     if lease is not None:
         lease.start_renewing()
-    return lease
+    return lease, LeaseRef(*shared[1])
 
 
 def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:

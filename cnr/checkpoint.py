@@ -104,7 +104,8 @@ class CheckpointEngine:
                        if c.merge_every and rank == 0 else None)
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
-        self.lease: Optional[LeaseRef] = None  # rank 0's lease on the storage (cnr.lease), checked at commit
+        self.lease: Optional[LeaseRef] = None  # the job's lease on the storage (cnr.lease): rank 0 checks it at commit
+        self.flush_report = None  # rank 0 with a local tier, after finish: cnr.upload.FlushReport
         # rank 0's lineage and pinned checkpoints for the commit and retention (cnr.retention); None: lineage ""
         self.retention: Optional[RetentionScope] = None
         self.exchange: Optional[ExchangeAddress] = None  # the writers' exchange (cnr.peer_exchange), if any
@@ -184,6 +185,7 @@ class CheckpointEngine:
             self.handoff.close()
             if self.merger is not None:
                 self.merger.wait()
+        self.flush_report = getattr(self.handoff.writer, "flush_report", None)
         self.stats.drain_seconds += time.perf_counter() - start
 
     # ---- internals -----------------------------------------------------------------------

@@ -7,12 +7,13 @@ by other processes, possibly on other machines), gives up on a failure marker, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from typing import Any, Dict, List, Tuple, Union
 
-from cnr.errors import Cancelled, CheckpointError
+from cnr.errors import Cancelled, CheckpointError, StorageError
 from cnr.faults import maybe_crash
 from cnr.lease import check_held
 from cnr.manifest import (
@@ -20,6 +21,7 @@ from cnr.manifest import (
 )
 from cnr.catalog import marker_error
 from cnr.storage.base import Storage, from_sources, read_document
+from cnr.storage.tiered import TieredStorage
 from cnr.types import TABLE_ROLES, CheckpointKind, Role
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,33 @@ def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
     return needs
 
 
+def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union[str, Tuple[str, ...]]]) -> None:
+    """Store ``job``'s manifest, fenced by its lease (a job that lost its storage's lease commits
+    nothing). Over a local tier (cnr.storage.tiered) whose remote store is unreachable, the
+    manifest commits on the local tier without asking the remote store: the tier is this job's
+    (keyed by location, cnr.local_tier) and the remote commit runs the fence first, once the store
+    answers again, and stores nothing if another job took the lease meanwhile (issue #25, item 8)."""
+    key = manifest_key(job.ckpt_id)
+    if job.lease is None:
+        storage.commit(key, blob, requires)
+        return
+    fence = functools.partial(check_held, ref=job.lease)
+    if not isinstance(storage, TieredStorage):
+        fence(storage)
+        storage.commit(key, blob, requires)
+        return
+    try:
+        if storage.fenced_out is not None:
+            raise CheckpointError(storage.fenced_out)
+        if not storage.remote_down:
+            fence(storage.remote)
+    except StorageError as e:
+        storage.note_unreachable()
+        logger.warning("cannot reach %s to check the lease (%s); committing %s on the local tier only: it is "
+                       "flushed there once the lease is confirmed", storage.remote.uri, e, job.ckpt_id)
+    storage.commit(key, blob, requires, fence=fence)
+
+
 def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None) -> Tuple[Manifest, bytes]:
     """Commit ``job``'s checkpoint; return its manifest and the manifest's bytes. ``exchange``:
     where other nodes' writers also publish their indexes (cnr.peer_exchange)."""
@@ -150,8 +179,6 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exch
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
-    if job.lease is not None:
-        check_held(storage, job.lease)  # a job that lost its storage's lease commits nothing
-    storage.commit(manifest_key(job.ckpt_id), blob, commit_requires(manifest))  # the commit point
+    _commit_under_lease(storage, job, blob, commit_requires(manifest))  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
     return manifest, blob

@@ -18,6 +18,11 @@ A checkpoint commits locally once rank 0 has every rank's index: from the shared
 on one node; on several nodes from the writers' exchange (``Peers``, cnr.peer_exchange), or else
 once the other node has flushed its index (its chunks first) to the remote store. Rank 0's
 writer then sends the manifest to the other ranks' writers, which store it in their node's tier.
+
+Through a remote outage (issue #25, item 8) checkpoints go on committing locally (cnr.commit),
+and each writer's tier flushes them, in order, once the store answers and the job's lease is
+confirmed (cnr.storage.tiered); a writer's close waits at most ``OUTAGE_WAIT_S`` for a store
+found down, and ``local_only_checkpoints`` names what then exists only on the node.
 """
 
 from __future__ import annotations
@@ -74,7 +79,17 @@ def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[i
         if rank == 0:
             after = functools.partial(_retain_after_remote_commit, options.keep_last, options.local_keep_last)
     return TieredStorage(local, remote, options.commit_timeout_s, flush_threads=options.upload_threads,
-                         before_remote_commit=before, on_remote_commit=after)
+                         before_remote_commit=before, on_remote_commit=after,
+                         outage_wait_s=min(options.commit_timeout_s, OUTAGE_WAIT_S))
+
+
+OUTAGE_WAIT_S = 30.0  # at a writer's end, the longest wait for a remote store found down (or the commit timeout)
+
+
+def local_only_checkpoints(tier: TieredStorage) -> List[str]:
+    """The checkpoints whose manifests ``tier`` committed locally but never stored on the remote
+    (a remote outage that outlasted the job, or a lease another job took), oldest first."""
+    return [k.split("/")[1] for k in tier.unflushed_commits() if _is_manifest(k) and tier.local.exists(k)]
 
 
 # ---- the tier's place in local_dir ----------------------------------------------------------
@@ -245,9 +260,10 @@ def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: Tier
 def retain_local(tier: TieredStorage, keep_last: int) -> Dict[str, List[str]]:
     """The local tier's retention: keep the newest ``keep_last`` committed chains (as the tier
     as a whole lists them); delete other checkpoints' local copies once the remote store holds
-    them committed, and dead uncommitted ones' data. Nothing still waiting for its flush goes.
+    them committed, and dead uncommitted ones' data. Nothing still waiting for its flush goes,
+    and nothing at all while the remote store is down (which copies it holds is unknown then).
     Errors are logged, never raised: the next commit tries again."""
-    if keep_last == 0:
+    if keep_last == 0 or tier.remote_down:  # it would ask the remote store what it holds
         return {"deleted": [], "purged": []}
     try:
         plan = plan_retention(list_checkpoints(tier), keep_last)

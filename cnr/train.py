@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -247,7 +247,13 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     """Whether this run's checkpoints ended committed: ``last_committed_step`` (the newest committed
     checkpoint's step, this run's or the restored one; None: none), and, when the checkpoints
     taken after it all failed, ``no_commit_since_step`` (that step, 0 for none) and
-    ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise."""
+    ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise.
+
+    With a local tier, ``local_only_checkpoints`` names the checkpoints committed only on the node
+    (the remote store was unreachable until the job's bounded end, or another job took the lease)
+    and ``last_remote_step`` the newest step the storage itself holds. When the newest committed
+    checkpoint is local only, the storage lacks this run's newest state: ``commit_failure`` says so
+    (exit 3 too) and how to resume from the node, and ``no_commit_since_step`` is the remote one."""
     outcomes = sorted(saving.engine.outcomes.values(), key=lambda i: i.step) if saving is not None else []
     last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
     since = last if last is not None else 0
@@ -259,7 +265,39 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
         out["commit_failure"] = (f"no checkpoint committed since step {since}: the {len(failed)} checkpoint(s) taken "
                                  f"after it failed, the newest ({newest.id}, step {newest.step}) with: "
                                  f"{(newest.error or 'no reason given')[:500]}")
+    report = getattr(saving.engine, "flush_report", None) if saving is not None else None
+    if report is None:
+        return out
+    local_only = [i for i in outcomes if i.id in set(report.local_only) and i.status == CheckpointStatus.COMMITTED]
+    remote = [i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED and i.id not in set(report.local_only)]
+    out["local_only_checkpoints"] = [i.id for i in local_only]
+    out["last_remote_step"] = max(remote, default=restored_step)
+    if local_only and (failed or local_only[-1].step == last):
+        out["no_commit_since_step"] = out["last_remote_step"] or 0
+        line = _local_only_line(saving, local_only, out["no_commit_since_step"], report.fenced_out)
+        if failed:  # after a lost lease, every later checkpoint fails
+            line += (f"; the {len(failed)} checkpoint(s) taken after them failed, the newest ({failed[-1].id}, step "
+                     f"{failed[-1].step}) with: {(failed[-1].error or 'no reason given')[:300]}")
+        out["commit_failure"] = line
     return out
+
+
+def _local_only_line(saving: Checkpointer, local_only: List[Any], since: int, fenced_out: Optional[str]) -> str:
+    """The final line for checkpoints committed only on the node-local tier (issue #25, item 8)."""
+    ids = ", ".join(f"{i.id} (step {i.step})" for i in local_only) if len(local_only) <= 3 else \
+        f"{len(local_only)} checkpoints, {local_only[0].id} (step {local_only[0].step}) to {local_only[-1].id} (step " \
+        f"{local_only[-1].step}),"
+    where = saving.options.local_dir
+    if fenced_out:
+        why = (f"they were not flushed because another job holds the storage's lease now ({fenced_out[:300]}); "
+               "nothing of theirs was written there")
+        todo = f"they stay in {where}; resuming from them would flush them into that job's location"
+    else:
+        why = "the storage was still unreachable when the job ended, after its bounded wait for the flush"
+        todo = (f"they stay in {where}: resume on this node with --resume and the same checkpoint.local_dir, and "
+                "the resumed job flushes them to the storage first")
+    return (f"no checkpoint committed to the storage {saving.uri} since step {since}: {ids} committed only on the "
+            f"node-local tier; {why}; {todo}")
 
 
 def _check_fresh_start(ckpt: Checkpointer) -> None:

@@ -29,17 +29,18 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.commit import commit_checkpoint
+from cnr.lease import check_held
 from cnr.retention import retain_checkpoints, use_scope
 from cnr.options import CheckpointOptions
 from cnr.codec.choose import encode_block, searched_rows
 from cnr.encode import dtype_name
 from cnr.encode_pool import EncodePool
-from cnr.errors import Cancelled, CnrError, redact, redact_logging
+from cnr.errors import Cancelled, CnrError, StorageError, redact, redact_logging
 from cnr import faults
 from cnr.faults import maybe_crash
 from cnr.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.snapshot import HostPiece
-from cnr.local_tier import Peers, open_checkpoint_store, resume_flush, retain_local
+from cnr.local_tier import Peers, local_only_checkpoints, open_checkpoint_store, resume_flush, retain_local
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
@@ -65,8 +66,9 @@ class WriteJob:
     quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as they are);
     ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
     cnr.codec.choose decides per piece); ``table_bits``: table id -> its rows' width, over both.
-    ``lease``: rank 0's lease on the storage (cnr.lease),
-    checked right before the commit; None when the job holds none (benchmarks). ``exchange``:
+    ``lease``: the job's lease on the storage (cnr.lease, held by rank 0), which rank 0 checks
+    right before the commit, and every rank's local tier before it flushes to the remote store
+    after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``exchange``:
     rank 0's store for the writers' commit objects (cnr.peer_exchange; with a local tier on
     several ranks), else None. ``retention``: the job's lineage and pinned checkpoints (set by
     cnr.Checkpointer; rank 0's manifest names the lineage, and its retention uses both,
@@ -170,6 +172,8 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors, job.app)
     blob = rank_index_to_bytes(index)
     # a commit: a store that writes in stages (cnr.storage.tiered) stores it after the chunks
+    if isinstance(storage, TieredStorage) and job.lease is not None:  # after an outage: flushed under the lease
+        storage.set_fence(functools.partial(check_held, ref=job.lease))
     storage.commit(rank_index_key(job.ckpt_id, job.rank), blob)
     maybe_crash("after_data", job.step, job.rank, cancel)
     return index, written + len(blob)
@@ -260,7 +264,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     # opened once the first job names this writer's rank: a local tier's hooks and resumed flush need it
     storage = open_checkpoint_store(storage_uri, options, job.rank, wrap_remote)
     if isinstance(storage, TieredStorage):
-        resume_flush(storage, job.rank)
+        _resume_flush(storage, job.rank)
     uploader = Uploader(storage, options.upload_threads)
     # Measured on a full 2-bit checkpoint of 3.0M rows x 64, 2 cores: eager 11.8 s on 1 thread and
     # 7.7 s on 2; compiled 5.2 s on 1, 4.4 s with one encoding thread whose kernels run on 2
@@ -268,6 +272,7 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
     encoders = (EncodePool(options.encode_threads),)
     encoders += (EncodePool(1) if options.encode_threads > 1 else encoders[0],)
     peers = Peers.connect(job.exchange, storage, options.commit_timeout_s)
+    rank = job.rank
     try:
         while job is not None:
             use_scope(job.retention)  # this job's retention, also where a hook runs it (cnr.local_tier)
@@ -285,6 +290,30 @@ def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, can
             encoder.close()
         uploader.close()
         storage.close()
+        if isinstance(storage, TieredStorage) and rank == 0:
+            results.put(FlushReport(tuple(local_only_checkpoints(storage)), storage.fenced_out))
+
+
+def _resume_flush(storage: TieredStorage, rank: int) -> None:
+    """Queue what an earlier writer left only on the local tier (cnr.local_tier.resume_flush); a
+    writer starting in a remote outage (a restarted one) carries on without: it commits locally."""
+    try:
+        resume_flush(storage, rank)
+    except StorageError as e:
+        storage.note_unreachable()
+        logger.warning("rank %d: cannot list %s (%s); checkpoints an earlier writer left only on the local tier "
+                       "are flushed by the next writer that reaches it", rank, storage.remote.uri, e)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What rank 0's writer over a local tier reports as it ends (after the bounded flush of its
+    close, cnr.storage.tiered): ``local_only``, the checkpoints committed only on the node-local
+    tier, oldest first; ``fenced_out``, why nothing more was flushed when another job took the
+    location's lease (None otherwise)."""
+
+    local_only: Tuple[str, ...] = ()
+    fenced_out: Optional[str] = None
 
 
 def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, retain: Optional[Retain]) -> None:
@@ -328,11 +357,23 @@ class Writer:
         self.deaths = 0  # writer processes that died in a row
         self.restarts = 0  # writer processes started after one died, in total
         self.in_flight: Optional[WriteJob] = None
+        self.flush_report: Optional[FlushReport] = None  # set by close on rank 0 with a local tier
         self._start()
         self._marker_storage: Optional[Storage] = None
         self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="cnr-writer-watch", daemon=True)
         self._watcher.start()
+
+    def _take_report(self, timeout: float) -> bool:
+        """Read one item off the results queue, keeping the writer's closing FlushReport (anything
+        else there is stale); False when there was none within ``timeout`` s."""
+        try:
+            item = self._results.get(timeout=timeout)
+        except (queue.Empty, OSError, ValueError, EOFError):
+            return False
+        if isinstance(item, FlushReport):
+            self.flush_report = item
+        return True
 
     def _start(self) -> None:
         self._jobs = self._ctx.Queue()
@@ -424,11 +465,20 @@ class Writer:
         return result
 
     def close(self) -> None:
+        """Stop the writer process. With a local tier it first flushes what the remote store lacks
+        (bounded, cnr.storage.tiered) and rank 0's reports what stays local (``flush_report``)."""
         self._stop_watch.set()
         if self._process.is_alive():
             self._jobs.put(None)
-            # with a local tier the writer first flushes what the remote store lacks
-            self._process.join(timeout=60 + (self._options.commit_timeout_s if self._options.local_dir else 0))
+            if not self._options.local_dir:
+                self._process.join(timeout=60)
+            deadline = time.monotonic() + 60 + self._options.commit_timeout_s
+            while self._options.local_dir and self._process.is_alive() and time.monotonic() < deadline:
+                if not self._take_report(0.05):  # read while it runs: a queued report never blocks its exit
+                    self._process.join(timeout=0.05)
+        # the report, queued behind stale results if any (the exited process flushed its queue)
+        while self._options.local_dir and self.flush_report is None and self._take_report(0.1):
+            pass
         if self._process.is_alive():
             self._process.kill()
         if self._marker_storage is not None:

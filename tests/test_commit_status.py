@@ -37,3 +37,35 @@ def test_nothing_committed_in_a_fresh_or_resumed_run():
     assert commit_status(_saving((20, FAILED), (40, FAILED)), None)["no_commit_since_step"] == 0
     s = commit_status(_saving((60, FAILED)), 40)  # resumed from step 40
     assert (s["last_committed_step"], s["no_commit_since_step"]) == (40, 40)
+
+
+# ---- issue #25, item 8: checkpoints committed only on the node-local tier ---------------------
+
+def _with_report(saving, local_only, fenced_out=None):
+    from cnr.upload import FlushReport
+
+    saving.engine.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out)
+    saving.options, saving.uri = SimpleNamespace(local_dir="/nvme/cnr"), "s3://bucket/job"
+    return saving
+
+
+def test_newest_only_on_the_local_tier_exits_3_saying_remote_and_local():
+    s = commit_status(_with_report(_saving((20, OK), (40, OK), (60, OK)), [40, 60]), None)
+    assert s["local_only_checkpoints"] == ["0000000040-beef", "0000000060-beef"]
+    assert (s["last_committed_step"], s["last_remote_step"], s["no_commit_since_step"]) == (60, 20, 20)
+    assert s["commit_failure"].startswith("no checkpoint committed to the storage s3://bucket/job since step 20: "
+                                          "0000000040-beef (step 40), 0000000060-beef (step 60) committed only on "
+                                          "the node-local tier")
+    assert "--resume and the same checkpoint.local_dir" in s["commit_failure"] and "/nvme/cnr" in s["commit_failure"]
+
+
+def test_a_lease_lost_during_the_outage_says_so_and_an_all_flushed_run_is_fine():
+    s = commit_status(_with_report(_saving((20, OK)), [20], "this job lost the lease on s3://bucket/job"), 10)
+    assert s["no_commit_since_step"] == 10 and "another job holds the storage's lease now" in s["commit_failure"]
+    lost = commit_status(_with_report(_saving((20, OK), (40, OK), (60, FAILED)), [40], "lost the lease"), None)
+    assert (lost["no_commit_since_step"], lost["local_only_checkpoints"]) == (20, ["0000000040-beef"])
+    assert lost["commit_failure"].startswith("no checkpoint committed to the storage s3://bucket/job since step 20")
+    assert "the 1 checkpoint(s) taken after them failed, the newest (0000000060-beef, step 60)" \
+        in lost["commit_failure"]
+    fine = commit_status(_with_report(_saving((20, OK), (40, OK)), []), None)
+    assert fine["commit_failure"] is None and fine["local_only_checkpoints"] == [] and fine["last_remote_step"] == 40

@@ -169,3 +169,139 @@ def test_delete_drops_a_queued_flush_so_the_remote_never_gets_the_object_back(st
     remote.gate.set()
     assert tier.flush(timeout=10)
     assert tier.list("lease") == ["lease/1"] and remote.list("lease") == ["lease/1"]
+
+
+# ---- issue #25, item 8: a remote outage ----------------------------------------------------
+
+class DownStore(FlakyStore):
+    """A remote store that does not answer at all while ``down`` is set: every call fails, as a
+    store that is unreachable looks once its client's retries are spent."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.down = threading.Event()
+
+    def _check(self, key: str) -> None:
+        if self.down.is_set():
+            raise StorageError(f"cannot reach the store for {key}: connection refused")
+
+    def put(self, key, data):
+        self._check(key)
+        super().put(key, data)
+
+    def exists(self, key):
+        self._check(key)
+        return super().exists(key)
+
+    def list(self, prefix=""):
+        self._check(prefix)
+        return super().list(prefix)
+
+    def get(self, key, byte_range=None, *, limit=None):
+        self._check(key)
+        return super().get(key, byte_range, limit=limit)
+
+
+def _outage_tier(tmp_path, **kwargs):
+    local, remote = LocalStorage(str(tmp_path / "local")), DownStore(str(tmp_path / "remote"))
+    return TieredStorage(local, remote, commit_timeout_s=kwargs.pop("commit_timeout_s", 5), **kwargs), local, remote
+
+
+def _two_checkpoints(tier, **commit_kwargs) -> None:
+    """c/1 (a base) and c/2 (an increment on it), each with its data then its commit."""
+    tier.put("c/1/obj", b"one")
+    tier.commit("c/1/manifest", b"m1", requires=["c/1/obj"], **commit_kwargs)
+    tier.put("c/2/obj", b"two")
+    tier.commit("c/2/manifest", b"m2", requires=["c/2/obj", ("c/1/manifest",)], **commit_kwargs)
+
+
+def _wait_down(tier, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not tier.remote_down and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tier.remote_down
+
+
+def test_an_outage_commits_locally_and_flushes_everything_in_order_once_the_store_is_back(tmp_path):
+    # on main the write the outage cut failed its checkpoint on the remote for good, and the
+    # increment after it waited for that base: the remote never got past it (issue #25, item 8)
+    tier, local, remote = _outage_tier(tmp_path)
+    remote.down.set()
+    _two_checkpoints(tier)
+    time.sleep(1.0)
+    assert local.exists("c/1/manifest") and local.exists("c/2/manifest")  # committed locally at once
+    remote.down.clear()
+    assert tier.flush(timeout=20)
+    assert remote.exists("c/1/manifest") and remote.exists("c/2/manifest"), remote.puts
+    assert remote.get("c/1/manifest") == b"m1" and remote.get("c/2/manifest") == b"m2"
+    assert remote.puts.index("c/1/obj") < remote.puts.index("c/1/manifest") < remote.puts.index("c/2/obj") \
+        < remote.puts.index("c/2/manifest")
+    assert not tier.remote_down and tier.unflushed_commits() == [] and tier.fenced_out is None
+    tier.close()
+
+
+def test_after_an_outage_the_fence_runs_before_any_write_and_a_lost_lease_writes_nothing(tmp_path, caplog):
+    tier, local, remote = _outage_tier(tmp_path)
+    fenced = []
+
+    def fence(store):
+        fenced.append(store)
+        if remote.down.is_set():
+            raise StorageError("cannot list lease/: connection refused")
+        raise CheckpointError("this job lost the lease on the store (it held generation 3; the newest is 4)")
+
+    remote.down.set()
+    _two_checkpoints(tier, fence=fence)
+    _wait_down(tier)
+    remote.down.clear()  # back, but another job took the location's lease meanwhile
+    started = time.monotonic()
+    assert tier.flush(timeout=20) and time.monotonic() - started < 10
+    assert fenced and all(store is remote for store in fenced)
+    assert remote.puts == [] and remote.list("c") == []  # nothing at all written after the outage
+    assert "lost the lease" in tier.fenced_out
+    assert tier.unflushed_commits() == ["c/1/manifest", "c/2/manifest"]
+    assert local.get("c/2/manifest") == b"m2"  # the local tier keeps everything
+    assert any(r.levelname == "ERROR" and "NOT flushing" in r.getMessage() for r in caplog.records)
+    tier.put("c/3/obj", b"three")  # later writes stay local too
+    assert tier.flush(timeout=5) and not remote.exists("c/3/obj") and local.exists("c/3/obj")
+    tier.close()
+
+
+def test_each_remote_commit_runs_its_fence_first(tmp_path):
+    tier, _local, remote = _outage_tier(tmp_path)
+
+    def fence(store):
+        if store.exists("c/1/manifest"):
+            raise CheckpointError("this job lost the lease")
+
+    _two_checkpoints(tier, fence=fence)
+    assert tier.flush(timeout=10)
+    assert remote.exists("c/1/manifest") and not remote.exists("c/2/manifest")
+    assert tier.unflushed_commits() == ["c/2/manifest"] and "lost the lease" in tier.fenced_out
+    tier.close()
+
+
+def test_close_in_an_outage_waits_at_most_outage_wait_s_and_names_what_stays_local(tmp_path):
+    # on main the close waited the whole commit timeout for a flush that could not finish
+    tier, local, remote = _outage_tier(tmp_path, commit_timeout_s=120, outage_wait_s=1.0)
+    remote.down.set()
+    _two_checkpoints(tier)
+    _wait_down(tier)
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 10
+    assert tier.unflushed_commits() == ["c/1/manifest", "c/2/manifest"]
+    assert local.exists("c/2/manifest") and not remote.down.clear() and remote.list("c") == []
+
+
+def test_a_writer_without_commit_fences_checks_the_lease_before_flushing_after_an_outage(tmp_path):
+    # every rank's writer sets the job's fence (cnr.upload): after an outage it runs before any write
+    tier, local, remote = _outage_tier(tmp_path)
+    tier.set_fence(lambda store: (_ for _ in ()).throw(CheckpointError("this job lost the lease")))
+    tier.note_unreachable()  # as the writer's lease check found it
+    assert tier.remote_down
+    tier.put("c/1/rank-1-obj", b"data")
+    tier.commit("c/1/rank-1-index", b"i")
+    assert tier.flush(timeout=10)
+    assert remote.puts == [] and "lost the lease" in tier.fenced_out and local.exists("c/1/rank-1-index")
+    tier.close()
