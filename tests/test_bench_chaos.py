@@ -3,11 +3,14 @@ does, and one short real run (a kill of the job and a damaged chunk, on moto thr
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
+import torch
 
-from cnr.bench import chaos, chaos_job
+from cnr.bench import chaos, chaos_events, chaos_job
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.errors import StorageError
 from cnr.storage.s3 import S3Storage
@@ -46,9 +49,12 @@ def test_proxy_outage_fails_requests_until_it_ends(proxied):
 
 
 def test_plan_has_every_kind_once_then_random():
-    plan = chaos.plan_events(11, random.Random(0))
-    assert len(plan) == 11 and set(plan) == set(chaos.EVENTS)
-    assert plan == chaos.plan_events(11, random.Random(0))  # seeded
+    assert {"damage_resume_crash", "fresh_race", "shared_local_dir"} <= set(chaos.EVENTS)
+    plan = chaos.plan_events(len(chaos.EVENTS), random.Random(0))
+    assert len(plan) == len(chaos.EVENTS) and set(plan) == set(chaos.EVENTS)
+    assert plan == chaos.plan_events(len(chaos.EVENTS), random.Random(0))  # seeded
+    default = chaos.parse_args([])
+    assert set(chaos.plan_events(default.events, random.Random(default.seed), default.kinds)) == set(chaos.EVENTS)
     assert sorted(chaos.plan_events(2, random.Random(1), ("kill_trainer", "s3_outage"))) == ["kill_trainer", "s3_outage"]
 
 
@@ -91,6 +97,177 @@ def test_corruption_changes_exactly_the_target(tmp_path):
     assert storage.get("checkpoints/x/rank-00000.json") == b"{}"
 
 
+def _infos(*specs, lineage="A"):
+    """(id, step, base) -> committed CheckpointInfos of ``lineage``."""
+    return [dataclasses.replace(_info(i, step, base), lineage=lineage) for i, step, base in specs]
+
+
+def test_damage_target_is_a_middle_link_or_the_newest_baseline_with_a_fallback_left():
+    one_chain = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"), ("d", 40, "c"))
+    picks = {chaos_events.damage_target(one_chain, set(), random.Random(s)) for s in range(20)}
+    assert picks == {("middle_link", "b"), ("middle_link", "c")}  # a has nothing older to fall back to
+    two = one_chain + _infos(("e", 50, None), ("f", 60, "e"))
+    picks = {chaos_events.damage_target(two, set(), random.Random(s)) for s in range(20)}
+    assert picks == {("newest_baseline", "e")}  # f's chain has no middle link; d's chain is left
+    assert chaos_events.damage_target(_infos(("a", 10, None), ("b", 20, "a")), set(), random.Random(0)) is None
+    assert chaos_events.damage_target(two, {"e"}, random.Random(0)) in {("middle_link", "b"), ("middle_link", "c")}
+
+
+class _FakeJob:
+    """A running job whose stderr and end the test sets."""
+
+    def __init__(self, err: str = "") -> None:
+        self.err, self.alive, self.killed = err, True, False
+
+    def running(self) -> bool:
+        return self.alive
+
+    def stderr(self) -> str:
+        return self.err
+
+    def kill(self) -> None:
+        self.killed, self.alive = True, False
+
+
+def test_the_resume_after_damage_is_killed_after_its_second_commit_past_the_restore():
+    store = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"), ("d", 40, "c"))  # c damaged, d through it
+    scans = iter([store, store + _infos(("x", 30, "b")), store + _infos(("x", 30, "b"), ("y", 40, "x"))])
+    last = [store]
+
+    def scan():
+        last[0] = next(scans, last[0])
+        return last[0]
+
+    ev = chaos_events.NewEvents()
+    record = {"event": "damage_resume_crash"}
+    ev.pending_crash, ev.watch = record, type("W", (), {"scan": staticmethod(scan)})()
+    job = _FakeJob("restored checkpoint b (step 20) on every rank\n")
+    assert ev.crash_after_commits(job, 5, newest="d", known={"a", "b", "c", "d"}) and job.killed
+    assert ev.pending_crash is None  # the old history's c and d (after step 20) are not the resume's commits
+    assert record["committed_after"] == ["x", "y"] and record["restored"] == "b" and record["fell_back"]
+    # a resume that ends before its second commit is not killed, and says so
+    ev.pending_crash, record = {}, None
+    ended = _FakeJob()
+    ended.alive = False
+    assert not ev.crash_after_commits(ended, 6, newest="d", known=set()) and not ended.killed
+
+
+def test_await_in_flight_names_the_checkpoint_being_written():
+    listings = iter([["a"], ["a"], ["a", "b"]])
+    job = _FakeJob()
+    assert chaos_events.await_in_flight(job.running, lambda: next(listings), timeout=5) == "b"
+    assert chaos_events.await_in_flight(job.running, lambda: ["a"], timeout=0.3) is None  # none came
+    job.alive = False
+    assert chaos_events.await_in_flight(job.running, lambda: ["a"], timeout=5) is None
+
+
+def test_fresh_race_outcome_flags_a_racer_that_trained_or_wrote_or_lost_the_jobs_checkpoints(tmp_path):
+    from cnr.trace import SampleTrace
+
+    of_a = _infos(("a", 10, None), ("b", 20, "a"))
+    newest = of_a[-1]
+    refused = "error: /x already holds committed checkpoints (newest b, step 20); pass --resume"
+    out = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a)
+    assert out["ok"] and out["refused"] and out["trained_steps"] == 0 and out["kept"]
+    assert not chaos_events.fresh_race_outcome(0, "", str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a)["ok"]
+    assert not chaos_events.fresh_race_outcome(2, "error: bad config", str(tmp_path), {"A"}, {"A"}, newest, of_a)["ok"]
+    b_wrote = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A", "B"}, newest, of_a)
+    assert not b_wrote["ok"] and b_wrote["new_lineages"] == ["B"]
+    gone = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a[:1])
+    assert not gone["ok"] and not gone["kept"]
+    later = of_a[:1] + _infos(("c", 30, "a"))  # the job's own retention may retire b behind a newer commit
+    assert chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A"}, newest, later)["ok"]
+    os.makedirs(tmp_path / "trace")
+    trace = SampleTrace(str(tmp_path / "trace"), 0)
+    trace.record(1, torch.arange(4))
+    trace.close()
+    trained = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "trace"), {"A"}, {"A"}, newest, of_a)
+    assert not trained["ok"] and trained["trained_steps"] == 1
+
+
+def test_shared_local_dir_outcome_catches_a_job_seeing_the_others_checkpoints():
+    x, y = _infos(("x1", 10, None), ("x2", 20, None), lineage="X"), _infos(("y1", 10, None), ("y2", 20, None),
+                                                                           lineage="Y")
+    runs = {"x": {"rc": 0, "resume_rc": 0, "restored": "x2", "last_checkpoint": "x2"},
+            "y": {"rc": 0, "resume_rc": 0, "restored": "y2", "last_checkpoint": "y2"}}
+    assert chaos_events.shared_outcome(runs, {"x": x, "y": y})["ok"]
+    mixed = chaos_events.shared_outcome(runs, {"x": x, "y": y + x[1:]})  # x's checkpoint copied into y's store
+    assert not mixed["ok"] and any("y's location holds" in p for p in mixed["problems"])
+    wrong = dict(runs, y=dict(runs["y"], restored="x2"))  # y resumed from x's state
+    assert not chaos_events.shared_outcome(wrong, {"x": x, "y": y})["ok"]
+    refused = dict(runs, y=dict(runs["y"], rc=2, error="already holds committed checkpoints"))
+    assert not chaos_events.shared_outcome(refused, {"x": x, "y": y})["ok"]
+
+
+def test_restorable_check_needs_a_restorable_checkpoint_at_or_after_the_last_one_found(monkeypatch):
+    store = {"infos": []}
+    broken: set = set()
+    monkeypatch.setattr(chaos_events, "scan_checkpoints", lambda _s: [(i, None) for i in store["infos"]])
+    monkeypatch.setattr(chaos_events, "own_damage", lambda _s, ckpt_id: ["chunk: crc"] if ckpt_id in broken else [])
+    check = chaos_events.RestorableCheck(storage=None)
+    assert check.check("kill_trainer", set())["ok"]  # nothing committed yet: nothing to lose
+    store["infos"] = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"))
+    out = check.check("kill_writer", set())
+    assert out["ok"] and out["restorable"] == "c"
+    # retention deleted c (it should have kept it) and the newer x does not verify: only b restores
+    store["infos"] = _infos(("a", 10, None), ("b", 20, "a"), ("x", 40, "b"))
+    broken.add("x")
+    out = check.check("s3_outage", set())
+    assert not out["ok"] and out["restorable"] == "b" and out["floor_step"] == 30
+    # damaged on purpose: the floor falls back past the damaged checkpoint
+    check = chaos_events.RestorableCheck(storage=None)
+    store["infos"] = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"))
+    assert check.check("kill_writer", set())["restorable"] == "c"
+    out = check.check("corrupt_chunk", {"c"})
+    assert out["ok"] and out["restorable"] == "b" and out["floor_step"] is None
+    store["infos"] = store["infos"] + _infos(("d", 40, "b"))
+    assert check.check("kill_reader", {"c"})["restorable"] == "d"
+    store["infos"] = _infos(("b", 20, "a"), ("d", 40, "b"))  # a link of d's chain deleted: nothing restores
+    out = check.check("end", {"c"})
+    assert not out["ok"] and out["restorable"] is None and out["floor_step"] == 40
+
+
+def test_an_attempt_that_exits_3_is_not_final(tmp_path, monkeypatch):
+    """cnr train exits 3 when it trained to the end but its newest checkpoint did not commit: the
+    bench counts a failure and resumes it, as for any other early end."""
+    from cnr.storage.local import LocalStorage
+
+    args = chaos.parse_args(["--steps", "40", "--workdir", str(tmp_path)])
+    run = chaos.Chaos(args, str(tmp_path), {}, proxy=None, storage=LocalStorage(str(tmp_path / "store")), uri="x")
+    outcomes = iter([3, 0])
+
+    class Done:
+        killed, started, ended, proc = False, 0.0, 1.0, None
+
+        def __init__(self, rc):
+            self.rc = rc
+
+        def start(self):
+            return self
+
+        def running(self):
+            return False
+
+        def wait(self, timeout):
+            return self.rc
+
+        def stderr(self):
+            return "error: no checkpoint committed since step 20\n" if self.rc else ""
+
+        def summary(self):
+            return {"steps": 40, "state_sha256": "s"}
+
+    monkeypatch.setattr(run, "_job", lambda *a, **k: Done(next(outcomes)))
+    run.proxy = type("P", (), {"fault_rate": 0.0})()
+    try:
+        assert run._attempt([]) is None
+        assert run.attempts[-1]["not_committed"] and "no checkpoint committed" in run.attempts[-1]["error"]
+        assert run._attempt([]) == {"steps": 40, "state_sha256": "s"}
+        assert not run.attempts[-1]["not_committed"]
+    finally:
+        run.watch.stop()
+
+
 def test_short_chaos_run_loses_nothing(tmp_path):
     """The job is killed and a chunk of its newest checkpoint damaged, at world size 1: the
     restart falls back to the chain before it, trains every sample once and ends equal to the
@@ -103,3 +280,4 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     assert result["lost_commits"] == 0, result["lost_commit_details"]
     assert result["samples_duplicated"] == 0 and result["samples_skipped"] == 0
     assert result["trace_equals_reference"] and result["final_state_equal"] and result["final_steps"] == 80
+    assert result["restorable_after_every_event"] and result["restorable_checks"] == 2, result["restorable_failures"]

@@ -15,7 +15,15 @@ once anything committed), until it reaches its last step:
 - ``corrupt_chunk`` / ``corrupt_manifest``: once an older intact chain exists to fall back to,
   the job is killed, then a byte of a chunk object / a bit of the manifest of the newest
   committed checkpoint is flipped before the restart;
-- ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused.
+- ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused;
+- ``damage_resume_crash``, ``fresh_race``, ``shared_local_dir``: issue #25's events
+  (cnr.bench.chaos_events): a damaged baseline or middle link, then a resume that falls back and
+  is killed after its second commit; a job without ``--resume`` started while the job finishes a
+  checkpoint (refused, nothing of the job's lost); two jobs on other locations sharing one
+  ``checkpoint.local_dir`` (neither sees the other's checkpoints).
+
+An attempt that ends with exit 3 (``cnr train`` trained to its end, but its newest checkpoints did
+not commit) is not final: it is resumed like any other attempt that ended early.
 
 The same job uninterrupted, on a fresh bucket through the same proxy without faults, is the
 reference. Reported:
@@ -23,8 +31,11 @@ checkpoints attempted / committed / failed (every checkpoint the store showed, p
 second); ``lost_commits``: committed checkpoints that are not restorable at the end or were
 skipped by a restore although intact (deliberately damaged ones and chains through them
 excepted); samples trained twice or never (the final sample trace against the reference's);
-restores and fallbacks; time lost per failure (all attempts' wall time minus the reference's,
-over the failures); and whether the final state equals the reference's (``state_sha256``).
+restores and fallbacks; ``restorable_after_every_event`` (after each event, some committed
+checkpoint at or after the newest one found restorable before still restores: every link read
+back and checked, chaos_events.RestorableCheck); time lost per failure (all attempts' wall time
+minus the reference's, over the failures); and whether the final state equals the reference's
+(``state_sha256``).
 """
 
 from __future__ import annotations
@@ -34,19 +45,18 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import tempfile
 import threading
 import time
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from cnr.bench import chaos_job
+from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.bench.common import ROOT, argv_list, workdir_arg
-from cnr.manifest import chain_links
 from cnr.catalog import scan_checkpoints
 from cnr.errors import ConfigError
 from cnr.storage.moto_server import MotoS3, endpoint_env
@@ -56,10 +66,10 @@ from cnr.types import CheckpointStatus
 from cnr.verify import verify_store
 
 EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
-          "second_job")
-FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest")  # the attempt ends with the event
+          "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir")
+FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash")  # the attempt ends with the event
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-_RESTORED = re.compile(r"restored checkpoint (\S+) \(step (\d+)\) on every rank")  # cnr.fallback, once agreed
+EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.cli)
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -68,7 +78,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1200, help="training steps of the job")
     p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the job")
-    p.add_argument("--events", type=int, default=16, help="events to inject (each kind at least once when >= 8)")
+    p.add_argument("--events", type=int, default=16,
+                   help=f"events to inject (each kind at least once when >= {len(EVENTS)})")
     p.add_argument("--kinds", default=",".join(EVENTS), help="comma-separated event kinds to draw from")
     p.add_argument("--seed", type=int, default=0, help="seed of the events' kinds, moments and targets")
     p.add_argument("--delay-s", default="2,6", help="LO,HI: seconds of training before each event, drawn uniformly")
@@ -153,13 +164,7 @@ class StoreWatch:
 
     def newest_intact(self, infos: List[Any], damaged: Set[str]) -> Optional[Any]:
         """The newest committed checkpoint of ``infos`` whose chain has no damaged link."""
-        committed = [i for i in infos if i.status == CheckpointStatus.COMMITTED]
-        bases = {i.id: i.base for i in committed}
-        for info in sorted(committed, key=lambda i: (i.step, i.id), reverse=True):
-            links, complete = chain_links(info.id, bases)
-            if complete and not (set(links) | {info.id}) & damaged:
-                return info
-        return None
+        return newest_intact(infos, damaged)
 
 
 def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str], uri: str) -> Dict[str, Any]:
@@ -196,12 +201,23 @@ def _modified_since(directory: str, unix: float) -> bool:
     return False
 
 
-class Chaos:
-    """One chaos run against the job stored at ``uri`` (see the module docstring)."""
+def _no_bucket() -> str:
+    raise RuntimeError("shared_local_dir needs a store for its two jobs: give Chaos new_bucket")
+
+
+class Chaos(NewEvents):
+    """One chaos run against the job stored at ``uri`` (see the module docstring). ``side_env``:
+    the environment of a job that reaches the store directly, past the proxy (the events' other
+    jobs); ``new_bucket``: a fresh bucket on that store."""
 
     def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: ChaosProxy,
-                 storage: S3Storage, uri: str) -> None:
+                 storage: S3Storage, uri: str, side_env: Optional[Dict[str, str]] = None,
+                 new_bucket: Optional[Callable[[], str]] = None) -> None:
         self.args, self.workdir, self.env, self.proxy, self.storage, self.uri = args, workdir, env, proxy, storage, uri
+        self.side_env = side_env if side_env is not None else env
+        self.new_bucket = new_bucket or _no_bucket
+        self.pending_crash: Optional[Dict[str, Any]] = None
+        self.restorable = RestorableCheck(storage)
         self.rng = random.Random(args.seed)
         self.trace_dir = os.path.join(workdir, "trace")
         self.watch = StoreWatch(storage)
@@ -212,8 +228,10 @@ class Chaos:
         self.second_jobs: Counter = Counter()
         self.start = time.monotonic()
 
-    def _job(self, resume: bool, name: str) -> Job:
-        return Job(train_args(self.args, self.uri, self.trace_dir, resume), self.env, self.workdir, name)
+    def _job(self, resume: bool, name: str, trace_dir: Optional[str] = None,
+             env: Optional[Dict[str, str]] = None) -> Job:
+        return Job(train_args(self.args, self.uri, trace_dir or self.trace_dir, resume), env or self.env, self.workdir,
+                   name)
 
     def _training(self, job: Job, started_unix: float, timeout: float = 180.0) -> bool:
         """Wait until ``job`` trains (its writers run and its trace moved since it started);
@@ -272,8 +290,9 @@ class Chaos:
         self.second_jobs["refused" if refused else "not_refused"] += 1
         return {"second_job_rc": rc, "refused": refused}
 
-    def fire(self, kind: str, job: Job) -> Dict[str, Any]:
-        """Make ``kind`` happen to the running ``job``; what was done."""
+    def fire(self, kind: str, job: Job, record: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Make ``kind`` happen to the running ``job``; what was done (``record``: the event's
+        record, which ``damage_resume_crash`` completes in the next attempt)."""
         if kind == "kill_trainer":
             job.kill()
             return {}
@@ -293,6 +312,12 @@ class Chaos:
             return self._stop_and_corrupt(job, kind)
         if kind == "second_job":
             return self._second_job()
+        if kind == "damage_resume_crash":
+            return self._damage_then_resume(job, record if record is not None else {})
+        if kind == "fresh_race":
+            return self._fresh_race(job)
+        if kind == "shared_local_dir":
+            return self._shared_local_dir()
         raise ValueError(f"event {kind!r} is not one of {EVENTS}")
 
     def _attempt(self, plan: List[str]) -> Optional[Dict[str, Any]]:
@@ -306,24 +331,35 @@ class Chaos:
         n = len(self.attempts)
         started_unix = time.time()
         job = self._job(resume, f"attempt-{n}").start()
+        crashed = False
+        if self.pending_crash is not None:  # a damage_resume_crash: this resume is killed after two commits
+            record = self.pending_crash
+            crashed = self.crash_after_commits(job, n, newest.id if newest is not None else None,
+                                               {i.id for i in infos})
+            if crashed:
+                job.proc.wait()
+                record["restorable_after_crash"] = self.restorable.check("damage_resume_crash", self.damaged)["ok"]
         while plan and time.monotonic() - self.start < self.args.budget_s and self._training(job, started_unix):
             if not self._sleep_while(job, self.rng.uniform(*self.args.delay_s)):
                 break
             kind = plan.pop(0)
             record = {"event": kind, "attempt": n, "at_s": round(time.monotonic() - self.start, 1)}
-            record.update(self.fire(kind, job))
+            record.update(self.fire(kind, job, record))
+            record["restorable"] = self.restorable.check(kind, self.damaged)["ok"]
             self.fired.append(record)
             if kind in FATAL:
                 break
         rc = job.wait(timeout=600)
         self.proxy.fault_rate = 0.0
         stderr = job.stderr()
-        restored = _RESTORED.findall(stderr)
+        restored = RESTORED.findall(stderr)
         attempt = {"rc": rc, "seconds": round(job.ended - job.started, 2), "killed": job.killed, "resumed": resume,
                    "restored": restored[0][0] if restored else None,
                    "expected": expected.id if expected is not None else None,
                    "newest": newest.id if newest is not None else None,
-                   "events": [e["event"] for e in self.fired if e["attempt"] == n]}
+                   "events": [e["event"] for e in self.fired if e["attempt"] == n],
+                   "not_committed": rc == EXIT_NOT_COMMITTED,  # not final: resumed by the next attempt
+                   "crashed_after_two_commits": crashed}
         if resume and expected is not None and (not restored or int(restored[0][1]) < expected.step):
             if rc == 0 or restored:  # an attempt killed before it restored shows nothing
                 self.lost.append(f"attempt {n} restored {attempt['restored']} although {expected.id} "
@@ -349,6 +385,7 @@ class Chaos:
                     raise RuntimeError(f"the job did not finish within {len(self.attempts)} attempts: {self.attempts[-3:]}")
                 final = self._attempt(plan)
             self.watch.scan()
+            self.restorable.check("end", self.damaged)
         finally:
             self.watch.stop()
         return final
@@ -361,6 +398,10 @@ def _report(args: argparse.Namespace, chaos: Chaos, final: Dict[str, Any], refer
     fatal = sum(1 for a in chaos.attempts if a["killed"] or a["rc"] != 0)
     lost_s = sum(a["seconds"] for a in chaos.attempts) - reference["seconds"]
     restores = [a for a in chaos.attempts if a["resumed"]]
+    checks = chaos.restorable.results
+    by_kind: Dict[str, List[Dict[str, Any]]] = {}
+    for e in chaos.fired:
+        by_kind.setdefault(e["event"], []).append(e)
     return {
         "events": chaos.fired,
         "events_by_kind": dict(Counter(e["event"] for e in chaos.fired)),
@@ -378,6 +419,17 @@ def _report(args: argparse.Namespace, chaos: Chaos, final: Dict[str, Any], refer
         "restores": len(restores),
         "fallbacks": sum(1 for a in restores if a["restored"] and a["restored"] != a["newest"]),
         "second_jobs": dict(chaos.second_jobs),
+        "restorable_after_every_event": bool(checks) and all(c["ok"] for c in checks),
+        "restorable_checks": len(checks),
+        "restorable_failures": [c for c in checks if not c["ok"]],
+        "damage_resume_crash": [{k: e.get(k) for k in ("variant", "damaged", "restored", "fell_back", "committed_after",
+                                                       "crash", "restorable_after_crash", "skipped")}
+                                for e in by_kind.get("damage_resume_crash", [])],
+        "fresh_races_refused": f"{sum(1 for e in by_kind.get('fresh_race', []) if e.get('ok'))}/"
+                               f"{len(by_kind.get('fresh_race', []))}",
+        "shared_local_dirs_apart": f"{sum(1 for e in by_kind.get('shared_local_dir', []) if e.get('ok'))}/"
+                                   f"{len(by_kind.get('shared_local_dir', []))}",
+        "attempts_not_committed": sum(1 for a in chaos.attempts if a.get("not_committed")),
         "proxy_requests": dict(chaos.proxy.counts),
         "failures": fatal,
         "seconds_lost_total": round(lost_s, 1),
@@ -404,7 +456,8 @@ def run(argv: List[str]) -> Dict[str, Any]:
             bucket = moto.new_bucket()
             storage = S3Storage(bucket, "job")  # the bench's own client goes to moto directly
             try:
-                chaos = Chaos(args, workdir, proxied, proxy, storage, f"s3://{bucket}/job")
+                chaos = Chaos(args, workdir, proxied, proxy, storage, f"s3://{bucket}/job",
+                              side_env=dict(env, **endpoint_env(moto.endpoint)), new_bucket=moto.new_bucket)
                 final = chaos.run()
                 unrestorable = _unrestorable(storage, chaos.damaged)
             finally:
