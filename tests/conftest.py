@@ -162,6 +162,12 @@ SLOW_TESTS = {
     # retention and the local tier: the other case of each file
     "tests/test_retention_verified.py::test_retention_after_a_fallback_past_a_damaged_baseline_then_a_crash",
     "tests/test_local_tier.py::test_lost_or_damaged_local_tier_resumes_from_remote[deleted]",
+    "tests/test_retention.py::test_training_keeps_only_the_newest_chain_and_failure_markers",  # test_retention_verified
+    # background work: test_merge's merged baseline, test_publish's other jobs, the failed increment
+    "tests/test_merge.py::test_training_merges_in_the_background_and_resumes_bit_exact",
+    "tests/test_publish.py::test_publishing_continues_across_a_resume",
+    "tests/test_train_background.py::test_failed_baseline_makes_the_next_checkpoint_full",
+    "tests/test_train_crash.py::test_sigkill_during_checkpoint[after_commit-40]",
 }
 
 
