@@ -379,10 +379,11 @@ class TieredStorage(Storage):
             dropped = sorted({self.group(item.key) for item in self._queue})
             self._remote_failed.update(dropped)
             self._queue.clear()
+            # logged before the waiters wake: a flush() returning has seen this error reported
+            logger.error("NOT flushing to %s: %s. Nothing more is written there by this job; the checkpoints "
+                         "it holds only on the local tier %s stay there (%s)", self.remote.uri, error,
+                         self.local.uri, ", ".join(dropped) or "none queued")
             self._cond.notify_all()
-        logger.error("NOT flushing to %s: %s. Nothing more is written there by this job; the checkpoints it "
-                     "holds only on the local tier %s stay there (%s)", self.remote.uri, error, self.local.uri,
-                     ", ".join(dropped) or "none queued")
 
     def _flush_one(self, item: _Flush) -> None:
         group = self.group(item.key)
