@@ -11,26 +11,26 @@ The public API (see README "Use cnr from your own training loop")::
 from typing import TYPE_CHECKING, Any
 
 # Public name -> the module defining it. Imported on first use (PEP 562), so that importing a
-# submodule (a background writer process loads cnr.upload) does not load torchrec with cnr.api.
+# submodule (a background writer process loads cnr.write.writer) does not load torchrec with cnr.api.
 _EXPORTS = {
     "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
-    "load_state_dict": "cnr.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
-    "Subscriber": "cnr.subscribe", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
-    "DeterministicDataParallel": "cnr.dense_sync", "PipelineFeed": "cnr.pipeline",
-    "UnsupportedStateError": "cnr.coverage",
+    "load_state_dict": "cnr.restore.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
+    "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
+    "DeterministicDataParallel": "cnr.track.dense_sync", "PipelineFeed": "cnr.track.pipeline",
+    "UnsupportedStateError": "cnr.track.coverage",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
-    from cnr.dense_sync import DeterministicDataParallel  # noqa: F401
+    from cnr.track.dense_sync import DeterministicDataParallel  # noqa: F401
     from cnr.errors import CheckpointError  # noqa: F401
-    from cnr.load import load_state_dict  # noqa: F401
-    from cnr.coverage import UnsupportedStateError  # noqa: F401
+    from cnr.restore.load import load_state_dict  # noqa: F401
+    from cnr.track.coverage import UnsupportedStateError  # noqa: F401
     from cnr.options import CheckpointOptions, PublishOptions  # noqa: F401
-    from cnr.pipeline import PipelineFeed  # noqa: F401
-    from cnr.subscribe import Subscriber  # noqa: F401
+    from cnr.track.pipeline import PipelineFeed  # noqa: F401
+    from cnr.publish.subscriber import Subscriber  # noqa: F401
     from cnr.types import CheckpointInfo, CheckpointKind  # noqa: F401
 
 

@@ -1,6 +1,6 @@
 import sys
 
-from cnr.cli import main
+from cnr.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

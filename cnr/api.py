@@ -27,34 +27,34 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.collectives import all_reduce_host
-from cnr.app_restore import RestoredChain, _placement
-from cnr.app_state import AppState, TableRef, whole_tables
-from cnr.bit_width import BitWidthPlanner
-from cnr.checkpoint import ChainState, CheckpointEngine
-from cnr.coverage import check_supported
-from cnr.pipeline import check_loaders
+from cnr.track.collectives import all_reduce_host
+from cnr.restore.into_app import RestoredChain, _placement
+from cnr.track.app_state import AppState, TableRef, whole_tables
+from cnr.policy.bit_width import BitWidthPlanner
+from cnr.write.engine import ChainState, CheckpointEngine
+from cnr.track.coverage import check_supported
+from cnr.track.pipeline import check_loaders
 from cnr.errors import CheckpointError, CnrError
-from cnr.catalog import restore_ids
-from cnr.fallback import Skipped, _ids_from_rank0, restore_checkpoint, restore_newest
-from cnr.lease import Lease, LeaseHeldError
-from cnr.lineage import new_lineage_id, record_activation
-from cnr.handoff import rank0_decides
-from cnr.manifest import Manifest, step_of
-from cnr.codec.choose import resolve_table_bits
+from cnr.format.catalog import restore_ids
+from cnr.restore.newest import Skipped, _ids_from_rank0, restore_checkpoint, restore_newest
+from cnr.write.lease import Lease, LeaseHeldError
+from cnr.format.lineage import new_lineage_id, record_activation
+from cnr.track.collectives import rank0_decides
+from cnr.format.manifest import Manifest, step_of
+from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
-from cnr.publish import VIEW as PUBLISH_VIEW, Publisher
-from cnr.publish_location import check_publish_storage, default_publish_uri
-from cnr.policy import failure_rate
-from cnr.local_tier import open_checkpoint_store
-from cnr.peer_exchange import host_exchange
+from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
+from cnr.publish.location import check_publish_storage, default_publish_uri
+from cnr.policy.kinds import failure_rate
+from cnr.write.local_tier import open_checkpoint_store
+from cnr.write.peer_exchange import host_exchange
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
-from cnr.tracker import DEFAULT_VIEWS, RowTracker
+from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.types import CheckpointInfo, CheckpointStatus, LeaseRef, RetentionScope, TableSpec
-from cnr.upload import Writer
-from cnr import at_exit
-from cnr.mainguard import check_main_guard
+from cnr.write.writer import Writer
+import cnr.write.at_exit as at_exit
+from cnr.write.mainguard import check_main_guard
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ class Checkpointer:
     """Checkpoints ``app_state`` under ``uri`` (a local path, ``file://`` or ``s3://bucket/prefix``).
 
     ``metadata``: the application's own JSON description of the job, stored in every manifest
-    (cnr never reads it). ``views``: extra tracker views (cnr.publish uses "publish").
+    (cnr never reads it). ``views``: extra tracker views (cnr.publish.publisher uses "publish").
     ``writer``: a background writer already started with the same uri and options (cnr train
     starts it before building its model, so the process's imports overlap the build).
-    ``publish``: publish the model's rows to inference with ``publish()`` (cnr.publish), through a
+    ``publish``: publish the model's rows to inference with ``publish()`` (cnr.publish.publisher), through a
     background writer of its own and the same row tracker.
     ``new_history``: a Checkpointer that did not restore refuses to save where committed
     checkpoints are (``save`` raises CheckpointError naming the newest): its own checkpoints would
-    start a second history there. True starts one on purpose: a new lineage (cnr.lineage), whose
+    start a second history there. True starts one on purpose: a new lineage (cnr.format.lineage), whose
     steps may start again from 0, which restores prefer to the older history from its first commit
     on, and whose retention never deletes the older history's checkpoints (they stay restorable
     by id; only a job continuing that history deletes them, by its own rules).
@@ -155,9 +155,9 @@ class Checkpointer:
         self.restores = 0
         self.new_history = bool(new_history)
         self._restored = False
-        self._pinned: Tuple[str, ...] = ()  # what retention keeps for this job whatever is newer (cnr.retention)
+        self._pinned: Tuple[str, ...] = ()  # what retention keeps for this job whatever is newer (cnr.policy.retention)
         # (step, what) a save must be above: ids sort by step, so a lower one is never the newest
-        # of its history (a new history's steps start afresh: restores prefer it, cnr.lineage)
+        # of its history (a new history's steps start afresh: restores prefer it, cnr.format.lineage)
         self._step_floor: Optional[Tuple[int, str]] = None
         if self._newest is not None and not self.new_history:
             self._step_floor = (self._newest[1], f"the newest committed checkpoint {self._newest[0]} in {self.uri}")
@@ -185,7 +185,7 @@ class Checkpointer:
         self.engine.table_bits = table_bits
         self._closed = False
         self._prepare_buffers()
-        at_exit.register(self)  # an in-flight checkpoint is finished or named at exit (cnr.at_exit)
+        at_exit.register(self)  # an in-flight checkpoint is finished or named at exit (cnr.write.at_exit)
 
     def _prepare_buffers(self) -> None:
         """Allocate the snapshot's host buffers in the background now, so no save() allocates them."""
@@ -201,7 +201,7 @@ class Checkpointer:
 
         Collective; call before the first ``save``. Returns None when nothing is committed.
         Without ``checkpoint``, a damaged newest checkpoint is passed over for the newest one
-        that verifies (``options.on_damage="fallback"``, cnr.fallback; ``skipped_on_restore``
+        that verifies (``options.on_damage="fallback"``, cnr.restore.newest; ``skipped_on_restore``
         then names what was passed over and why), or raises (``"fail"``). A ``checkpoint``
         named by id is restored or, when any rank finds it damaged, raises on every rank.
 
@@ -224,7 +224,7 @@ class Checkpointer:
             if restored is None:
                 return None
         self._resume_from(restored, by_id=bool(checkpoint))
-        # a checkpoint of a history that is not the current one: it is again (cnr.lineage)
+        # a checkpoint of a history that is not the current one: it is again (cnr.format.lineage)
         _activate_on_rank0(self.storage, self.lineage, restored.manifest.id, False, self.rank)
         return _info(restored.manifest)
 
@@ -267,7 +267,7 @@ class Checkpointer:
         or previously saved one (ValueError), and the first save of a Checkpointer that restored
         nothing where committed checkpoints are, unless ``new_history`` (CheckpointError).
         Raises TypeError naming the key path of state that cannot be stored, or ValueError for a
-        loader whose position runs ahead of training under a train pipeline (cnr.pipeline),
+        loader whose position runs ahead of training under a train pipeline (cnr.track.pipeline),
         before anything is written (on every rank, when any rank has such state).
         """
         if self._closed:
@@ -429,7 +429,7 @@ def _on_every_rank(check: Callable[..., None], *args: Any) -> None:
 
 
 def take_lease(storage: Storage, ttl_s: float, rank: int) -> Tuple[Optional[Lease], LeaseRef]:
-    """Rank 0 takes the storage location's lease (cnr.lease) and renews it from now on; every
+    """Rank 0 takes the storage location's lease (cnr.write.lease) and renews it from now on; every
     rank raises LeaseHeldError (or the storage's error) when it cannot (collective). Returns rank
     0's Lease (None elsewhere) and, on every rank, which generation it is: every rank's writer
     checks it before flushing after a remote outage (cnr.storage.tiered)."""
@@ -451,7 +451,7 @@ def take_lease(storage: Storage, ttl_s: float, rank: int) -> Tuple[Optional[Leas
 
 
 def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:
-    """Rank 0 makes ``lineage`` the location's current history (cnr.lineage.record_activation);
+    """Rank 0 makes ``lineage`` the location's current history (cnr.format.lineage.record_activation);
     every rank raises CheckpointError when it cannot (collective)."""
     def activate() -> str:
         try:
@@ -467,7 +467,7 @@ def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, besid
 
 def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:
     """(id, step) of the committed checkpoint a restore tries first under ``storage`` (the
-    current history's newest, cnr.lineage), listed by rank 0 and the same on every rank
+    current history's newest, cnr.format.lineage), listed by rank 0 and the same on every rank
     (collective); None when nothing is committed."""
     ids = _ids_from_rank0(lambda: restore_ids(storage)[:1], rank)
     return (ids[0], step_of(ids[0])) if ids else None

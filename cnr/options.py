@@ -1,6 +1,6 @@
 """``CheckpointOptions``: every knob of a checkpoint engine, validated when constructed.
 
-The same rules as the ``checkpoint`` section of ``cnr train``'s config (cnr.config_checks.validate);
+The same rules as the ``checkpoint`` section of ``cnr train``'s config (cnr.app.config_checks.validate);
 an error names the option as ``CheckpointOptions.<name>``.
 """
 
@@ -20,7 +20,7 @@ class OptionsError(ConfigError, ValueError):
 
 
 def _default_failures():
-    from cnr.config import FailureConfig
+    from cnr.app.config import FailureConfig
 
     return FailureConfig()
 
@@ -30,7 +30,7 @@ class CheckpointOptions:
     """How checkpoints are taken, stored and kept. Times in seconds, sizes in bytes.
 
     - ``policy``: "full", "one_shot", "consecutive" or "intermittent" (full baseline when the
-      history predictor expects it to pay off; cnr.policy).
+      history predictor expects it to pay off; cnr.policy.kinds).
     - ``bits``: embedding rows stored at 2, 3, 4, 8 bits (row-wise quantized) or 32 (exact);
       ``quant_method``: "adaptive", "naive", "symmetric" or "" (the width's default);
       ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too (2-D state
@@ -47,9 +47,9 @@ class CheckpointOptions:
       ``table_plan_width``: the uniform width the plan stands in for (0: any); at another
       width (chosen by the failure budget, or the fallback) every table is stored at it.
     - ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures over
-      ``expected_steps`` steps, ``failures``: a cnr.config.FailureConfig or a dict of its fields).
+      ``expected_steps`` steps, ``failures``: a cnr.app.config.FailureConfig or a dict of its fields).
     - ``keep_last``: checkpoints of the job's history whose chains verify, kept after each commit
-      with what their chains need (cnr.retention; 0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
+      with what their chains need (cnr.policy.retention; 0: all); ``merge_every``: merge consecutive chains into a new baseline every N increments.
     - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
       chain (what a restore reads) is predicted to exceed this many baselines' bytes (0: no cap).
     - ``chunk_bytes``: largest stored chunk; ``upload_threads``/``encode_threads``/``restore_threads``:
@@ -60,13 +60,13 @@ class CheckpointOptions:
     - ``on_overlap``: "wait" for the previous checkpoint at a save, or "abandon" it;
       ``commit_timeout_s``: how long rank 0 waits for every rank's data.
     - ``on_damage``: when the newest committed checkpoint does not verify on restore,
-      "fallback" restores the newest one that does (cnr.fallback), "fail" raises.
+      "fallback" restores the newest one that does (cnr.restore.newest), "fail" raises.
     - ``local_dir``: a node-local directory in front of the storage (cnr.storage.tiered; "" none):
       a checkpoint commits there once every rank's chunks are durable on its node, then is
       flushed to the storage in the background and commits there too; each storage location has
-      its own subdirectory of it (cnr.local_tier), so jobs may share one. ``local_keep_last``:
+      its own subdirectory of it (cnr.write.local_tier), so jobs may share one. ``local_keep_last``:
       committed checkpoints (with their chains) the local tier keeps (0: all).
-    - ``lease_ttl_s``: the storage location's lease (cnr.lease, one writing job per location)
+    - ``lease_ttl_s``: the storage location's lease (cnr.write.lease, one writing job per location)
       expires this long after its holder's last renewal, when the holder is on another machine.
     """
 
@@ -99,8 +99,8 @@ class CheckpointOptions:
     local_keep_last: int = 1
 
     def __post_init__(self) -> None:
-        from cnr.config import CheckpointConfig, FailureConfig, _build
-        from cnr.config_checks import validate_checkpoint
+        from cnr.app.config import CheckpointConfig, FailureConfig, _build
+        from cnr.app.config_checks import validate_checkpoint
 
         if isinstance(self.failures, Mapping):
             try:
@@ -109,7 +109,7 @@ class CheckpointOptions:
                 raise OptionsError(_rename(str(e))) from None
         if not isinstance(self.failures, FailureConfig):
             raise OptionsError(f"CheckpointOptions.failures = {self.failures!r:.80} is not allowed; give a "
-                               "cnr.config.FailureConfig or a dict of its fields")
+                               "cnr.app.config.FailureConfig or a dict of its fields")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             want = {"int": int, "float": (int, float), "str": str}.get(str(f.type))
@@ -126,7 +126,7 @@ class CheckpointOptions:
 
     @classmethod
     def from_config(cls, section: Any, expected_steps: int = 0) -> "CheckpointOptions":
-        """The options of a ``cnr train`` config's checkpoint section (cnr.config.CheckpointConfig)."""
+        """The options of a ``cnr train`` config's checkpoint section (cnr.app.config.CheckpointConfig)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values: Dict[str, Any] = {k: v for k, v in dataclasses.asdict(section).items() if k in names}
         values["failures"] = section.failures
@@ -143,9 +143,9 @@ class CheckpointOptions:
 
     def may_search(self) -> bool:
         """Whether some checkpoint may store rows with the adaptive range search: the failure
-        budget choosing widths, or a width below 32 whose method (cnr.quantize.stored_method)
+        budget choosing widths, or a width below 32 whose method (cnr.codec.quant.quantize.stored_method)
         is adaptive."""
-        from cnr.quantize import stored_method
+        from cnr.codec.quant.quantize import stored_method
 
         widths = [w for w in (self.bits, *self.table_bits.values()) if w < 32]
         return self.bit_policy == "failures" or any(
@@ -153,9 +153,9 @@ class CheckpointOptions:
 
     def for_writer(self, rows_per_rank: int) -> "CheckpointOptions":
         """These options with ``search_kernel`` "auto" made definite for a writer about to start
-        (cnr.range_search.writer_kernel): "compiled", built as the writer starts, when checkpoints
+        (cnr.codec.quant.range_search.writer_kernel): "compiled", built as the writer starts, when checkpoints
         may search at least AUTO_COMPILE_ROWS of this rank's table rows, else "eager"."""
-        from cnr.range_search import writer_kernel
+        from cnr.codec.quant.range_search import writer_kernel
 
         kernel = writer_kernel(SearchKernel(self.search_kernel), rows_per_rank, self.may_search())
         return dataclasses.replace(self, search_kernel=kernel.value)
@@ -163,7 +163,7 @@ class CheckpointOptions:
 
 @dataclass(frozen=True)
 class PublishOptions:
-    """How ``Checkpointer.publish`` sends fresh rows to inference (cnr.publish). Steps are training steps.
+    """How ``Checkpointer.publish`` sends fresh rows to inference (cnr.publish.publisher). Steps are training steps.
 
     - ``uri``: the publish store; "" means ``<checkpoint uri>/publish``. It must not overlap the
       checkpoint store's ``checkpoints/`` layout.
@@ -184,8 +184,8 @@ class PublishOptions:
     keep_bases: int = 2
 
     def __post_init__(self) -> None:
-        from cnr.config import PublishConfig
-        from cnr.config_checks import _validate_publish
+        from cnr.app.config import PublishConfig
+        from cnr.app.config_checks import _validate_publish
 
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -200,7 +200,7 @@ class PublishOptions:
 
     @classmethod
     def from_config(cls, section: Any, uri: str) -> "PublishOptions":
-        """The options of a ``cnr train`` config's publish section (cnr.config.PublishConfig),
+        """The options of a ``cnr train`` config's publish section (cnr.app.config.PublishConfig),
         publishing to ``uri``."""
         return cls(uri, section.full_every, section.dense_interval, section.bits, section.quant_method,
                    section.keep_bases)

@@ -1,8 +1,8 @@
 """The enums and frozen records that several of cnr's stages share; no logic.
 
 A chunk's way from a snapshot to storage uses these (ChunkRef, Encoding, ByteRange, Role) and
-types kept beside their one producer: touched rows (cnr.tracker.Captured) -> host rows
-(cnr.snapshot.HostPiece) -> encoded chunk (cnr.encode) -> ChunkRef -> manifest (cnr.manifest).
+types kept beside their one producer: touched rows (cnr.track.tracker.Captured) -> host rows
+(cnr.track.snapshot.HostPiece) -> encoded chunk (cnr.codec.chunk_format) -> ChunkRef -> manifest (cnr.format.manifest).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ no coverage, not counted in a checkpoint's full fp32 size)."""
 
 
 STORED_QUANT_METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive")
-"""Row-wise quantization methods a stored chunk may use (cnr.quantize has "kmeans" too, which
+"""Row-wise quantization methods a stored chunk may use (cnr.codec.quant.quantize has "kmeans" too, which
 only the quantize benchmark runs: its codebooks have no chunk encoding)."""
 
 
@@ -66,7 +66,7 @@ class CheckpointStatus(str, enum.Enum):
 
 
 class ChainOrder(str, enum.Enum):
-    """The order in which a restore applies a chain's links (cnr.chain_restore.restore_chain)."""
+    """The order in which a restore applies a chain's links (cnr.restore.chain.restore_chain)."""
 
     NEWEST_FIRST = "newest_first"
     """Newest link first: each row is decoded and written once, from the newest link holding it;
@@ -76,11 +76,11 @@ class ChainOrder(str, enum.Enum):
 
 
 class SearchKernel(str, enum.Enum):
-    """Which kernel runs the adaptive quantizer's greedy range search in a writer (cnr.range_search).
+    """Which kernel runs the adaptive quantizer's greedy range search in a writer (cnr.codec.quant.range_search).
     Both walk the same path; they differ only in how fast."""
 
     AUTO = "auto"
-    """COMPILED once a job asks for at least cnr.range_search.AUTO_COMPILE_ROWS searched rows
+    """COMPILED once a job asks for at least cnr.codec.quant.range_search.AUTO_COMPILE_ROWS searched rows
     (that job and any before it run EAGER while it compiles), EAGER before that: small jobs
     never pay for a compile."""
     EAGER = "eager"
@@ -233,12 +233,12 @@ class CheckpointInfo:
     base: Optional[str] = None
     error: Optional[str] = None
     method: str = ""
-    lineage: str = ""  # the history it belongs to (cnr.lineage); "" when its manifest records none or is unread
+    lineage: str = ""  # the history it belongs to (cnr.format.lineage); "" when its manifest records none or is unread
 
 
 @dataclass(frozen=True)
 class RetentionScope:
-    """Whose retention runs (cnr.retention): ``lineage``, the job's history (cnr.lineage; "" for
+    """Whose retention runs (cnr.policy.retention): ``lineage``, the job's history (cnr.format.lineage; "" for
     checkpoints that record none), the only one whose checkpoints it may delete; ``pinned``,
     checkpoint ids whose chains it keeps whatever is newer (what the job restored when that was
     not the newest committed one: a fallback past damage, or a restore by id)."""
@@ -249,7 +249,7 @@ class RetentionScope:
 
 @dataclass(frozen=True)
 class LeaseRef:
-    """Which lease generation a job holds on its storage location (cnr.lease), and its owner
+    """Which lease generation a job holds on its storage location (cnr.write.lease), and its owner
     token; rank 0's writer checks it is still the newest before it commits a manifest."""
 
     generation: int
@@ -258,7 +258,7 @@ class LeaseRef:
 
 @dataclass(frozen=True)
 class ExchangeAddress:
-    """Where rank 0's trainer serves the writers' exchange of commit objects (cnr.peer_exchange):
+    """Where rank 0's trainer serves the writers' exchange of commit objects (cnr.write.peer_exchange):
     a TCPStore at ``host``:``port`` for a job of ``world_size`` ranks."""
 
     host: str

@@ -6,7 +6,7 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-from cnr.config import Config
+from cnr.app.config import Config
 
 
 def embedding_configs(config: Config) -> list:

@@ -38,9 +38,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import multiprocessing as mp
 
 from cnr.errors import CnrError
-from cnr.faults import maybe_crash
+from cnr.write.faults import maybe_crash
 from cnr.readers.batch import Batch, RawBatch, to_batch
-from cnr.proc import READER, die_with_parent, name_this_process
+from cnr.write.proc import READER, die_with_parent, name_this_process
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The moto S3 server on 127.0.0.1 shared by the whole test session (cnr.storage.moto_server).
+"""The moto S3 server on 127.0.0.1 shared by the whole test session (cnr.testing.moto_server).
 
 ``moto_s3()`` starts it on first use, in this process, and points boto3's standard chain at it
 through the environment; ``stop_moto_s3()`` (called at session end from conftest) stops it and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cnr.storage.moto_server import MotoS3
+from cnr.testing.moto_server import MotoS3
 
 _SERVER: Optional[MotoS3] = None
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.app_state import AppState
-from cnr.launch import launch
-from cnr.state import gather_global
+from cnr.track.app_state import AppState
+from cnr.app.launch import launch
+from cnr.track.state import gather_global
 from examples.two_tower import build, make_loader, train_step
 
 class Shapes:
@@ -76,7 +76,7 @@ def _run(rank, world_size, arg):
 
 def cnr_manifests(uri: str):
     """The committed manifests under ``uri``, oldest first."""
-    from cnr.catalog import list_checkpoints, read_manifest
+    from cnr.format.catalog import list_checkpoints, read_manifest
     from cnr.storage import open_storage
 
     storage = open_storage(uri)
@@ -106,7 +106,7 @@ def _bad_state(rank, world_size, arg):
         with cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": adam, "thing": _NotJson()},
                               cnr.CheckpointOptions(policy="full")) as ckpt:
             ckpt.save(1)
-    except TypeError as e:  # cnr.UnsupportedStateError, when the Checkpointer is built (cnr.coverage)
+    except TypeError as e:  # cnr.UnsupportedStateError, when the Checkpointer is built (cnr.track.coverage)
         return {"error": str(e)}
     return {"error": None}
 

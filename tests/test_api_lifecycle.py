@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cnr
-from cnr.launch import launch
+from cnr.app.launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,8 +116,8 @@ def test_writer_rerunning_an_unguarded_script_names_the_cause(tmp_path):
 
 
 def _first_save(rank: int, world_size: int, arg: dict) -> dict:
-    from cnr import at_exit
-    from cnr.checkpoint import pieces_to_write, rng_piece
+    import cnr.write.at_exit as at_exit
+    from cnr.write.engine import pieces_to_write, rng_piece
     from examples.two_tower import build
 
     dmp, adam, sched = build(world_size)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.app_state import AppState
-from cnr.catalog import checkpoint_ids, restore_ids
-from cnr.launch import launch
-from cnr.state import gather_global
+from cnr.track.app_state import AppState
+from cnr.format.catalog import checkpoint_ids, restore_ids
+from cnr.app.launch import launch
+from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage
 from examples.two_tower import build, make_loader, train_step
 

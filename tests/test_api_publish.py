@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.launch import launch
+from cnr.app.launch import launch
 from examples.two_tower import TwoTower, build, make_loader
 
 

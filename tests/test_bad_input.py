@@ -1,6 +1,6 @@
 """Bad input on every command (issue #25, item 12): one ``error:`` line naming the value and what
 is allowed, exit status 2, no traceback, and nothing written: no storage, no lease file, no
-directory the command was asked to create. Each case runs through ``cnr.cli.main`` in this process
+directory the command was asked to create. Each case runs through ``cnr.app.cli.main`` in this process
 and is refused before any work starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from cli_helpers import TINY
-from cnr.cli import main
+from cnr.app.cli import main
 
 
 def _tree(path):
@@ -56,7 +56,7 @@ CASES = {
 def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(tmp_path, capsys, baseline_ws1, monkeypatch, name):
     argv, message = CASES[name]
     # the host memory the 2e9-row table is judged against: fixed, so no machine of the suite passes it
-    monkeypatch.setattr("cnr.config_checks.host_memory_bytes", lambda: (128 << 30, "physical memory"), raising=False)
+    monkeypatch.setattr("cnr.app.config_checks.host_memory_bytes", lambda: (128 << 30, "physical memory"), raising=False)
     _summary, cwd, storage = baseline_ws1
     store = os.path.join(cwd, storage)
     before = _tree(store)
@@ -75,8 +75,8 @@ def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(tmp_path, capsys,
 
 def test_the_memory_bound_names_the_most_rows_allowed():
     """The largest table is blamed, with the most rows it may have next to the others."""
-    from cnr.config import load_config
-    from cnr.config_checks import check_host_memory
+    from cnr.app.config import load_config
+    from cnr.app.config_checks import check_host_memory
     from cnr.errors import ConfigError
 
     config = load_config(TINY, [HUGE_TABLE])

@@ -162,7 +162,7 @@ def test_await_in_flight_names_the_checkpoint_being_written():
 
 
 def test_fresh_race_outcome_flags_a_racer_that_trained_or_wrote_or_lost_the_jobs_checkpoints(tmp_path):
-    from cnr.trace import SampleTrace
+    from cnr.app.trace import SampleTrace
 
     of_a = _infos(("a", 10, None), ("b", 20, "a"))
     newest = of_a[-1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cnr.bench import conformance
-from cnr.cli import BENCHMARKS, main
+from cnr.app.cli import BENCHMARKS, main
 from cnr.errors import ConfigError
 
 

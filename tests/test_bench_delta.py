@@ -11,7 +11,7 @@ from cli_helpers import TINY, run_cnr
 from cnr.bench import delta as delta_bench
 from cnr.bench.delta import _measure, summarize
 from cnr.errors import ConfigError
-from cnr.quantize import dequantize_rows, quantize_rows
+from cnr.codec.quant.quantize import dequantize_rows, quantize_rows
 
 
 def _rows(n=64, dim=16, seed=0):

@@ -65,7 +65,7 @@ def test_bench_policies_runs_real_training(tmp_path):
     for r in rows.values():
         assert 0 < r["mean_background_s"] <= r["max_background_s"]
     # a table plan reaches the engines: t0 at 8 bits, the others at the cell's 2
-    from cnr.catalog import list_checkpoints, read_manifest
+    from cnr.format.catalog import list_checkpoints, read_manifest
     from cnr.storage.local import LocalStorage
 
     store = LocalStorage(str(tmp_path / "w" / "consecutive-2"))

@@ -115,7 +115,7 @@ def test_bench_upload_tiny_on_s3_and_local(tmp_path):
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message, monkeypatch):
     started = []  # in-process: the refusal comes before any server or rank is started
-    monkeypatch.setattr("cnr.storage.moto_server.MotoS3", lambda *a, **k: started.append("moto"))
+    monkeypatch.setattr("cnr.testing.moto_server.MotoS3", lambda *a, **k: started.append("moto"))
     monkeypatch.setattr(upload_bench, "launch", lambda *a, **k: started.append("launch"))
     with pytest.raises(ConfigError, match=re.escape(message)):
         upload_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), *args])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cnr.bitpack import pack, packed_bytes_per_row, unpack
+from cnr.codec.quant.bitpack import pack, packed_bytes_per_row, unpack
 from cnr.errors import ConfigError
 
 REQUIRED_BITS = (2, 3, 4, 8)

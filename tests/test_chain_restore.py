@@ -1,4 +1,4 @@
-"""cnr.chain_restore: a chain restored newest-first equals the replay of its links bit for bit,
+"""cnr.restore.chain: a chain restored newest-first equals the replay of its links bit for bit,
 into any split, while reading no more (and, where a baseline chunk is wholly superseded, less)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from cnr.chain_restore import newest_first_applies, restore_chain
-from cnr.manifest import Manifest
-from cnr.snapshot import HostPiece
-from cnr.state import StatePiece
+from cnr.restore.chain import newest_first_applies, restore_chain
+from cnr.format.manifest import Manifest
+from cnr.track.snapshot import HostPiece
+from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ChainOrder, Role, ShardRegion
-from cnr.upload import WriteJob, write_rank_data
-from cnr.uploader import Uploader
+from cnr.write.writer import WriteJob, write_rank_data
+from cnr.write.puts import Uploader
 
 ROWS, DIM = 300, 8
 HOT = 120  # rows 0..HOT-1 are in every increment: the baseline's first chunks are wholly superseded
@@ -163,9 +163,9 @@ def test_fill_rows_writes_exactly_the_rows_not_done_and_marks_them(quantized, wi
     """A piece of rows 10..49 (of a 60-row tensor) and a chunk of rows 5..54 (contiguous, or
     listed by id): the rows already done keep their values, every other row inside the piece
     takes the chunk's (its dequantized values, bit for bit), and all of them end up done."""
-    from cnr.encode import decode_chunk, encode_quantized_chunk, encode_raw_chunk
-    from cnr.quantize import quantize_rows
-    from cnr.restore import fill_rows
+    from cnr.codec.chunk_format import decode_chunk, encode_quantized_chunk, encode_raw_chunk
+    from cnr.codec.quant.quantize import quantize_rows
+    from cnr.restore.pieces import fill_rows
 
     values = torch.randn(50, 4, generator=torch.Generator().manual_seed(3))
     ids = torch.arange(5, 55) if with_ids else None

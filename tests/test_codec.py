@@ -16,9 +16,9 @@ from cnr.codec import array_codec, array_encoding, bytes_codec, register
 from cnr.codec.log8 import log8_applies, log8_codes, log8_values
 from cnr.codec.spec import make_spec, spec_from_json, spec_to_json
 from cnr.codec.zstd import zstd_spec
-from cnr.encode import decode_chunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
+from cnr.codec.chunk_format import decode_chunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import CorruptChunkError
-from cnr.quantize import _bias_dtype, quantize_rows
+from cnr.codec.quant.quantize import _bias_dtype, quantize_rows
 from cnr.types import Encoding
 
 ZSTD = (zstd_spec(3),)
@@ -195,7 +195,7 @@ def test_bias_precision_rule(rows, bits, dtype):
 
 def test_float16_bias_costs_no_measurable_error():
     """The grid shift is bounded by step / 64: the l2 error per row stays within 1% of fp32 bias."""
-    from cnr.quantize import l2_per_row, quantize_rows_with_dtypes
+    from cnr.codec.quant.quantize import l2_per_row, quantize_rows_with_dtypes
 
     x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0)) * 0.05
     for bits in (2, 3, 4):

@@ -1,4 +1,4 @@
-"""cnr.codec.choose: how the writer stores each piece (pure functions of the job and the piece)."""
+"""cnr.write.plan: how the writer stores each piece (pure functions of the job and the piece)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from cnr.codec.choose import encode_block, quantized_bits, resolve_table_bits
+from cnr.write.plan import encode_block, quantized_bits, resolve_table_bits
 from cnr.codec.zstd import zstd_spec
-from cnr.snapshot import HostPiece
+from cnr.track.snapshot import HostPiece
 from cnr.types import CheckpointKind, Role, ShardRegion
-from cnr.upload import WriteJob
+from cnr.write.writer import WriteJob
 
 
 def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPiece:
@@ -94,7 +94,7 @@ def test_unknown_and_ambiguous_table_names_are_refused(plan, message):
     ([3e38, 3e38, float("nan")], 1),
 ])
 def test_check_finite_finds_every_nonfinite_value_and_only_those(values, bad):
-    from cnr.codec.choose import check_finite
+    from cnr.write.plan import check_finite
     from cnr.errors import NonFiniteStateError
 
     piece = _piece(Role.TABLE_ROWS, 4, 2)

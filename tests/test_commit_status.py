@@ -1,11 +1,11 @@
-"""cnr train's end-of-run commit status (cnr.train.commit_status): the summary keys and the CLI's
+"""cnr train's end-of-run commit status (cnr.app.train.commit_status): the summary keys and the CLI's
 exit status 3 when no checkpoint committed since step N (the CLI case: tests/test_train_s3.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cnr.train import commit_status
+from cnr.app.train import commit_status
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 OK, FAILED = CheckpointStatus.COMMITTED, CheckpointStatus.FAILED
@@ -42,7 +42,7 @@ def test_nothing_committed_in_a_fresh_or_resumed_run():
 # ---- issue #25, item 8: checkpoints committed only on the node-local tier ---------------------
 
 def _with_report(saving, local_only, fenced_out=None):
-    from cnr.upload import FlushReport
+    from cnr.write.writer import FlushReport
 
     saving.engine.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out)
     saving.options, saving.uri = SimpleNamespace(local_dir="/nvme/cnr"), "s3://bucket/job"

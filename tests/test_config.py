@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cnr.config import load_config
+from cnr.app.config import load_config
 from cnr.errors import ConfigError
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")

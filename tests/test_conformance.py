@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.launch import RankFailed, launch
+from cnr.app.launch import RankFailed, launch
 from cnr.bench.conformance_jobs import JobSpec, build, differing, gathered, train_step
 
 

@@ -1,4 +1,4 @@
-"""cnr.coverage: state cnr cannot give back exactly is refused when the Checkpointer is built,
+"""cnr.track.coverage: state cnr cannot give back exactly is refused when the Checkpointer is built,
 naming the key and why, before anything is opened or written."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import cnr
-from cnr.app_state import AppState
-from cnr.coverage import UnsupportedStateError, check_supported
-from cnr.launch import RankFailed, launch
+from cnr.track.app_state import AppState
+from cnr.track.coverage import UnsupportedStateError, check_supported
+from cnr.app.launch import RankFailed, launch
 from cnr.bench.conformance_jobs import JobSpec, build
 
 

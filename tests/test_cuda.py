@@ -2,8 +2,8 @@
 
 Every test is parametrized over the device: "cpu" runs in CI (gloo), "cuda" only where a GPU is
 (NCCL, one rank on cuda:0) and is skipped elsewhere. The model is tiny.yaml's DLRM through
-cnr.parallel.build_sharded_model: torchrec's planner, the FUSED kernel and fused row-wise Adagrad.
-- the tracker (on CUDA: the device bitmap, cnr.tracker.RowTracker._record_cuda) reports exactly
+cnr.app.parallel.build_sharded_model: torchrec's planner, the FUSED kernel and fused row-wise Adagrad.
+- the tracker (on CUDA: the device bitmap, cnr.track.tracker.RowTracker._record_cuda) reports exactly
   the ids the batches looked up, before and after a checkpoint boundary;
 - a snapshot (on CUDA: pinned host buffers, a side stream, non-blocking copies, one event) holds
   the values at save() even when training changes them in place the moment save() returns;
@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 import cnr
 from cli_helpers import TINY
-from cnr.app_state import AppState
-from cnr.config import load_config
-from cnr.data import make_reader, to_device
-from cnr.parallel import build_sharded_model, train_step
-from cnr.snapshot import HostBuffers
-from cnr.tracker import RowTracker
+from cnr.track.app_state import AppState
+from cnr.app.config import load_config
+from cnr.app.data import make_reader, to_device
+from cnr.app.parallel import build_sharded_model, train_step
+from cnr.track.snapshot import HostBuffers
+from cnr.track.tracker import RowTracker
 from test_api import _assert_same, _gathered
 from test_snapshot import M, W, _pieces
 

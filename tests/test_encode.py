@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from cnr.encode import decode_chunk, encode_raw_chunk
+from cnr.codec.chunk_format import decode_chunk, encode_raw_chunk
 from cnr.errors import CorruptChunkError
 
 
@@ -152,8 +152,8 @@ def test_header_with_unknown_field_rejected():
 
 import pytest as _pytest  # noqa: E402
 
-from cnr.encode import encode_quantized_chunk  # noqa: E402
-from cnr.quantize import dequantize_rows, quantize_rows  # noqa: E402
+from cnr.codec.chunk_format import encode_quantized_chunk  # noqa: E402
+from cnr.codec.quant.quantize import dequantize_rows, quantize_rows  # noqa: E402
 from cnr.types import Encoding  # noqa: E402
 
 

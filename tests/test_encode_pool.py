@@ -1,4 +1,4 @@
-"""cnr.encode_pool: the writer's encoding threads. Results come back in order, at most
+"""cnr.write.encode_pool: the writer's encoding threads. Results come back in order, at most
 ``threads`` tasks run ahead, errors surface at their task's turn, and a checkpoint written with
 several encoding threads is byte for byte the one written with one."""
 
@@ -15,14 +15,14 @@ import torch
 
 from cnr.codec import bytes_codec
 from cnr.codec.zstd import zstd_spec
-from cnr.encode_pool import EncodePool
-from cnr.manifest import manifest_key, rank_index_key
+from cnr.write.encode_pool import EncodePool
+from cnr.format.manifest import manifest_key, rank_index_key
 from cnr.options import CheckpointOptions
-from cnr.snapshot import HostPiece
+from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, Role, ShardRegion, WriteStatus
-from cnr.upload import WriteJob, Writer, write_rank_data
-from cnr.uploader import ObjectTimes, Uploader
+from cnr.write.writer import WriteJob, Writer, write_rank_data
+from cnr.write.puts import ObjectTimes, Uploader
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

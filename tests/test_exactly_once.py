@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from cli_helpers import MIXED_SHARDING, TINY, run_cnr, train
-from cnr.trace import load_trace
+from cnr.app.trace import load_trace
 
 K = 2  # kills per run
 SEED = 7  # of the kill steps: the test is deterministic

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 import cnr
 
-from cnr.encode import DTYPES
-from cnr.launch import RankFailed, launch
-from cnr.manifest import Manifest
-from cnr.catalog import newest_committed, resolve_chain
-from cnr.chain_restore import restore_chain
-from cnr.state import whole_piece
+from cnr.codec.chunk_format import DTYPES
+from cnr.app.launch import RankFailed, launch
+from cnr.format.manifest import Manifest
+from cnr.format.catalog import newest_committed, resolve_chain
+from cnr.restore.chain import restore_chain
+from cnr.track.state import whole_piece
 from cnr.storage.local import LocalStorage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cnr
-from cnr.launch import launch
+from cnr.app.launch import launch
 from examples.two_tower import TwoTower, build, make_loader, train_step
 from test_api import _gathered
 

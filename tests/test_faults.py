@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cnr import faults
+import cnr.write.faults as faults
 
 
 @pytest.mark.parametrize("spec,point,step,rank,fires", [

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import cnr
 from cnr.bench.conformance_jobs import differing, gathered
-from cnr.catalog import list_checkpoints, read_manifest
-from cnr.launch import launch
+from cnr.format.catalog import list_checkpoints, read_manifest
+from cnr.app.launch import launch
 from cnr.storage import open_storage
 
 

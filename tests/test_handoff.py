@@ -1,4 +1,4 @@
-"""cnr.handoff on its own: a stand-in writer and tracker, one in-process gloo rank; table-driven
+"""cnr.write.handoff on its own: a stand-in writer and tracker, one in-process gloo rank; table-driven
 over how the writer ends the job and how it is settled."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from typing import List, Optional
 import pytest
 import torch
 
-from cnr.handoff import RUNNING, HandOff, SettleMode, rank0_decides
-from cnr.launch import launch
-from cnr.state import whole_piece
+from cnr.track.collectives import rank0_decides
+from cnr.write.handoff import RUNNING, HandOff, SettleMode
+from cnr.app.launch import launch
+from cnr.track.state import whole_piece
 from cnr.types import Role, WriteStatus
-from cnr.upload import WriteResult
+from cnr.write.writer import WriteResult
 
 
 class FakeWriter:

@@ -15,11 +15,11 @@ import pytest
 
 from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
-from cnr.manifest import manifest_key, parse_manifest, parse_rank_index, rank_index_key
-from cnr.catalog import list_checkpoints, read_manifest
-from cnr.retention import plan_retention
+from cnr.format.manifest import manifest_key, parse_manifest, parse_rank_index, rank_index_key
+from cnr.format.catalog import list_checkpoints, read_manifest
+from cnr.policy.retention import plan_retention
 from cnr.storage.local import LocalStorage
-from cnr.train import check_reader_position
+from cnr.app.train import check_reader_position
 from cnr.types import CheckpointStatus
 
 
@@ -134,8 +134,8 @@ def test_reader_cursor_is_checked_against_the_samples(store):
 def test_a_chunk_dropped_from_a_resealed_manifest_is_caught_by_its_rank_indexes(store):
     """The issue's case: a chunk entry dropped from an increment. The seal catches a plain edit;
     one that was sealed again still disagrees with the rank indexes written beside it."""
-    from cnr.manifest import manifest_to_bytes
-    from cnr.verify import check_rank_indexes
+    from cnr.format.manifest import manifest_to_bytes
+    from cnr.format.verify import check_rank_indexes
 
     storage = LocalStorage(str(store))
     manifest = read_manifest(storage, _ids(store)[-1])

@@ -14,23 +14,23 @@ import sys
 import pytest
 
 from cli_helpers import ROOT, TINY, run_cnr, train
-from cnr.catalog import list_checkpoints, newest_committed, restore_ids
-from cnr.config import load_config
+from cnr.format.catalog import list_checkpoints, newest_committed, restore_ids
+from cnr.app.config import load_config
 from cnr.errors import CheckpointError, ConfigError
-from cnr.integrity import seal
-from cnr.job import prepare_job
-from cnr.lineage import record_names
-from cnr.manifest import manifest_to_bytes, parse_manifest
+from cnr.format.integrity import seal
+from cnr.app.job import prepare_job
+from cnr.format.lineage import record_names
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.storage.local import LocalStorage
-from cnr.trace import load_trace
+from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
 
 # The ranks of a job prepared (checked) by this test process, run in a child as cnr train runs them.
 _RUN_PREPARED = """
 import pickle, sys
 from cnr.errors import CnrError
-from cnr.job import run_job_rank
-from cnr.launch import launch
+from cnr.app.job import run_job_rank
+from cnr.app.launch import launch
 with open(sys.argv[1], "rb") as f:
     job = pickle.load(f)
 try:

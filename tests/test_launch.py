@@ -70,7 +70,7 @@ def test_sigkill_of_the_launcher_kills_every_rank_and_frees_the_lease(tmp_path, 
     this, they lived on as orphans, trained and took the lease), or while they train and hold the
     lease. No rank, writer or reader lives on (PR_SET_PDEATHSIG, a watch of the launcher's pipe,
     and a parent check as a rank starts), and the restarted job can take the lease at once."""
-    from cnr.lease import Lease
+    from cnr.write.lease import Lease
     from cnr.storage.local import LocalStorage
 
     store = tmp_path / "ck"
@@ -108,7 +108,7 @@ def test_sigkill_of_the_launcher_kills_every_rank_and_frees_the_lease(tmp_path, 
 
 _CHILD = '''
 import ctypes, multiprocessing as mp, os, sys, time
-from cnr.proc import die_with_parent
+from cnr.write.proc import die_with_parent
 
 def child(parent_pid, out, watch_only):
     while not os.path.exists(out + ".go"):  # the test may kill the parent before this call
@@ -131,7 +131,7 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("case", ["pdeathsig", "watch", "parent_died_first"])
 def test_a_process_dies_with_its_parent(tmp_path, case):
-    """cnr.proc.die_with_parent: the kernel's parent-death signal; the watch of the parent's pipe
+    """cnr.write.proc.die_with_parent: the kernel's parent-death signal; the watch of the parent's pipe
     without it (the signal follows the parent *thread*); and a parent dead before the call."""
     script = tmp_path / "parent.py"
     script.write_text(_CHILD)
@@ -166,13 +166,13 @@ def test_a_process_dies_with_its_parent(tmp_path, case):
 
 
 def test_nproc_is_bounded_by_the_machine_before_anything_starts(tmp_path, capsys, monkeypatch):
-    from cnr.cli import main
-    from cnr.launch import max_nproc
+    from cnr.app.cli import main
+    from cnr.app.launch import max_nproc
 
     def launched(*_args):
         raise AssertionError("ranks were started")  # a regression must not fork 100000 processes
 
-    monkeypatch.setattr("cnr.launch.launch", launched)
+    monkeypatch.setattr("cnr.app.launch.launch", launched)
     high, _why = max_nproc()
     store = tmp_path / "ck"
     for bad in (0, high + 1, 100000):

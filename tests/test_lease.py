@@ -1,4 +1,4 @@
-"""One writing job per storage location (cnr.lease): acquire, refuse, take over, fence.
+"""One writing job per storage location (cnr.write.lease): acquire, refuse, take over, fence.
 
 Every case runs on the local directory and on S3 (moto on 127.0.0.1) through the ``storage``
 fixture of tests/conftest.py; the two-jobs case runs ``cnr train`` twice on one location, the
@@ -16,7 +16,7 @@ import pytest
 
 from cli_helpers import TINY, run_cnr
 from cnr.errors import CheckpointError, StorageError
-from cnr.lease import (PROBE_KEY, ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError,
+from cnr.write.lease import (PROBE_KEY, ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError,
                        check_held, generations, holder, lease_key, machine_id)
 from s3_proxy import S3Proxy
 
@@ -68,7 +68,7 @@ def test_unreadable_record_is_taken_over(storage, blob):
 
 def test_damaged_newest_record_is_taken_over_naming_it(storage, caplog):
     storage.put(lease_key(7), _record(generation=6).to_bytes())  # a record copied under another name
-    with caplog.at_level("WARNING", logger="cnr.lease"):
+    with caplog.at_level("WARNING", logger="cnr.write.lease"):
         assert Lease.acquire(storage, ttl_s=30).record.generation == 8
     assert f"the previous record {lease_key(7)} was damaged (it says generation 6)" in caplog.text
 
@@ -215,8 +215,8 @@ def _api_rank(rank, world_size, arg):
 
 
 def test_checkpointer_that_lost_its_lease_commits_nothing(tmp_path):
-    from cnr.launch import launch
-    from cnr.catalog import list_checkpoints
+    from cnr.app.launch import launch
+    from cnr.format.catalog import list_checkpoints
     from cnr.storage import open_storage
 
     uri = str(tmp_path / "store")

@@ -1,4 +1,4 @@
-"""Checkpoints over a node-local tier (``checkpoint.local_dir``, cnr.local_tier), as a user runs them.
+"""Checkpoints over a node-local tier (``checkpoint.local_dir``, cnr.write.local_tier), as a user runs them.
 
 A kill between the local and the remote commit resumes from the local tier, and the next writer
 flushes what the remote store lacks; a lost or damaged local tier resumes from the remote store;
@@ -15,8 +15,8 @@ import shutil
 import pytest
 
 from cli_helpers import TINY, run_cnr, train
-from cnr.local_tier import resume_flush, retain_local
-from cnr.manifest import manifest_key
+from cnr.write.local_tier import resume_flush, retain_local
+from cnr.format.manifest import manifest_key
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
 
@@ -99,7 +99,7 @@ def test_bad_local_tier_settings_are_refused(tmp_path, setting, message):
 
 def _committed(store, ckpt_id: str, base=None) -> None:
     """A stand-in committed checkpoint: one object, an index and a manifest (read only by id/base/kind)."""
-    from cnr.manifest import Manifest, manifest_to_bytes, rank_index_key
+    from cnr.format.manifest import Manifest, manifest_to_bytes, rank_index_key
     from cnr.types import CheckpointKind
 
     kind = CheckpointKind.INCREMENTAL if base else CheckpointKind.FULL
@@ -155,14 +155,14 @@ def test_a_failed_remote_commit_leaves_the_local_one_standing(tmp_path, baseline
 def _open(storage: str, local_dir: str, rank=1):
     """The checkpoint store at ``storage`` behind ``local_dir``: a writer's (``rank``, no retention
     hook below rank 0) or, with ``rank`` None, a reader's."""
-    from cnr.local_tier import open_checkpoint_store
+    from cnr.write.local_tier import open_checkpoint_store
     from cnr.options import CheckpointOptions
 
     return open_checkpoint_store(storage, CheckpointOptions(local_dir=local_dir, commit_timeout_s=5), rank)
 
 
 def _ids(store) -> list:
-    from cnr.catalog import list_checkpoints
+    from cnr.format.catalog import list_checkpoints
 
     return [(i.id, i.status.value) for i in list_checkpoints(store)]
 
@@ -178,7 +178,7 @@ def test_two_locations_sharing_a_local_dir_never_see_each_other(tmp_path):
     _committed(b, "0000000002-b")
     assert b.flush(10)
     b.close()
-    from cnr.local_tier import LOCATION_RECORD, local_tier_root, storage_location
+    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root, storage_location
 
     a_reader, b_reader = _open(str(tmp_path / "a"), shared, None), _open(str(tmp_path / "b"), shared, None)
     assert _ids(a_reader) == [("0000000001-a", "committed")] and _ids(b_reader) == [("0000000002-b", "committed")]
@@ -215,7 +215,7 @@ def test_two_jobs_sharing_a_local_dir_as_users_run_them(tmp_path):
 
 def test_a_tier_recording_another_location_is_refused_and_kept(tmp_path):
     from cnr.errors import ConfigError
-    from cnr.local_tier import LOCATION_RECORD, local_tier_root
+    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root
 
     shared = str(tmp_path / "nvme")
     root = local_tier_root(shared, LocalStorage(str(tmp_path / "ck")))
@@ -251,7 +251,7 @@ def test_an_unkeyed_local_dir_is_refused_kept_and_adopted_once_moved(tmp_path):
     move = str(e.value).split("move them into its keyed tier: ", 1)[1].split(" ;", 1)[0]
     subprocess.run(move, shell=True, check=True)  # the command the message gives
     assert shlex.split(move)[0] == "mkdir"
-    from cnr.local_tier import LOCATION_RECORD
+    from cnr.write.local_tier import LOCATION_RECORD
 
     store = _open(str(tmp_path / "ck"), shared)  # a writer: adopts the keyed tier, recording the location
     assert _ids(store.local) == [("0000000001-a", "committed")]
@@ -260,7 +260,7 @@ def test_an_unkeyed_local_dir_is_refused_kept_and_adopted_once_moved(tmp_path):
 
 
 def test_a_damaged_location_record_is_rewritten_by_the_writer(tmp_path):
-    from cnr.local_tier import LOCATION_RECORD, local_tier_root
+    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root
 
     shared, ck = str(tmp_path / "nvme"), LocalStorage(str(tmp_path / "ck"))
     record = os.path.join(local_tier_root(shared, ck), LOCATION_RECORD)
@@ -329,7 +329,7 @@ def test_local_retention_never_deletes_outside_the_tier(tmp_path):
 
 def test_an_s3_location_is_keyed_with_its_custom_endpoint(s3_bucket, tmp_path):
     """The same bucket and prefix on another S3-compatible endpoint is another location."""
-    from cnr.local_tier import location_key, storage_location
+    from cnr.write.local_tier import location_key, storage_location
     from cnr.storage.s3 import S3Storage
 
     store = S3Storage(s3_bucket, "job/")

@@ -20,11 +20,11 @@ import pytest
 
 from test_storage_tiered import DownStore
 
-from cnr.commit import commit_checkpoint
+from cnr.write.commit import commit_checkpoint
 from cnr.errors import CheckpointError
-from cnr.lease import Lease, LeaseRecord, lease_key
-from cnr.local_tier import local_only_checkpoints
-from cnr.manifest import RankIndex, make_id, manifest_key, rank_index_key, rank_index_to_bytes
+from cnr.write.lease import Lease, LeaseRecord, lease_key
+from cnr.write.local_tier import local_only_checkpoints
+from cnr.format.manifest import RankIndex, make_id, manifest_key, rank_index_key, rank_index_to_bytes
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind
@@ -89,7 +89,7 @@ def test_a_lease_taken_during_the_outage_keeps_the_local_checkpoint_off_the_stor
 def test_a_writer_starting_in_an_outage_carries_on_committing_locally(tmp_path):
     # a writer (re)started while the store is down: on main its resumed flush raised and the
     # writer process died, three times over, and the job ended with WriterDied
-    from cnr.upload import _resume_flush
+    from cnr.write.writer import _resume_flush
 
     tier, _plain, remote, lease = _writer_store(tmp_path)
     remote.down.set()
@@ -107,7 +107,7 @@ JOB = textwrap.dedent('''
     import torch, torch.distributed as dist
     import cnr
     from cnr.errors import StorageError
-    from cnr.upload import Writer
+    from cnr.write.writer import Writer
 
     class Down:
         """The writer's remote store, failing every call while the file ``flag`` exists."""

@@ -1,4 +1,4 @@
-"""Background merges of consecutive chains (cnr.merge): same state as the chain, committed last,
+"""Background merges of consecutive chains (cnr.write.merge): same state as the chain, committed last,
 refused when it would re-quantize (rows stored two ways), and retention then drops the old chain."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 from cli_helpers import MIXED_SHARDING, inspect, train
 from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, manifest_key, merged_id
-from cnr.catalog import newest_committed, read_manifest, resolve_chain
-from cnr.merge import _encoding_of, merge_chain
-from cnr.chain_restore import restore_chain
-from cnr.state import StatePiece
+from cnr.format.manifest import Manifest, manifest_key, merged_id
+from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
+from cnr.write.merge import _encoding_of, merge_chain
+from cnr.restore.chain import restore_chain
+from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cli_helpers import table_of
 from cnr.types import ChunkRef, Encoding, ShardRegion
@@ -26,7 +26,7 @@ CONSECUTIVE = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.in
 
 def _whole_pieces(manifest: Manifest) -> List[StatePiece]:
     """One zeroed tensor per checkpointed tensor, each holding all of it."""
-    from cnr.encode import DTYPES
+    from cnr.codec.chunk_format import DTYPES
 
     pieces = []
     for name, entry in sorted(manifest.tensors.items()):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cnr.metrics import auc, logloss
+from cnr.app.metrics import auc, logloss
 
 
 def _brute_auc(scores, labels):

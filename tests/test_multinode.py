@@ -2,7 +2,7 @@
 rendezvous on 127.0.0.1): a 2x2 job checkpoints to shared storage, resumes bit-exact at 2x2,
 and its last checkpoint restores at 1x2 and 1x1 to the same state. The model is DCN with a
 wide over-arch, so its dense part (2.6 MB and its Adagrad state) outweighs the tables: each
-rank writes a share of it (cnr.shares), rank 0 no more than 1.2x the mean. Each node has its
+rank writes a share of it (cnr.track.shares), rank 0 no more than 1.2x the mean. Each node has its
 own local tier (``checkpoint.local_dir``): it holds only that node's ranks' objects, the 1x2
 restore reads node 0's tier and the remote store, the 1x1 restore (a node without the tier)
 the remote store alone."""
@@ -17,9 +17,9 @@ import sys
 from typing import List
 
 from cli_helpers import MIXED_SHARDING, ROOT, TINY, train
-from cnr.catalog import list_checkpoints
-from cnr.local_tier import local_tier_root
-from cnr.manifest import parse_rank_index, rank_index_key
+from cnr.format.catalog import list_checkpoints
+from cnr.write.local_tier import local_tier_root
+from cnr.format.manifest import parse_rank_index, rank_index_key
 from cnr.storage.local import LocalStorage
 
 TIMEOUT_S = 300
@@ -69,7 +69,7 @@ def test_two_nodes_resume_bit_exact_and_restore_on_one_node(tmp_path):
     assert first["steps"] == 20 and first["state_sha256"] != full["state_sha256"]
     storage = LocalStorage(os.path.join(cwd, "ck"))
     ckpt = list_checkpoints(storage)[-1].id
-    for node in (0, 1):  # each node's tier holds its own ranks' objects and the manifest (cnr.peer_exchange)
+    for node in (0, 1):  # each node's tier holds its own ranks' objects and the manifest (cnr.write.peer_exchange)
         held = LocalStorage(local_tier_root(os.path.join(cwd, f"node-{node}"), storage)).list(f"checkpoints/{ckpt}")
         assert {k.split("/")[2][:10] for k in held} - {"manifest.j"} == {f"rank-{r:05d}" for r in (2 * node, 2 * node + 1)}
         assert f"checkpoints/{ckpt}/manifest.json" in held

@@ -12,15 +12,15 @@ import torch
 
 from cli_helpers import train
 from cnr.errors import NONFINITE, NonFiniteStateError
-from cnr.manifest import manifest_key
-from cnr.catalog import list_checkpoints, read_manifest, resolve_chain
+from cnr.format.manifest import manifest_key
+from cnr.format.catalog import list_checkpoints, read_manifest, resolve_chain
 from cnr.options import CheckpointOptions
-from cnr.restore import fetch_chunk
-from cnr.snapshot import HostPiece
+from cnr.format.chunks import fetch_chunk
+from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ShardRegion, WriteStatus
-from cnr.codec.choose import check_finite
-from cnr.upload import WriteJob, Writer
+from cnr.write.plan import check_finite
+from cnr.write.writer import WriteJob, Writer
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

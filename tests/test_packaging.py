@@ -25,17 +25,17 @@ def test_a_users_own_models_package_does_not_shadow_cnrs(tmp_path):
     (tmp_path / "models" / "__init__.py").write_text("USER = True\n")
     (tmp_path / "readers").mkdir()
     (tmp_path / "readers" / "__init__.py").write_text("USER = True\n")
-    code = "import models, readers, cnr.parallel, cnr.data, cnr.train; print(models.USER and readers.USER)"
+    code = "import models, readers, cnr.app.parallel, cnr.app.data, cnr.app.train; print(models.USER and readers.USER)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert out.stdout.strip() == "True"
 
 
 def test_cli_launcher_and_writer_load_only_what_they_use():
-    """``cnr inspect``'s modules load no torch, cnr train's launcher (cnr.job) and a background
-    writer (cnr.upload) no torchrec; the package's public names still resolve on first use."""
-    code = ("import sys, cnr, cnr.cli, cnr.manifest, cnr.storage; assert 'torch' not in sys.modules, 'torch loaded'; "
-            "import cnr.job, cnr.upload; assert 'torchrec' not in sys.modules, 'torchrec loaded'; "
+    """``cnr inspect``'s modules load no torch, cnr train's launcher (cnr.app.job) and a background
+    writer (cnr.write.writer) no torchrec; the package's public names still resolve on first use."""
+    code = ("import sys, cnr, cnr.app.cli, cnr.format.manifest, cnr.storage; assert 'torch' not in sys.modules, 'torch loaded'; "
+            "import cnr.app.job, cnr.write.writer; assert 'torchrec' not in sys.modules, 'torchrec loaded'; "
             "assert cnr.Checkpointer.__module__ == 'cnr.api'; assert all(hasattr(cnr, n) for n in cnr.__all__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The writers' exchange of commit objects (cnr.peer_exchange) and its use by the commit.
+"""The writers' exchange of commit objects (cnr.write.peer_exchange) and its use by the commit.
 
 A real TCPStore on 127.0.0.1: indexes published by other ranks count as stored for rank 0's
 wait, an outcome reaches every other rank once and is then removed, and an exchange that is
@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from cnr.commit import wait_for_ranks
+from cnr.write.commit import wait_for_ranks
 from cnr.errors import CheckpointError
-from cnr.manifest import RankIndex, rank_index_key, rank_index_to_bytes
-from cnr.peer_exchange import PeerExchange, host_exchange
+from cnr.format.manifest import RankIndex, rank_index_key, rank_index_to_bytes
+from cnr.write.peer_exchange import PeerExchange, host_exchange
 from cnr.storage.local import LocalStorage
 
 

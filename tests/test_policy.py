@@ -1,11 +1,11 @@
-"""cnr.policy: the intermittent predictor, the kind of the next checkpoint, the bit-width table."""
+"""cnr.policy.kinds: the intermittent predictor, the kind of the next checkpoint, the bit-width table."""
 
 from __future__ import annotations
 
 import pytest
 
 from cnr.errors import ConfigError
-from cnr.policy import (
+from cnr.policy.kinds import (
     BitDecision, apply_observed, choose_bits, decide_bits, intermittent_wants_full, next_kind, predicted_chain_ratio,
     rate_from_failure_log,
     read_failure_log,
@@ -127,7 +127,7 @@ def test_the_budget_chooses_how_optimizer_state_is_stored(rate, log8_tolerated, 
 
 
 def test_the_fallback_stores_optimizer_state_fp32_and_explicit_widths_win():
-    from cnr.policy import stored_optimizer_bits
+    from cnr.policy.kinds import stored_optimizer_bits
 
     d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0, log8_tolerated=3)
     assert (d.bits, d.optimizer_bits) == (2, 8)
@@ -138,7 +138,7 @@ def test_the_fallback_stores_optimizer_state_fp32_and_explicit_widths_win():
 
 
 def test_a_per_table_plan_never_goes_below_8_bits_after_the_fallback():
-    from cnr.policy import table_widths_in_force
+    from cnr.policy.kinds import table_widths_in_force
 
     plan = {"a": 2, "b": 4, "c": 32}
     d = decide_bits(0.5, 1, 3600, 1.0, PAPER, 0)
@@ -160,7 +160,7 @@ def test_decisions_recorded_before_the_optimizer_choice_read_as_fp32():
 
 
 def test_fixed_decisions_never_fall_back():
-    from cnr.policy import fixed_bits
+    from cnr.policy.kinds import fixed_bits
 
     assert apply_observed(fixed_bits(2), 50).bits == 2
 

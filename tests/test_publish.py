@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from cli_helpers import MIXED_SHARDING, TINY, train
-from cnr.cli import main
-from cnr.config import load_config
+from cnr.app.cli import main
+from cnr.app.config import load_config
 from cnr.errors import ConfigError
-from cnr.inference import InferenceModel
-from cnr.catalog import list_checkpoints, newest_committed, resolve_chain
-from cnr.publish import plan_publish_retention
-from cnr.chain_restore import restore_chain
-from cnr.state import StatePiece
+from cnr.app.inference import InferenceModel
+from cnr.format.catalog import list_checkpoints, newest_committed, resolve_chain
+from cnr.publish.publisher import plan_publish_retention
+from cnr.restore.chain import restore_chain
+from cnr.track.state import StatePiece
 from cnr.storage import open_storage
-from cnr.subscribe import Subscriber
+from cnr.publish.subscriber import Subscriber
 from cli_helpers import table_of
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, ShardRegion
 

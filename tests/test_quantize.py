@@ -10,11 +10,11 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import pytest
 import torch
 
-from cnr.bitpack import packed_bytes_per_row, unpack
-from cnr import quantize
+from cnr.codec.quant.bitpack import packed_bytes_per_row, unpack
+import cnr.codec.quant.quantize as quantize
 from cnr.errors import ConfigError
 from cnr.types import STORED_QUANT_METHODS
-from cnr.quantize import (
+from cnr.codec.quant.quantize import (
     BITS,
     DEFAULT_NUM_BINS,
     DEFAULT_RATIO,

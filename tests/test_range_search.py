@@ -14,14 +14,14 @@ from typing import Iterator, Optional
 import pytest
 import torch
 
-from cnr.codec.choose import searched_rows
+from cnr.write.plan import searched_rows
 from cnr.options import CheckpointOptions
-from cnr.quantize import quantize_rows_with_dtypes
-from cnr.range_search import AUTO_COMPILE_ROWS, Fused, WriterSearch, compiled_search, greedy_range, min_bins
+from cnr.codec.quant.quantize import quantize_rows_with_dtypes
+from cnr.codec.quant.range_search import AUTO_COMPILE_ROWS, Fused, WriterSearch, compiled_search, greedy_range, min_bins
 from cnr.storage.local import LocalStorage
 from cnr.types import SearchKernel, WriteStatus
-from cnr.upload import Writer, write_rank_data
-from cnr.uploader import Uploader
+from cnr.write.writer import Writer, write_rank_data
+from cnr.write.puts import Uploader
 from test_encode_pool import _job
 from test_quantize import DISTRIBUTIONS, SEARCHES, _rows
 
@@ -226,7 +226,7 @@ def test_bench_quantize_times_the_compiled_search_beside_the_eager_one(compiled:
         if method != "adaptive_compiled":
             continue
         eager = entries[(set_name, "adaptive", bits)]
-        assert e["rows_differing"] <= 1  # a float32 tie at most, on 300 rows (cnr.range_search)
+        assert e["rows_differing"] <= 1  # a float32 tie at most, on 300 rows (cnr.codec.quant.range_search)
         assert e["l2_mean"] == pytest.approx(eager["l2_mean"], rel=1e-3)
         assert e["stored_bytes_per_row"] == pytest.approx(eager["stored_bytes_per_row"], rel=1e-2)
     assert {m for _, m, _ in entries} == {"naive", "adaptive", "adaptive_compiled", "torch_greedy"}

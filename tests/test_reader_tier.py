@@ -11,7 +11,7 @@ from typing import Callable, List
 import pytest
 import torch
 
-from cnr import faults
+import cnr.write.faults as faults
 from cnr.readers import Batch, SyntheticReader, TsvReader
 from cnr.readers.tier import InProcessSource, ReaderError, ReaderTier
 

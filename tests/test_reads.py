@@ -17,11 +17,11 @@ import torch
 
 import cnr
 from cli_helpers import ROOT, run_cnr
-from cnr.catalog import list_checkpoints, read_manifest
+from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.errors import CorruptChunkError, InvalidKeyError, KeyNotFoundError
 from cnr.storage import base
 from cnr.storage.local import LocalStorage
-from cnr.verify import verify_store
+from cnr.format.verify import verify_store
 from s3_proxy import CorruptingProxy
 
 # ---- the local store reads only regular files inside its root (item 10) ----------------------
@@ -124,7 +124,7 @@ def test_inspect_verify_names_a_fifo_or_a_link_to_dev_zero_as_damage_without_han
 
 
 def _load_model(monkeypatch, store) -> dict:
-    monkeypatch.setattr("cnr.load.open_storage", lambda _uri: store)
+    monkeypatch.setattr("cnr.restore.load.open_storage", lambda _uri: store)
     return cnr.load_state_dict("unused", "model")
 
 

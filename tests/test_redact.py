@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from cnr.bench.chaos_proxy import ChaosProxy
-from cnr.cli import main
+from cnr.app.cli import main
 from cnr.errors import CnrError, RedactingFilter, StorageError, redact
-from cnr.manifest import failed_key
+from cnr.format.manifest import failed_key
 from cnr.options import CheckpointOptions
-from cnr.snapshot import HostPiece
+from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
-from cnr.encode_pool import EncodePool
-from cnr.upload import WriteJob, _run_job
-from cnr.uploader import Uploader
+from cnr.write.encode_pool import EncodePool
+from cnr.write.writer import WriteJob, _run_job
+from cnr.write.puts import Uploader
 
 SECRET = "s3cr3t-pa55"
 
@@ -88,7 +88,7 @@ def test_cli_error_lines_and_logs_are_redacted(endpoint_env, capsys, monkeypatch
         logging.getLogger("cnr.test").warning("retrying http://minio:%s@127.0.0.1:9/x", SECRET)
         raise CnrError(f"cannot write http://minio:{SECRET}@127.0.0.1:9/bucket/x")
 
-    monkeypatch.setattr("cnr.cli._inspect", boom)
+    monkeypatch.setattr("cnr.app.cli._inspect", boom)
     handler = logging.StreamHandler()
     handler.addFilter(RedactingFilter())
     record = logging.LogRecord("cnr", logging.WARNING, __file__, 1, "endpoint http://u:%s@h/", (SECRET,), None)

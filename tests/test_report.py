@@ -10,12 +10,12 @@ from typing import Dict, List, Optional
 import pytest
 from matplotlib.image import imread
 
-from cnr.cli import main
-from cnr.manifest import (
+from cnr.app.cli import main
+from cnr.format.manifest import (
     Manifest, RankIndex, TensorEntry, object_key, failed_key, make_id, manifest_key, manifest_to_bytes,
     rank_index_key, rank_index_to_bytes,
 )
-from cnr.report import FIGURES, MARKDOWN, Entry, ReportData, compute, render_markdown
+from cnr.app.report import FIGURES, MARKDOWN, Entry, ReportData, compute, render_markdown
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import CheckpointKind, ChunkRef, Encoding, TableSpec, Role

@@ -7,17 +7,17 @@ from typing import List
 import pytest
 import torch
 
-from cnr.commit import check_coverage
+from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError
-from cnr.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
-from cnr.chain_restore import restore_chain
-from cnr.restore import restore_pieces
-from cnr.snapshot import HostPiece
-from cnr.state import StatePiece
+from cnr.format.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
+from cnr.restore.chain import restore_chain
+from cnr.restore.pieces import restore_pieces
+from cnr.track.snapshot import HostPiece
+from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, Role
-from cnr.upload import WriteJob, write_rank_data
-from cnr.uploader import Uploader
+from cnr.write.writer import WriteJob, write_rank_data
+from cnr.write.puts import Uploader
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
 
@@ -207,7 +207,7 @@ def test_baseline_plus_increment_restores_into_any_split(tmp_path, src, dst, thr
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits):
-    from cnr.quantize import default_method, dequantize_rows, quantize_rows_with_dtypes
+    from cnr.codec.quant.quantize import default_method, dequantize_rows, quantize_rows_with_dtypes
 
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)
@@ -224,7 +224,7 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     target = torch.zeros(ROWS, COLS)
     restore_pieces(store, _manifest("0000000001-q", CheckpointKind.FULL, {NAME: entry}), _split(target, [0, ROWS], [0, 3, 6]))
     # Chunk boundaries change a row's quantization at most through its chunk's bias precision
-    # (float16 only when every row of the chunk tolerates it, cnr.quantize._bias_dtype): every
+    # (float16 only when every row of the chunk tolerates it, cnr.codec.quant.quantize._bias_dtype): every
     # row matches the same rows quantized whole with one of the two bias precisions.
     whole = [dequantize_rows(quantize_rows_with_dtypes(full, bits, default_method(bits), bias_dtype=dt))
              for dt in ((torch.float32,) if bits == 8 else (torch.float16, torch.float32))]

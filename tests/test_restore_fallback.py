@@ -14,16 +14,16 @@ import torch.distributed as dist
 
 import cnr
 from cli_helpers import TINY, train
-from cnr.app_state import AppState
-from cnr.config import load_config
+from cnr.track.app_state import AppState
+from cnr.app.config import load_config
 from cnr.errors import CheckpointError
-from cnr.launch import RankFailed, launch
-from cnr.manifest import manifest_key
-from cnr.catalog import list_checkpoints, read_manifest
-from cnr.state import gather_global
+from cnr.app.launch import RankFailed, launch
+from cnr.format.manifest import manifest_key
+from cnr.format.catalog import list_checkpoints, read_manifest
+from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage
-from cnr.trace import load_trace
-from cnr.train import _options
+from cnr.app.trace import load_trace
+from cnr.app.train import _options
 from examples.two_tower import build, make_loader, train_step
 
 
@@ -124,7 +124,7 @@ def _damage(kind, storage, ids):
     newest = read_manifest(storage, ids[-1])
     shared = sorted({c.key for t in newest.tensors.values() if t.replicated for c in t.chunks})
     if kind == "truncated":
-        # rank 0's object also holds its share of the replicated tensors (cnr.shares), which
+        # rank 0's object also holds its share of the replicated tensors (cnr.track.shares), which
         # rank 1 reads with one ranged GET that now runs past the end; rank 0 reads it whole
         # and finds it short
         [key] = [k for k in shared if "/rank-00000/" in k]

@@ -8,8 +8,8 @@ from typing import Dict
 import pytest
 
 from cli_helpers import inspect, train
-from cnr.manifest import merged_id
-from cnr.retention import chain_ids, plan_retention
+from cnr.format.manifest import merged_id
+from cnr.policy.retention import chain_ids, plan_retention
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
@@ -78,7 +78,7 @@ def _resumed_chain(infos: Dict[str, CheckpointInfo]):
 
 
 def _random_history(seed: int) -> None:
-    """Random policies, failures, crashes, commits and background merges (cnr.merge) of
+    """Random policies, failures, crashes, commits and background merges (cnr.write.merge) of
     consecutive chains that commit or crash some steps later; retention after every commit."""
     rng = random.Random(seed)
     keep_last = rng.choice([1, 1, 2, 3])
@@ -159,7 +159,7 @@ def _stored(store: LocalStorage, ckpt_id: str, keys) -> None:
 def test_a_deletion_cut_short_is_finished_without_a_failure_marker(tmp_path):
     # retention marks a committed checkpoint before its manifest goes; a crash (or a second
     # process's retention, as a merge's beside the writer's) leaves it listed as uncommitted
-    from cnr.retention import remove_checkpoint
+    from cnr.policy.retention import remove_checkpoint
 
     store = LocalStorage(str(tmp_path))
     _stored(store, "0000000005-a", ["deleting.json", "rank-00000.json", "rank-00000/chunk-000000.bin"])
@@ -175,7 +175,7 @@ def test_a_deletion_cut_short_is_finished_without_a_failure_marker(tmp_path):
 
 
 def test_a_committed_deletion_marks_first_and_leaves_nothing(tmp_path, monkeypatch):
-    from cnr.retention import remove_checkpoint
+    from cnr.policy.retention import remove_checkpoint
 
     store = LocalStorage(str(tmp_path))
     _stored(store, "0000000005-a", ["manifest.json", "rank-00000.json"])

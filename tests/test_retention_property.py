@@ -1,4 +1,4 @@
-"""Retention over generated histories (issue #25): the verified planner (cnr.retention) on
+"""Retention over generated histories (issue #25): the verified planner (cnr.policy.retention) on
 in-memory catalogs, never on storage.
 
 Each history is a random sequence of jobs on one location: fresh starts, resumes that fall back
@@ -9,7 +9,7 @@ between jobs (a running job has verified each checkpoint at most once, so damage
 happens while no job runs). After every retention (the writer's after a commit, a merge's after
 its commit, or one cut short by a crash) the invariant holds:
 
-    the newest checkpoint that restored before it, in restore order (cnr.lineage), or a newer
+    the newest checkpoint that restored before it, in restore order (cnr.format.lineage), or a newer
     one, still restores;
 
 and retention deletes only committed checkpoints of its own lineage, each older than a chain of
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Tuple
 
-from cnr.manifest import chain_links, merged_id
-from cnr.retention import chain_ids, plan_verified_retention, plan_with, to_verify
+from cnr.format.manifest import chain_links, merged_id
+from cnr.policy.retention import chain_ids, plan_verified_retention, plan_with, to_verify
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
 
 C, F, U, D = CheckpointStatus.COMMITTED, CheckpointStatus.FAILED, CheckpointStatus.UNCOMMITTED, CheckpointStatus.DAMAGED
@@ -37,7 +37,7 @@ HISTORIES = 2000
 @dataclass
 class Store:
     """The location: its catalog, which checkpoints' own objects are damaged, and the lineage
-    activation records in order (cnr.lineage)."""
+    activation records in order (cnr.format.lineage)."""
 
     infos: Dict[str, CheckpointInfo] = field(default_factory=dict)
     damaged: Set[str] = field(default_factory=set)

@@ -8,7 +8,7 @@ import json
 from typing import Dict, List
 
 from cli_helpers import run_cnr, train
-from cnr.catalog import list_checkpoints, read_manifest
+from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus
 

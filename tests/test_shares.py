@@ -1,4 +1,4 @@
-"""cnr.shares: every replicated row is written by exactly one rank, with the bytes spread evenly.
+"""cnr.track.shares: every replicated row is written by exactly one rank, with the bytes spread evenly.
 (A real 4-rank job with a large dense part: tests/test_multinode.py.)"""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Dict, List
 import pytest
 import torch
 
-from cnr.shares import replicated_share
-from cnr.state import StatePiece, whole_piece
+from cnr.track.shares import replicated_share
+from cnr.track.state import StatePiece, whole_piece
 from cnr.types import Role, ShardRegion
 
 

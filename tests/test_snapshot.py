@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cnr.snapshot import HostBuffers
-from cnr.state import StatePiece
+from cnr.track.snapshot import HostBuffers
+from cnr.track.state import StatePiece
 from cnr.types import ShardRegion, Role
 
 W = "model/sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"

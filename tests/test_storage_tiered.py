@@ -295,7 +295,7 @@ def test_close_in_an_outage_waits_at_most_outage_wait_s_and_names_what_stays_loc
 
 
 def test_a_writer_without_commit_fences_checks_the_lease_before_flushing_after_an_outage(tmp_path):
-    # every rank's writer sets the job's fence (cnr.upload): after an outage it runs before any write
+    # every rank's writer sets the job's fence (cnr.write.writer): after an outage it runs before any write
     tier, local, remote = _outage_tier(tmp_path)
     tier.set_fence(lambda store: (_ for _ in ()).throw(CheckpointError("this job lost the lease")))
     tier.note_unreachable()  # as the writer's lease check found it

@@ -23,19 +23,19 @@ import pytest
 import torch
 
 from cli_helpers import TINY, run_cnr
-from cnr.config import load_config
-from cnr.data import make_reader
-from cnr.evaluate import evaluate
-from cnr.inference import InferenceModel
-from cnr.launch import launch
-from cnr.manifest import manifest_key
-from cnr.catalog import read_manifest
-from cnr.parallel import build_sharded_model
-from cnr.publish import make_publisher
-from cnr.app_state import collect_state
-from cnr.state import gather_global
+from cnr.app.config import load_config
+from cnr.app.data import make_reader
+from cnr.app.evaluate import evaluate
+from cnr.app.inference import InferenceModel
+from cnr.app.launch import launch
+from cnr.format.manifest import manifest_key
+from cnr.format.catalog import read_manifest
+from cnr.app.parallel import build_sharded_model
+from cnr.publish.publisher import make_publisher
+from cnr.track.app_state import collect_state
+from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage
-from cnr.subscribe import Subscriber, committed_publishes
+from cnr.publish.subscriber import Subscriber, committed_publishes
 from cli_helpers import table_of
 
 SETTINGS = ["checkpoint.enabled=false", "publish.enabled=true", "publish.bits=32", "publish.interval=10",
@@ -62,7 +62,7 @@ def _watch(model: InferenceModel, uri: str, stop: threading.Event, seen: Dict[in
 
 
 def _make_history(rank: int, world_size: int, arg: Dict) -> Dict:
-    from cnr.parallel import train_step
+    from cnr.app.parallel import train_step
 
     config = load_config(TINY, SETTINGS + [f"publish.storage={arg['store']}"])
     sharded = build_sharded_model(config, torch.device("cpu"))

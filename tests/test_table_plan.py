@@ -1,10 +1,10 @@
-"""cnr.table_plan: the greedy per-table widths on hand-made costs."""
+"""cnr.policy.table_plan: the greedy per-table widths on hand-made costs."""
 
 from __future__ import annotations
 
 import pytest
 
-from cnr.table_plan import TableCosts, plan_for_width, plan_widths, totals, uniform
+from cnr.policy.table_plan import TableCosts, plan_for_width, plan_widths, totals, uniform
 
 WIDTHS = (2, 3, 4, 8)
 

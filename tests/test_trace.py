@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cnr.trace import SampleTrace, id_runs, load_trace, reset_trace, trace_path
+from cnr.app.trace import SampleTrace, id_runs, load_trace, reset_trace, trace_path
 
 
 def test_id_runs():

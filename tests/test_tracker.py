@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 
 from cli_helpers import TINY
-from cnr.config import load_config
-from cnr.data import make_reader
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model
-from cnr.app_state import collect_state
-from cnr.tracker import RowTracker, set_bits, set_bits_torch
+from cnr.app.config import load_config
+from cnr.app.data import make_reader
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model
+from cnr.track.app_state import collect_state
+from cnr.track.tracker import RowTracker, set_bits, set_bits_torch
 from cli_helpers import table_of
-from cnr.parallel import train_step
+from cnr.app.parallel import train_step
 
 TABLES = ("[{name: t0, rows: 4000, features: [f0], sharding_types: [row_wise]},"
           " {name: t1, rows: 2000, features: [f1, f2], sharding_types: [table_row_wise]},"

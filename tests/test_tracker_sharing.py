@@ -1,4 +1,4 @@
-"""Several cnr trackers on one model share torchrec's single post-lookup hook slot (cnr.hook_slot):
+"""Several cnr trackers on one model share torchrec's single post-lookup hook slot (cnr.track.hook_slot):
 two Checkpointers at two locations both restore exactly; close() empties the slot; a hook that is
 not cnr's is refused at install, and one registered after cnr's fails the next save instead of
 committing an increment that misses rows. Real spawned gloo ranks on examples/two_tower.py."""
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.app_state import AppState, sharded_modules
-from cnr.hook_slot import LookupHooks, TrackerHookError, attach, detach, occupant
-from cnr.launch import launch
-from cnr.state import gather_global
+from cnr.track.app_state import AppState, sharded_modules
+from cnr.track.hook_slot import LookupHooks, TrackerHookError, attach, detach, occupant
+from cnr.app.launch import launch
+from cnr.track.state import gather_global
 from examples.two_tower import build, make_loader, train_step
 
 
@@ -128,7 +128,7 @@ def test_a_foreign_hook_is_refused_at_install_and_one_taking_the_slot_later_fail
     assert "no longer holds cnr's tracker (taken by " in out["save2"] and "_user_hook)" in out["save2"]
     assert out["save3"] == out["save2"]
     assert set(out["after_close"]) == {"foreign"}
-    from cnr.catalog import list_checkpoints
+    from cnr.format.catalog import list_checkpoints
     from cnr.storage import open_storage
 
     storage = open_storage(str(tmp_path / "later"))

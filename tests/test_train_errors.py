@@ -7,7 +7,7 @@ import os
 import pytest
 
 from cli_helpers import TINY, train
-from cnr.cli import main
+from cnr.app.cli import main
 
 
 def _tree(path):

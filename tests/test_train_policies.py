@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cli_helpers import MIXED_SHARDING, inspect, train
-from cnr.catalog import read_manifest
+from cnr.format.catalog import read_manifest
 from cnr.storage.local import LocalStorage
 
 
@@ -36,7 +36,7 @@ def test_every_policy_resumes_bit_exact(tmp_path, baseline_ws1, policy):
 
 def _predictor_agrees(cwd, storage) -> bool:
     """Each intermittent decision matches the rule applied to the sizes the manifests recorded."""
-    from cnr.policy import intermittent_wants_full
+    from cnr.policy.kinds import intermittent_wants_full
 
     committed = [c for c in inspect(cwd, storage) if c["committed"]]
     for before, after in zip(committed, committed[1:]):

@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from cnr.manifest import failed_key, manifest_key
+from cnr.format.manifest import failed_key, manifest_key
 from cnr.options import CheckpointOptions
-from cnr.snapshot import HostPiece
+from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
-from cnr.upload import MAX_WRITER_DEATHS, WriteJob, Writer, WriterDied
+from cnr.write.writer import MAX_WRITER_DEATHS, WriteJob, Writer, WriterDied
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def test_trainer_process_exits_after_its_writer_died(tmp_path):
         sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
         from test_writer_liveness import job, _kill
         from cnr.options import CheckpointOptions
-        from cnr.upload import Writer
+        from cnr.write.writer import Writer
         w = Writer({str(tmp_path)!r}, CheckpointOptions(keep_last=0))
         for step in range(1, 3):
             _kill(w)

@@ -28,12 +28,12 @@ import torch
 
 import cnr
 from cnr.bench.common import ROOT, argv_list, base_parser, load
-from cnr.config import Config
-from cnr.data import make_reader
-from cnr.evaluate import evaluate
-from cnr.launch import launch
+from cnr.app.config import Config
+from cnr.app.data import make_reader
+from cnr.app.evaluate import evaluate
+from cnr.app.launch import launch
 from cnr.options import CheckpointOptions
-from cnr.parallel import build_sharded_model, train_step
+from cnr.app.parallel import build_sharded_model, train_step
 
 ACCURACY_CONFIG = os.path.join(ROOT, "configs", "accuracy.yaml")
 

@@ -57,19 +57,19 @@ from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.bench.common import ROOT, argv_list, workdir_arg
-from cnr.catalog import scan_checkpoints
+from cnr.format.catalog import scan_checkpoints
 from cnr.errors import ConfigError
-from cnr.storage.moto_server import MotoS3, endpoint_env
+from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
-from cnr.trace import load_trace
+from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
-from cnr.verify import verify_store
+from cnr.format.verify import verify_store
 
 EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
           "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir")
 FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash")  # the attempt ends with the event
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.cli)
+EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.app.cli)
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -140,7 +140,7 @@ class StoreWatch:
         self._thread.start()
 
     def scan(self) -> List[Any]:
-        logging.getLogger("cnr.manifest").setLevel(logging.ERROR)  # damage is ours; the job reports it
+        logging.getLogger("cnr.format.manifest").setLevel(logging.ERROR)  # damage is ours; the job reports it
         infos = [info for info, _m in scan_checkpoints(self.storage)]
         with self._lock:
             for info in infos:
@@ -471,7 +471,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
 
 def _unrestorable(storage: S3Storage, damaged: Set[str]) -> List[str]:
     """Committed checkpoints whose chain has no deliberately damaged link but does not restore
-    (cnr.verify reads back every object)."""
+    (cnr.format.verify reads back every object)."""
     out = []
     for v in verify_store(storage):
         if not v.restorable and v.id not in damaged and not set(v.chain) & damaged:

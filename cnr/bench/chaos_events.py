@@ -15,7 +15,7 @@
 
 ``RestorableCheck``: after each event, whether some committed checkpoint at or after the last
 one found restorable still restores (every link's objects read back and checked with
-cnr.retention.own_damage, through the bench's own read-only client: the running job is not
+cnr.policy.retention.own_damage, through the bench's own read-only client: the running job is not
 disturbed). Deliberately damaged checkpoints, and chains through them, do not count.
 """
 
@@ -29,20 +29,20 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from cnr.bench.chaos_job import Job, corrupt_chunk
-from cnr.catalog import checkpoint_ids, scan_checkpoints
+from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
-from cnr.local_tier import open_checkpoint_store
-from cnr.manifest import chain_links
+from cnr.write.local_tier import open_checkpoint_store
+from cnr.format.manifest import chain_links
 from cnr.options import CheckpointOptions
-from cnr.retention import own_damage
+from cnr.policy.retention import own_damage
 from cnr.storage.base import Storage
-from cnr.trace import load_trace
+from cnr.app.trace import load_trace
 from cnr.types import CheckpointKind, CheckpointStatus
 
 logger = logging.getLogger(__name__)
 
-RESTORED = re.compile(r"restored checkpoint (\S+) \(step (\d+)\) on every rank")  # cnr.fallback, once agreed
-REFUSALS = ("already holds committed checkpoints", "another job is writing checkpoints")  # cnr.job, cnr.api / cnr.lease
+RESTORED = re.compile(r"restored checkpoint (\S+) \(step (\d+)\) on every rank")  # cnr.restore.newest, once agreed
+REFUSALS = ("already holds committed checkpoints", "another job is writing checkpoints")  # cnr.app.job, cnr.api / cnr.write.lease
 
 
 def committed(infos: Sequence[Any]) -> List[Any]:
@@ -101,7 +101,7 @@ def await_in_flight(running: Callable[[], bool], list_ids: Callable[[], Sequence
                     timeout: float) -> Optional[str]:
     """Wait until a new checkpoint appears in the store's listing (its objects are written before
     its manifest: the job is finishing one); its id, or None when the job ended or ``timeout``
-    passed first. ``list_ids`` lists ids only (cnr.catalog.checkpoint_ids): a scan that reads
+    passed first. ``list_ids`` lists ids only (cnr.format.catalog.checkpoint_ids): a scan that reads
     every manifest, re-reading damaged ones, can take longer than a checkpoint takes to commit."""
     seen = set(list_ids())
     deadline = time.monotonic() + timeout
@@ -114,7 +114,7 @@ def await_in_flight(running: Callable[[], bool], list_ids: Callable[[], Sequence
 
 
 def lineages(infos: Sequence[Any]) -> Set[str]:
-    """The histories (cnr.lineage) of the committed checkpoints of ``infos``."""
+    """The histories (cnr.format.lineage) of the committed checkpoints of ``infos``."""
     return {i.lineage for i in committed(infos)}
 
 

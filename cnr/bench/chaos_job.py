@@ -2,7 +2,7 @@
 
 - ``Job``: one attempt, a ``cnr train`` launcher in its own session (so a SIGKILL of its process
   group is a machine failure of the whole job), its output in files;
-- process lookup by name (cnr.proc names the writers and readers) below the launcher;
+- process lookup by name (cnr.write.proc names the writers and readers) below the launcher;
 - damage to stored objects: a flipped byte in a chunk object, a flipped bit in a manifest,
   always of the newest committed checkpoint's own objects, so that older chains stay intact.
 """
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from cnr.manifest import checkpoint_prefix, manifest_key
-from cnr.proc import READER, WRITER
+from cnr.format.manifest import checkpoint_prefix, manifest_key
+from cnr.write.proc import READER, WRITER
 from cnr.storage.base import Storage
 
 
@@ -121,7 +121,7 @@ def descendants(root: int) -> List[int]:
 
 
 def named(root: int, name: str) -> List[int]:
-    """The processes below ``root`` named ``name`` (cnr.proc: WRITER, READER)."""
+    """The processes below ``root`` named ``name`` (cnr.write.proc: WRITER, READER)."""
     return [pid for pid in descendants(root) if _comm(pid) == name]
 
 

@@ -7,7 +7,7 @@ Usage: ``python -m cnr.bench.codebook [--rows N] [--dim D] [--bits B ...] [--blo
 Row sets: trained DLRM rows (``--train-steps``, 0 skips them), N(0, 1) and Student-t(3), as in
 cnr.bench.quantize. Per set and bit-width: ``adaptive`` and ``naive`` row-wise
 (``quantize_rows``; bytes = ``q.nbytes / rows``), then the ``plain`` and ``normalized`` codebook
-variants at each rows-per-block. l2 is ``cnr.quantize.l2_per_row``'s: the float64 norm of the
+variants at each rows-per-block. l2 is ``cnr.codec.quant.quantize.l2_per_row``'s: the float64 norm of the
 row's error, averaged over rows. rows/s is of wall time, best of ``--repeat``; a codebook's time
 includes bit-packing its codes (quantize_rows packs too), not decoding. The summary compares, per
 set and bit-width, the codebook configs against adaptive at the same bit-width.
@@ -26,10 +26,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from cnr.bench.quantize import _row_sets
-from cnr.bitpack import pack
+from cnr.codec.quant.bitpack import pack
 from cnr.codec.codebook import BITS, ITERS, Codebooked, codebook_values, fit_codebooks, fit_normalized_codebooks, nbytes
 from cnr.errors import ConfigError
-from cnr.quantize import l2_per_row, quantize_rows
+from cnr.codec.quant.quantize import l2_per_row, quantize_rows
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 intervals with the consecutive policy at ``--bits``, 8-bit optimizer state and no compression:
 a full checkpoint, then an increment of the rows touched in the second interval. Every chunk's
 stored payload (row ids, packed codes, scales and biases, log8 codes or raw values, exactly as
-cnr.encode lays them out) is then compressed at each ``--levels`` and decompressed again, in
+cnr.codec.chunk_format lays them out) is then compressed at each ``--levels`` and decompressed again, in
 this process, on one thread. Per level and per chunk kind (full or incremental x encoding):
 payload bytes, zstd bytes, ``ratio`` (payload / zstd) and encode / decode MB/s of payload.
 
@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Tuple
 import zstandard
 
 from cnr.bench.common import ROOT, argv_list, base_parser
-from cnr.encode import decode_chunk, stored_payload
+from cnr.codec.chunk_format import decode_chunk, stored_payload
 from cnr.errors import CnrError, ConfigError
-from cnr.catalog import newest_committed, resolve_chain
+from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.storage import open_storage
 from cnr.types import ByteRange
 

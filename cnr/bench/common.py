@@ -13,15 +13,15 @@ import numpy as np
 import torch
 
 import cnr
-from cnr.app_state import collect_state
-from cnr.config import Config, load_config
-from cnr.data import make_reader, to_device
+from cnr.track.app_state import collect_state
+from cnr.app.config import Config, load_config
+from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
-from cnr.launch import launch
+from cnr.app.launch import launch
 from cnr.options import CheckpointOptions
-from cnr.parallel import ShardedModel, build_sharded_model, train_step
-from cnr.paths import check_creatable_dir
-from cnr.state import StatePiece
+from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.write.local_paths import check_creatable_dir
+from cnr.track.state import StatePiece
 from cnr.types import WriteStatus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +61,7 @@ def load(args: argparse.Namespace) -> Config:
 
 def trained_model(config: Config, rank: int, world_size: int, steps: int) -> ShardedModel:
     """A sharded model after ``steps`` training steps, so optimizer state is populated."""
-    from cnr.parallel import train_step
+    from cnr.app.parallel import train_step
 
     device = torch.device("cpu")
     sharded = build_sharded_model(config, device)
@@ -140,7 +140,7 @@ class TrainedModel:
         return collect_state(self.sharded.model, self.sharded.dense_optimizer)
 
     def checkpointer(self, uri: str, options: CheckpointOptions, writer=None) -> cnr.Checkpointer:
-        """A Checkpointer of the model and its dense optimizer; ``writer``: a cnr.upload.Writer
+        """A Checkpointer of the model and its dense optimizer; ``writer``: a cnr.write.writer.Writer
         started for ``uri`` and ``options`` (default: the Checkpointer's own)."""
         return cnr.Checkpointer(uri, {"model": self.sharded.model, "optim": self.sharded.dense_optimizer}, options,
                                 writer=writer)

@@ -126,7 +126,7 @@ class _Calls:
 def _classify(e: BaseException, where: Optional[str]) -> Dict[str, Any]:
     import cnr
     from cnr.errors import CnrError
-    from cnr.launch import RankFailed
+    from cnr.app.launch import RankFailed
 
     message = " ".join(str(e).split())[:600]
     refusal = (CnrError, cnr.UnsupportedStateError, ValueError, TypeError)
@@ -203,8 +203,8 @@ def _probe(rank: int, world_size: int, job: Dict[str, Any]) -> Dict[str, Any]:
 # --- the driver ------------------------------------------------------------------------------
 
 def _spawn(fn, world_size: int, arg: Any, timeout_s: float) -> Dict[str, Any]:
-    """cnr.launch.launch, always spawned (a torchrec crash cannot take the bench down) and with a deadline."""
-    from cnr.launch import RankFailed, _entry, _first_error, _stop_ranks
+    """cnr.app.launch.launch, always spawned (a torchrec crash cannot take the bench down) and with a deadline."""
+    from cnr.app.launch import RankFailed, _entry, _first_error, _stop_ranks
 
     with tempfile.TemporaryDirectory(prefix="cnr-conformance-") as workdir:
         context = mp.start_processes(_entry, args=(world_size, fn, arg, workdir), nprocs=world_size, join=False,

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.app_state import AppState
-from cnr.state import gather_global
+from cnr.track.app_state import AppState
+from cnr.track.state import gather_global
 
 ROWS, DIM = 40, 16
 ALL_KINDS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")

@@ -28,12 +28,12 @@ from typing import Any, Dict, List
 import torch
 
 from cnr.bench.common import argv_list, base_parser, table_rows, table_rowwise_state
-from cnr.config import Config, load_config
-from cnr.data import make_reader, to_device
+from cnr.app.config import Config, load_config
+from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model, train_step
-from cnr.quantize import dequantize_rows, quantize_rows
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model, train_step
+from cnr.codec.quant.quantize import dequantize_rows, quantize_rows
 
 MODES = ("direct", "delta_base", "delta_prev")
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 import cnr
 from cnr.bench.common import argv_list, base_parser, dir_bytes, load, ratio, trained_model
-from cnr.launch import launch
+from cnr.app.launch import launch
 from cnr.options import CheckpointOptions
 
 

@@ -89,5 +89,5 @@ class LinkedStorage(Storage):
 
 def over_link(rate: float, storage: Storage) -> Storage:
     """``storage`` with its writes carried by a link of ``rate`` bytes/s of its own (a rank's
-    uplink); picklable through functools.partial, for a writer process (cnr.upload.Writer)."""
+    uplink); picklable through functools.partial, for a writer process (cnr.write.writer.Writer)."""
     return LinkedStorage(storage, None, uplink=Link(rate))

@@ -3,7 +3,7 @@ policy at every bit-width, relative to a full fp32 checkpoint every interval.
 
 One training run of ``configs/bench.yaml`` (about a quarter of the rows touched per 100-step
 interval) over ``--intervals`` intervals feeds every (policy, bit-width) cell: at each boundary
-each cell's own checkpoint engine (``cnr.checkpoint.CheckpointEngine``, the one behind
+each cell's own checkpoint engine (``cnr.write.engine.CheckpointEngine``, the one behind
 ``cnr.Checkpointer``, with its own storage directory and its own views of one shared row
 tracker) takes its checkpoint through the real writer, one cell after the other (they share one
 set of host buffers). It stays on the engine because a Checkpointer brings a tracker of its
@@ -11,7 +11,7 @@ own, and a dozen trackers cannot share one model's single hook slot per module. 
 not depend on checkpointing, so every cell sees exactly the state and touched rows its own
 ``cnr train`` run would; retention is off so that every checkpoint stays to be counted.
 
-The figures come from the manifests, as ``cnr report`` computes them (cnr.report): average
+The figures come from the manifests, as ``cnr report`` computes them (cnr.app.report): average
 bytes written per interval (chunks + metadata), and peak storage: the largest chain (a
 checkpoint and everything its restore reads) over the run, which is what retention keeping the
 newest chain holds. The baseline writes a full fp32 checkpoint every interval and keeps the
@@ -23,7 +23,7 @@ write bandwidth for storage, taking a new baseline before a restore would read m
 baselines' bytes.
 
 ``bw_reduction_best``/``capacity_reduction_best``: the best policy at the bit-width chosen for
-at most 1 expected failure (cnr.policy.choose_bits with the default tolerances).
+at most 1 expected failure (cnr.policy.kinds.choose_bits with the default tolerances).
 """
 
 from __future__ import annotations
@@ -39,21 +39,21 @@ import numpy as np
 import torch
 
 from cnr.bench.common import argv_list, base_parser
-from cnr.checkpoint import CheckpointEngine
+from cnr.write.engine import CheckpointEngine
 from cnr.options import CheckpointOptions
-from cnr.config import Config, FailureConfig, load_config
-from cnr.data import make_reader, to_device
+from cnr.app.config import Config, FailureConfig, load_config
+from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model
-from cnr.policy import choose_bits
-from cnr.report import collect
-from cnr.snapshot import HostBuffers
-from cnr.app_state import AppState, collect_state
-from cnr.codec.choose import resolve_table_bits
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model
+from cnr.policy.kinds import choose_bits
+from cnr.app.report import collect
+from cnr.track.snapshot import HostBuffers
+from cnr.track.app_state import AppState, collect_state
+from cnr.write.plan import resolve_table_bits
 from cnr.storage import open_storage
-from cnr.tracker import Captured, RowTracker
-from cnr.upload import Writer
+from cnr.track.tracker import Captured, RowTracker
+from cnr.write.writer import Writer
 
 POLICIES = ("one_shot", "consecutive", "intermittent")
 
@@ -106,7 +106,7 @@ def _name(cell: Cell) -> str:
 
 def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     """Train once; every cell checkpoints at every boundary. Returns per-cell summaries."""
-    from cnr.parallel import train_step
+    from cnr.app.parallel import train_step
 
     config: Config = arg["config"]
     cells = [_name(cell) for cell in arg["cells"]]
@@ -169,7 +169,7 @@ def _cell_row(workdir: str, cell: Cell, stats: Dict[str, int]) -> Dict[str, Any]
         "bytes_written_by_writer": stats["bytes_written"],
         "max_background_s": round(stats["max_background_s"], 2),
         "mean_background_s": round(stats["total_background_s"] / max(1, stats["checkpoints"]), 2),
-        # each write's seconds, and its range search's kernel (e: eager, c: compiled; cnr.range_search)
+        # each write's seconds, and its range search's kernel (e: eager, c: compiled; cnr.codec.quant.range_search)
         "background_s": stats["background_s"], "search_kernels": stats["search_kernels"],
     }
 

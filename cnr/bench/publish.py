@@ -6,7 +6,7 @@ server on 127.0.0.1 in its own process, started by the bench). While a publishin
 subscriber process (one torch thread, like a sidecar) follows the store, polling every
 ``--poll-s`` seconds, and applies every publish to an InferenceModel. Checkpointing is off, so
 publishing is the only background work; that is why it uses ``cnr train``'s publisher without a
-Checkpointer (cnr.publish.make_publisher), as a publish-only ``cnr train`` job does.
+Checkpointer (cnr.publish.publisher.make_publisher), as a publish-only ``cnr train`` job does.
 
 Reported per store:
 - ``bytes``: stored bytes of each publish (chunks + index + manifest) over the fp32 bytes of
@@ -39,13 +39,13 @@ import torch
 import torch.multiprocessing as mp
 
 from cnr.bench.common import argv_list, base_parser
-from cnr.config import Config, load_config
-from cnr.data import make_reader
+from cnr.app.config import Config, load_config
+from cnr.app.data import make_reader
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model
-from cnr.publish import make_publisher
-from cnr.app_state import collect_state
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model
+from cnr.publish.publisher import make_publisher
+from cnr.track.app_state import collect_state
 
 STORES = ("local", "s3")
 DEFAULTS = ["checkpoint.enabled=false", "publish.interval=25", "publish.full_every=4", "publish.dense_interval=100"]
@@ -53,7 +53,7 @@ DEFAULTS = ["checkpoint.enabled=false", "publish.interval=25", "publish.full_eve
 
 def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``arg['steps']`` steps, publishing when the config says so; time every publish call."""
-    from cnr.parallel import train_step
+    from cnr.app.parallel import train_step
 
     config: Config = arg["config"]
     sharded = build_sharded_model(config, torch.device("cpu"))
@@ -85,8 +85,8 @@ def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
 
 def _follow(uri: str, config: Config, ready, stop, target, out_path: str, poll_s: float) -> None:
     """Subscriber process: poll ``uri`` until ``stop`` is set and sequence ``target`` is applied."""
-    from cnr.inference import InferenceModel
-    from cnr.subscribe import Subscriber
+    from cnr.app.inference import InferenceModel
+    from cnr.publish.subscriber import Subscriber
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s subscriber %(name)s: %(message)s")
@@ -206,7 +206,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
         baseline = launch(_train, 1, {"config": base_config, "storage": "", "steps": args.steps})
         for store in stores:
             if store == "s3":
-                from cnr.storage.moto_server import MotoS3
+                from cnr.testing.moto_server import MotoS3
 
                 s3 = MotoS3(in_process=False)  # its own process: no GIL shared with the measurement
                 uri = f"s3://{s3.new_bucket()}/bench/publish"

@@ -27,13 +27,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from cnr.bitpack import packed_bytes_per_row
+from cnr.codec.quant.bitpack import packed_bytes_per_row
 from cnr.codec.zstd import zstd_spec
-from cnr.encode import encode_quantized_chunk
+from cnr.codec.chunk_format import encode_quantized_chunk
 from cnr.errors import ConfigError
-from cnr.range_search import Fused, compiled_search
+from cnr.codec.quant.range_search import Fused, compiled_search
 from cnr.types import STORED_QUANT_METHODS
-from cnr.quantize import (
+from cnr.codec.quant.quantize import (
     BITS,
     DEFAULT_NUM_BINS,
     DEFAULT_RATIO,
@@ -69,7 +69,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     parser.add_argument("--compiled", action="store_true",
-                        help="also time the adaptive method on the compiled range search (cnr.range_search)")
+                        help="also time the adaptive method on the compiled range search (cnr.codec.quant.range_search)")
     args = parser.parse_args(argv)
     if args.rows_file:  # checked before any work (training the trained-rows set takes a while)
         if not os.path.isfile(args.rows_file):
@@ -122,7 +122,7 @@ def torch_greedy(x: torch.Tensor, bits: int, num_bins: int, ratio: float) -> Qua
     """torch's greedy prepack of ``x``, decoded from its fused layout into QuantizedRows.
 
     Layout per row: ``| packed codes, ceil(dim * bits / 8) bytes | scale fp16 | bias fp16 |``,
-    codes packed low bits first, which is cnr.bitpack's layout too.
+    codes packed low bits first, which is cnr.codec.quant.bitpack's layout too.
     """
     op = {2: torch.ops.quantized.embedding_bag_2bit_prepack,
           4: torch.ops.quantized.embedding_bag_4bit_prepack}[bits]
@@ -134,7 +134,7 @@ def torch_greedy(x: torch.Tensor, bits: int, num_bins: int, ratio: float) -> Qua
 
 
 def _stored_bytes_per_row(q: QuantizedRows) -> Optional[float]:
-    """Bytes per row of ``q`` stored as one chunk through the default zstd stage (cnr.encode),
+    """Bytes per row of ``q`` stored as one chunk through the default zstd stage (cnr.codec.chunk_format),
     header included; None for a method checkpoints cannot store."""
     if q.method not in STORED_QUANT_METHODS:
         return None
@@ -154,7 +154,7 @@ def _entry(set_name: str, method: str, bits: int, x: torch.Tensor, q: QuantizedR
 def _compiled_entry(set_name: str, bits: int, x: torch.Tensor, eager: QuantizedRows, fused: Fused,
                     repeat: int) -> Dict[str, object]:
     """The adaptive method on the compiled range search; ``rows_differing``: rows whose stored
-    encoding differs from the eager kernel's (ties within float32 rounding, cnr.range_search)."""
+    encoding differs from the eager kernel's (ties within float32 rounding, cnr.codec.quant.range_search)."""
     q, secs = _timed(lambda: quantize_rows(x, bits, "adaptive", name=set_name, search=fused), repeat)
     entry = _entry(set_name, "adaptive_compiled", bits, x, q, secs, DEFAULT_NUM_BINS[bits], DEFAULT_RATIO[bits])
     same = (q.codes == eager.codes).all(1) & (q.scale == eager.scale) & (q.bias == eager.bias)

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from cnr.bench.common import argv_list, base_parser, load, ratio
-from cnr.config import Config
-from cnr.data import make_reader, open_source
+from cnr.app.config import Config
+from cnr.app.data import make_reader, open_source
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model
-from cnr.parallel import train_step
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model
+from cnr.app.parallel import train_step
 
 
 def write_criteo_tsv(path: str, lines: int, num_dense: int, num_features: int, seed: int) -> None:

@@ -6,7 +6,7 @@ One model of ``--config`` (default configs/bench.yaml) trains at world size 1 th
 increment every ``checkpoint.interval`` steps (the rows touched since the previous one) up to
 the longest chain of ``--links``. Then, into the live model, ``--repeats`` times each (medians):
 the baseline alone, and for every chain length k the chain ending at the k-th increment,
-newest-first (the default order, cnr.chain_restore) and replayed link by link. Each pair of
+newest-first (the default order, cnr.restore.chain) and replayed link by link. Each pair of
 restores of one chain is compared element for element (``bit_exact``).
 
 ``chain<k>_over_baseline``: the newest-first restore of the k-link chain over the baseline's;
@@ -27,12 +27,12 @@ from typing import Any, Dict, List
 import torch
 
 from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
-from cnr.catalog import read_manifest, resolve_chain
-from cnr.chain_restore import restore_chain
-from cnr.config import Config
+from cnr.format.catalog import read_manifest, resolve_chain
+from cnr.restore.chain import restore_chain
+from cnr.app.config import Config
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.manifest import Manifest
+from cnr.app.launch import launch
+from cnr.format.manifest import Manifest
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
 from cnr.storage.base import Storage

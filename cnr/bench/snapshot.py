@@ -33,11 +33,11 @@ import torch.distributed.checkpoint as dcp
 
 import cnr
 from cnr.bench.common import argv_list, base_parser, load, parse_factors, ratio
-from cnr.config import Config
-from cnr.data import make_reader, to_device
-from cnr.launch import rank_device
+from cnr.app.config import Config
+from cnr.app.data import make_reader, to_device
+from cnr.app.launch import rank_device
 from cnr.options import CheckpointOptions
-from cnr.parallel import build_sharded_model, train_step
+from cnr.app.parallel import build_sharded_model, train_step
 
 
 def _memcpy_seconds(nbytes: int, repeats: int = 5) -> float:

@@ -1,5 +1,5 @@
 """``python -m cnr bench tables``: per-table bit-widths from measured sensitivity, against one
-width for every table (cnr.table_plan).
+width for every table (cnr.policy.table_plan).
 
 Trains ``--config`` (default configs/accuracy.yaml, where ``bench accuracy`` checks the plan)
 for its ``train.steps`` at world size 1, counting every lookup of every row. Then, for every
@@ -20,13 +20,13 @@ from typing import Any, Dict, List
 import torch
 
 from cnr.bench.common import ROOT, argv_list, base_parser, table_rows
-from cnr.config import Config, load_config
-from cnr.data import make_reader, to_device
+from cnr.app.config import Config, load_config
+from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.parallel import build_sharded_model, train_step
-from cnr.quantize import dequantize_rows, quantize_rows
-from cnr.table_plan import TableCosts, plan_for_width, totals, uniform
+from cnr.app.launch import launch
+from cnr.app.parallel import build_sharded_model, train_step
+from cnr.codec.quant.quantize import dequantize_rows, quantize_rows
+from cnr.policy.table_plan import TableCosts, plan_for_width, totals, uniform
 
 WIDTHS = (2, 3, 4, 8)
 ACCURACY_CONFIG = f"{ROOT}/configs/accuracy.yaml"

@@ -17,16 +17,16 @@ from typing import Any, Dict, List
 
 from cnr.bench.common import TrainedModel, ratio
 from cnr.bench.link import Link, LinkedStorage, over_link
-from cnr.catalog import newest_committed, resolve_chain
-from cnr.chain_restore import restore_chain
-from cnr.local_tier import local_tier_root
-from cnr.manifest import manifest_key
+from cnr.format.catalog import newest_committed, resolve_chain
+from cnr.restore.chain import restore_chain
+from cnr.write.local_tier import local_tier_root
+from cnr.format.manifest import manifest_key
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
-from cnr.upload import Writer
+from cnr.write.writer import Writer
 
 _POLL_S = 0.02
 _REMOTE_TIMEOUT_S = 600.0

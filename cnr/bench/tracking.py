@@ -21,12 +21,12 @@ import torch
 
 import cnr
 from cnr.bench.common import argv_list, base_parser, load
-from cnr.data import make_reader
-from cnr.launch import launch
-from cnr.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.app.data import make_reader
+from cnr.app.launch import launch
+from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.readers import SyntheticReader, TsvReader
-from cnr.tracker import RowTracker
-from cnr.upload import Writer
+from cnr.track.tracker import RowTracker
+from cnr.write.writer import Writer
 
 
 class _TimedTracker:

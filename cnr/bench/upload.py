@@ -20,7 +20,7 @@ The default is configs/bench.yaml (772 MB of fp32 embeddings); ``--rows-scale`` 
 table for a quicker run. moto keeps the objects (in temporary files) in its own process.
 
 Checkpoints are written through ``cnr.Checkpointer``; restores read through
-``cnr.restore.restore_chain`` instead of ``Checkpointer.restore``, because the emulated link
+``cnr.restore.pieces.restore_chain`` instead of ``Checkpointer.restore``, because the emulated link
 wraps the storage client, which a Checkpointer opens for itself.
 """
 
@@ -42,16 +42,16 @@ from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.tier import tier_figures
 from cnr.bench.upload_stats import pipeline_stats
 from cnr.options import CheckpointOptions
-from cnr.config import Config
+from cnr.app.config import Config
 from cnr.errors import ConfigError
-from cnr.launch import launch
-from cnr.manifest import checkpoint_prefix, manifest_key, rank_index_key
-from cnr.catalog import newest_committed, resolve_chain
-from cnr.chain_restore import restore_chain
+from cnr.app.launch import launch
+from cnr.format.manifest import checkpoint_prefix, manifest_key, rank_index_key
+from cnr.format.catalog import newest_committed, resolve_chain
+from cnr.restore.chain import restore_chain
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.tracker import RowTracker
-from cnr.uploader import Uploader
+from cnr.track.tracker import RowTracker
+from cnr.write.puts import Uploader
 
 BACKENDS = ("s3", "local")
 
@@ -254,7 +254,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
     try:
         uris = {}
         if "s3" in backends:
-            from cnr.storage.moto_server import MotoS3
+            from cnr.testing.moto_server import MotoS3
 
             server = MotoS3(in_process=False)  # its own process: no GIL shared with the measurement
             uris["s3"] = f"s3://{server.new_bucket()}/bench-upload"

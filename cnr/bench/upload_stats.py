@@ -1,7 +1,7 @@
 """How much of a checkpoint write was pipelined, from the writer's per-object timeline.
 
 A timeline row is ``(key, nbytes, encode_start, encode_end, put_start, put_end, encodes)`` in
-wall-clock seconds (cnr.uploader.ObjectTimes as a tuple): one stored object, a chunk or small chunks
+wall-clock seconds (cnr.write.puts.ObjectTimes as a tuple): one stored object, a chunk or small chunks
 packed; ``encodes`` lists each of its chunks' own (start, end) encoding.
 """
 

@@ -44,7 +44,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class ValuesShape:
     """What a chunk header says about its values: ``rows`` rows of ``row_shape`` (``cols`` is
-    ``row_shape[0]`` for 2-D tensors, 0 for 1-D ones) of ``dtype`` (a cnr.encode dtype name)."""
+    ``row_shape[0]`` for 2-D tensors, 0 for 1-D ones) of ``dtype`` (a cnr.codec.chunk_format dtype name)."""
 
     rows: int
     row_shape: Tuple[int, ...]
@@ -55,7 +55,7 @@ class ValuesShape:
 @dataclass(frozen=True)
 class DecodedValues:
     """An array codec's output: plain ``data`` ``[rows, *row_shape]``, or ``quantized`` rows
-    (cnr.quantize.QuantizedRows) left for the caller to dequantize when it needs values."""
+    (cnr.codec.quant.quantize.QuantizedRows) left for the caller to dequantize when it needs values."""
 
     data: Optional[torch.Tensor] = None
     quantized: Optional[Any] = None

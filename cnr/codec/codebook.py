@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from cnr.bitpack import packed_bytes_per_row
+from cnr.codec.quant.bitpack import packed_bytes_per_row
 from cnr.errors import ConfigError
 
 BITS: Tuple[int, ...] = (2, 3, 4, 8)

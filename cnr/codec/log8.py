@@ -11,7 +11,7 @@ which is what Adagrad divides by. A row-wise Adagrad sum costs 1 byte per row in
 Why a log grid: an accumulator of squared gradients spans tens of octaves within one table
 (rows touched once against rows touched every step); a linear 8-bit grid would flush the cold
 rows to 0. Encoding is deterministic but not idempotent across chunks with different ranges, so
-the merge (cnr.merge) checks that re-encoding reproduces the values and stores them raw if not.
+the merge (cnr.write.merge) checks that re-encoding reproduces the values and stores them raw if not.
 """
 
 from __future__ import annotations

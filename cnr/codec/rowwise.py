@@ -1,6 +1,6 @@
-"""``rowwise``: row-wise uniform quantization (cnr.quantize) as an array->bytes stage.
+"""``rowwise``: row-wise uniform quantization (cnr.codec.quant.quantize) as an array->bytes stage.
 
-Value bytes: the bit-packed codes ``[rows, packed_bytes_per_row(cols, bits)]`` (cnr.bitpack),
+Value bytes: the bit-packed codes ``[rows, packed_bytes_per_row(cols, bits)]`` (cnr.codec.quant.bitpack),
 then the per-row scales, then the per-row biases, in the dtypes the spec names. Parameters:
 ``bits`` (2, 3, 4, 8), ``method`` (a stored uniform method), ``scale`` and ``bias`` ("float16"
 or "float32"). Only float32 rows of shape ``[cols]`` are quantized.
@@ -12,11 +12,11 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from cnr.bitpack import packed_bytes_per_row
+from cnr.codec.quant.bitpack import packed_bytes_per_row
 from cnr.codec.base import DTYPES, ArrayCodec, DecodedValues, ValuesShape, dtype_name, take, tensor_bytes
 from cnr.codec.spec import make_spec, require_params
 from cnr.errors import CorruptChunkError
-from cnr.quantize import BITS, QuantizedRows
+from cnr.codec.quant.quantize import BITS, QuantizedRows
 from cnr.types import STORED_QUANT_METHODS, CodecSpec, Encoding
 
 _PARAM_DTYPES = ("float16", "float32")

@@ -101,7 +101,7 @@ class Storage(abc.ABC):
 
         Returns True when this call created the object, False when one already existed (it is
         left untouched). Of several concurrent callers on one key, at most one gets True; the
-        lease (cnr.lease) relies on it. After a lost reply a retried create may see its own
+        lease (cnr.write.lease) relies on it. After a lost reply a retried create may see its own
         object and return False: callers that must know read the object back.
         """
 

@@ -24,8 +24,8 @@ at all (a probe, ``exists`` of the failed key, fails too) is an outage, not a fa
 goes back to the head of the queue and the flusher stops, probing every ``_OUTAGE_PROBE_S`` s,
 until the store answers again; nothing is skipped, so the remote store gets every object in the
 order it was queued and never a commit before what it requires. ``remote_down`` says an outage is
-on (the writer then commits locally without asking the remote store, cnr.commit). When the store
-answers again, and before any write, the flusher runs the last commit's *fence* (cnr.lease: the
+on (the writer then commits locally without asking the remote store, cnr.write.commit). When the store
+answers again, and before any write, the flusher runs the last commit's *fence* (cnr.write.lease: the
 location's lease is still this job's); each commit's own fence also runs right before the commit
 is stored on the remote. A fence that raises CheckpointError (another job holds the location now)
 ends all remote writes of this store for good: the queue is dropped, the local tier keeps
@@ -130,7 +130,7 @@ class TieredStorage(Storage):
 
     def put_local(self, key: str, data: Buffer) -> bool:
         """Put ``key`` on the local tier only, unless its group already failed there; False if it is
-        not stored (a manifest another rank committed: cnr.local_tier.Peers)."""
+        not stored (a manifest another rank committed: cnr.write.local_tier.Peers)."""
         group = self.group(key)
         if group in self._local_failed:
             return False
@@ -158,7 +158,7 @@ class TieredStorage(Storage):
 
     def resend(self, key: str) -> None:
         """Queue ``key``, already on the local tier, for the remote store (a flush resumed after
-        a crash, cnr.local_tier.resume_flush)."""
+        a crash, cnr.write.local_tier.resume_flush)."""
         self._enqueue(_Flush(key))
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:

@@ -1,0 +1,254 @@
+"""Command line: ``python -m cnr {train,inspect,report,subscribe,export,bench} ...``. Errors exit 2 with one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import List, Optional
+
+from cnr.errors import CnrError, redact, redact_logging
+
+BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
+              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
+EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
+MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
+EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (README, Command line)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from cnr.app.config import load_config
+    from cnr.app.launch import launch
+    from cnr.app.job import prepare_job, run_job_rank
+
+    config = load_config(args.config, args.set)
+    job = prepare_job(config, args.storage, args.resume, args.nproc, new_history=args.new_history)
+    summary = launch(run_job_rank, args.nproc, job)
+    if summary is not None:  # under torchrun only rank 0 has the summary
+        print(json.dumps(summary, sort_keys=True), flush=True)
+        if summary.get("commit_failure"):  # trained to the end, but its newest checkpoints did not commit
+            print(f"error: {redact(summary['commit_failure'])}", file=sys.stderr)
+            return EXIT_NOT_COMMITTED
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cnr.format.catalog import list_checkpoints
+    from cnr.write.local_tier import committed_in, open_checkpoint_store
+    from cnr.options import CheckpointOptions
+
+    storage = open_checkpoint_store(args.uri, CheckpointOptions(local_dir=args.local_dir or ""))
+    if args.verify:
+        return _inspect_verify(storage, args.json)
+    if args.tables:
+        return _inspect_tables(storage, args.checkpoint, args.json)
+    infos = list_checkpoints(storage)
+    rows = [
+        {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
+         "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method,
+         "lineage": i.lineage}
+        for i in infos
+    ]
+    tiers = committed_in(storage, infos)
+    for r in rows:
+        r["committed_in"] = tiers[r["id"]]
+    if args.json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows}, sort_keys=True))
+    else:
+        width = max([22] + [len(r["id"]) for r in rows])  # merged baselines have longer ids
+        print(f"{'id':<{width}} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
+        for r in rows:
+            where = f" ({'+'.join(r['committed_in'])})" if r["committed"] and args.local_dir else ""
+            print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
+                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}{where}")
+    return 0
+
+
+def _inspect_verify(storage, as_json: bool) -> int:
+    """Read back every object of every committed checkpoint; exit 0 when a chain restores, else 1."""
+    from cnr.format.verify import verify_store
+
+    results = verify_store(storage)
+    rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "restorable": v.restorable, "chain": list(v.chain),
+             "damage": list(v.damage)} for v in results]
+    restorable = [r["id"] for r in rows if r["restorable"]]
+    if as_json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows, "restorable": restorable}, sort_keys=True))
+    else:
+        for r in rows:
+            state = "restorable" if r["restorable"] else ("intact, chain broken" if r["intact"] else "DAMAGED")
+            print(f"{r['id']}  step {r['step']}  {state}")
+            for line in r["damage"]:
+                print(f"    {line}")
+        print(f"{len(restorable)} of {len(rows)} committed checkpoints restore" +
+              (f"; newest: {restorable[-1]}" if restorable else ""))
+    return 0 if restorable else 1
+
+
+def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
+    """The embedding tables (every EBC and EC table of every module) a checkpoint holds."""
+    from cnr.errors import CheckpointError
+    from cnr.format.catalog import newest_committed, read_manifest
+
+    manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
+    if manifest is None:
+        raise CheckpointError(f"no committed checkpoint in {storage.uri}")
+    from cnr.types import Role
+
+    widths = {}  # table -> the bit-widths its rows are stored at in this checkpoint (not its chain)
+    for entry in manifest.tensors.values():
+        if entry.role == Role.TABLE_ROWS:
+            widths.setdefault(entry.table, set()).update(c.bits for c in entry.chunks)
+    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features), "placement": t.placement,
+               "bits": sorted(widths.get(t.name, ()))} for t in manifest.tables]
+    if as_json:
+        print(json.dumps({"uri": storage.uri, "checkpoint": manifest.id, "tables": tables}, sort_keys=True))
+        return 0
+    width = max([5] + [len(t["name"]) for t in tables])
+    print(f"checkpoint {manifest.id} (step {manifest.step}): {len(tables)} tables, "
+          f"{sum(t['rows'] for t in tables)} rows")
+    print(f"{'table':<{width}} {'rows':>10} {'dim':>5} {'bits':>5} {'placement':<18} features")
+    for t in tables:
+        bits = ",".join(map(str, t["bits"])) or "-"
+        print(f"{t['name']:<{width}} {t['rows']:>10} {t['dim']:>5} {bits:>5} {t['placement'] or '-':<18} "
+              f"{','.join(t['features'])}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cnr.app.report import write_report
+
+    print(json.dumps(write_report(args.uri, args.out), sort_keys=True), flush=True)
+    return 0
+
+
+def _check_subscribe_args(args: argparse.Namespace) -> None:
+    from cnr.errors import ConfigError
+
+    if not 0 < args.poll_s <= MAX_POLL_S:
+        raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be in (0, {MAX_POLL_S:.0f}] seconds")
+    if not args.timeout_s >= 0:
+        raise ConfigError(f"--timeout-s {args.timeout_s} is not allowed; it must be >= 0 seconds (0: no limit)")
+    if args.until_seq is not None and args.until_seq < 1:
+        raise ConfigError(f"--until-seq {args.until_seq} is not allowed; sequence numbers start at 1")
+    if args.state is not None:
+        from cnr.write.local_paths import check_writable_file
+
+        check_writable_file(args.state, "--state")
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from cnr.app.config import load_config
+    from cnr.app.inference import InferenceModel
+    from cnr.storage import open_storage
+    from cnr.publish.subscriber import Subscriber
+
+    _check_subscribe_args(args)
+    config = load_config(args.config, args.set)
+    subscriber = Subscriber(open_storage(args.uri), InferenceModel(config, quantized=args.quantized), args.state)
+    try:
+        try:
+            if args.once:
+                subscriber.poll()
+            else:
+                subscriber.follow(args.until_seq, args.timeout_s, args.poll_s)
+        except KeyboardInterrupt:  # a follower is stopped by hand: report where it stands
+            pass
+        out = subscriber.summary()
+        if args.eval and subscriber.applied is not None:
+            out["eval"] = subscriber.model.evaluate()
+            if args.quantized:
+                out["eval_int8"] = subscriber.model.evaluate(quantized=True)
+    finally:
+        subscriber.close()
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from cnr.app.export import export_dcp
+
+    print(json.dumps(export_dcp(args.uri, args.out, args.checkpoint, args.key), sort_keys=True), flush=True)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"cnr.bench.{args.name}")
+    result = module.run(args.args)
+    print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
+    t.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
+    t.add_argument("--storage", default="./checkpoints", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    t.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint first")
+    t.add_argument("--new-history", action="store_true", help="start a new history of checkpoints where committed "
+                   "ones are (they are kept: this job's retention never deletes them, and --resume later continues "
+                   "the new history)")
+    t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn, at most one per GPU (CUDA) or twice "
+                   "the usable CPU cores; they die with this launcher (ignored under torchrun)")
+    t.set_defaults(func=_train)
+    i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
+    i.add_argument("uri")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--tables", action="store_true", help="list the embedding tables of a checkpoint instead")
+    i.add_argument("--checkpoint", default=None, metavar="ID", help="with --tables: this checkpoint (default: newest)")
+    i.add_argument("--verify", action="store_true", help="read back and check every object of every committed "
+                   "checkpoint; exit 1 when no chain restores")
+    i.add_argument("--local-dir", default=None, metavar="DIR", help="the job's node-local tier "
+                   "(checkpoint.local_dir): list its checkpoints too, with the tiers each is committed in")
+    i.set_defaults(func=_inspect)
+    r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
+    r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    r.add_argument("--out", default="cnr-report", help="directory for report.md and the PNGs (created if missing)")
+    r.set_defaults(func=_report)
+    s = sub.add_parser("subscribe", help="apply publishes from a publish store to an inference model; last stdout "
+                       "line is a JSON object")
+    s.add_argument("uri", help="the publish store: local path, file://PATH or s3://BUCKET/PREFIX")
+    s.add_argument("--config", required=True, help="the trainer's YAML config (tables and dense shape)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    s.add_argument("--state", default=None, help="file keeping the applied publish and its tensors across restarts")
+    s.add_argument("--once", action="store_true", help="apply what is committed now and exit")
+    s.add_argument("--until-seq", type=int, default=None, help="stop once this sequence number is applied")
+    s.add_argument("--timeout-s", type=float, default=0.0, help="stop following after this many seconds (0: never)")
+    s.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls")
+    s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
+    s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
+    s.set_defaults(func=_subscribe)
+    e = sub.add_parser("export", help="write a committed checkpoint's modules in another format; last stdout line "
+                       "is a JSON object")
+    e.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
+    e.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="dcp: a torch.distributed.checkpoint directory")
+    e.add_argument("out", help="new directory to write (must be missing or empty)")
+    e.add_argument("--checkpoint", default=None, metavar="ID", help="checkpoint id (default: the newest committed)")
+    e.add_argument("--key", action="append", default=None, metavar="KEY",
+                   help="app_state key of a module to export (repeatable; default: every module)")
+    e.set_defaults(func=_export)
+    b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
+    b.add_argument("name", choices=BENCHMARKS)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("cnr").setLevel(logging.INFO)
+    redact_logging()
+    try:
+        return args.func(args)
+    except CnrError as e:
+        print(f"error: {redact(str(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); the job was stopped, its committed checkpoints are intact", file=sys.stderr)
+        return 130

@@ -1,0 +1,390 @@
+"""The main job: config -> sharded DLRM -> reader -> training loop -> checkpoints -> summary.
+
+``run_rank`` is the per-rank body (its job checked beforehand by cnr.app.job.prepare_job); rank 0
+returns the JSON summary the CLI prints last.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from cnr.track.collectives import all_reduce_host
+from cnr.api import Checkpointer
+from cnr.track.app_state import collect_state
+from cnr.write.engine import SaveStats
+from cnr.app.config import Config
+from cnr.app.data import BatchSource, open_source, to_device
+from cnr.errors import CheckpointError, redact_logging
+from cnr.app.evaluate import evaluate
+from cnr.write.faults import maybe_crash
+from cnr.app.launch import rank_device
+from cnr.format.manifest import Manifest
+from cnr.format.catalog import newest_committed
+from cnr.options import CheckpointOptions, PublishOptions
+from cnr.app.job import FRESH_START_REMEDY, TrainJob
+from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.publish.publisher import Publisher, make_publisher
+from cnr.publish.location import publish_uri
+from cnr.track.state import global_names, state_digest
+from cnr.write.local_tier import open_checkpoint_store
+from cnr.app.trace import SampleTrace, reset_trace
+from cnr.types import CheckpointStatus
+from cnr.write.writer import Writer
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"%(asctime)s rank{rank} %(name)s: %(message)s", force=True)
+    logging.getLogger("cnr").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    redact_logging()
+
+
+class Progress:
+    """Stateful: samples trained so far (the step is the checkpoint's own)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.samples = int(state["samples"])
+
+
+class ReaderPosition:
+    """Stateful: the reader cursor collected at the last boundary (what was trained, no more).
+
+    The readers start from the newest checkpoint's cursor before the model is built (their
+    start-up overlaps it); a restore that falls back to an older checkpoint (cnr.restore.newest)
+    restores another cursor, and the readers are started again from it (``Readers.follow``).
+    """
+
+    def __init__(self, cursor: Optional[Dict[str, Any]]) -> None:
+        self.cursor: Dict[str, Any] = dict(cursor or {})
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.cursor
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.cursor = dict(state)
+
+
+def _reader_cursor(manifest: Manifest) -> Optional[Dict[str, Any]]:
+    """The global reader cursor a checkpoint of cnr train holds (every rank saved the same)."""
+    return manifest.app_ranks[0]["reader"]["state"] if manifest.app_ranks else None
+
+
+def check_reader_position(manifest: Manifest, batch_size: int) -> None:
+    """The cursor must name the batch after the samples the checkpoint trained: global batches
+    of ``batch_size`` samples, so ``next_batch * batch_size == samples``. A cursor one batch off
+    would skip or repeat data (exactly-once) without any other sign."""
+    if not manifest.app_ranks:
+        return
+    app = manifest.app_ranks[0]
+    cursor = app.get("reader", {}).get("state", {})
+    samples = app.get("progress", {}).get("state", {}).get("samples")
+    if isinstance(cursor, dict) and "next_batch" in cursor and isinstance(samples, int):
+        if cursor["next_batch"] * batch_size != samples:
+            raise CheckpointError(f"checkpoint {manifest.id}: its reader cursor names global batch {cursor['next_batch']!r:.40} "
+                                  f"but it trained {samples} samples, i.e. {samples / batch_size:g} batches of "
+                                  f"{batch_size}: its data position is damaged")
+
+
+class Readers:
+    """This rank's batch source, started from the newest checkpoint's cursor, and started again
+    when the restore settles on another checkpoint."""
+
+    def __init__(self, config: Config, rank: int, world_size: int, manifest: Optional[Manifest]) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.manifest = manifest
+        self.source = self._open(manifest)
+
+    def _open(self, manifest: Optional[Manifest]) -> BatchSource:
+        if manifest is not None:
+            check_reader_position(manifest, self.config.train.batch_size)
+        cursor = _reader_cursor(manifest) if manifest else None
+        return open_source(self.config, self.rank, self.world_size, cursor, manifest.step if manifest else 0)
+
+    def follow(self, manifest: Manifest) -> None:
+        """Read on from ``manifest``'s cursor (a fallback restored it instead of the newest)."""
+        if self.manifest is None or manifest.id != self.manifest.id:
+            self.source.close()
+            self.manifest = manifest
+            self.source = self._open(manifest)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _progress(rank: int, total: int, initial: int):
+    if rank != 0 or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+
+def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:
+    """Train on this rank; rank 0 returns the summary dict (other ranks return None)."""
+    _setup_logging(rank)
+    manifest = None
+    if job.resume:
+        storage = open_checkpoint_store(job.storage_uri, _options(job.config))
+        try:
+            manifest = _newest(storage)
+        finally:
+            storage.close()
+    # The readers start first: their start-up overlaps building the model and restoring.
+    readers = Readers(job.config, rank, world_size, manifest)
+    try:
+        return _train_rank(rank, world_size, job, manifest, readers)
+    finally:
+        readers.close()
+
+
+def _newest(storage) -> Manifest:
+    manifest = newest_committed(storage)
+    if manifest is None:
+        raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
+    return manifest
+
+
+def _options(config: Config) -> CheckpointOptions:
+    return CheckpointOptions.from_config(config.checkpoint, expected_steps=config.train.steps)
+
+
+def _publish_options(storage_uri: str, config: Config) -> Optional[PublishOptions]:
+    if not config.publish.enabled:
+        return None
+    return PublishOptions.from_config(config.publish, publish_uri(storage_uri, config))
+
+
+def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest],
+                readers: Readers) -> Optional[Dict[str, Any]]:
+    config = job.config
+    position = ReaderPosition(_reader_cursor(manifest) if manifest else None)
+    device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
+    needs_checkpointer = config.checkpoint.enabled or manifest is not None
+    # The writer process starts first: its imports (seconds of CPU) overlap the model build.
+    rows_per_rank = sum(t.rows for t in config.model.tables) // world_size  # AUTO's search kernel
+    writer = Writer(job.storage_uri, _options(config).for_writer(rows_per_rank)) if needs_checkpointer else None
+    try:
+        sharded = build_sharded_model(config, device)
+        if rank == 0:
+            logger.info("sharding plan:\n%s", sharded.plan_text)
+        progress = Progress()
+        app_state = {"model": sharded.model, "optim": sharded.dense_optimizer, "progress": progress, "reader": position}
+        ckpt = None
+        if writer is not None:
+            ckpt = Checkpointer(job.storage_uri, app_state, _options(config), metadata={"config": config.to_dict()},
+                                writer=writer, publish=_publish_options(job.storage_uri, config),
+                                new_history=job.new_history)
+            if manifest is None and config.checkpoint.enabled:
+                _check_fresh_start(ckpt)
+            if manifest is not None:
+                info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
+                if info is None:
+                    raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
+                manifest = ckpt.restored_manifest
+                readers.follow(manifest)
+        step = manifest.step if manifest is not None else 0
+        source = readers.source
+        trace = _open_trace(config, rank, step)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    # publishing shares the Checkpointer's tracker; a job that only publishes gets a tracker of its own
+    publisher = ckpt.publisher if ckpt is not None else make_publisher(job.storage_uri, config, rank, world_size,
+                                                                       sharded.model)
+    saving = ckpt if config.checkpoint.enabled else None
+    try:
+        step, train_seconds = _loop(config, sharded, source, _Boundaries(saving, position, progress), trace, step,
+                                    rank, world_size, device, publisher)
+    except BaseException:
+        for background in (ckpt, publisher):
+            if background is not None:
+                background.abort()  # no collectives on the error path: other ranks may be gone
+        raise
+    finally:
+        if trace is not None:
+            trace.close()
+    if publisher is not None:
+        publisher.finish(step, collect_state(sharded.model, sharded.dense_optimizer))
+    if ckpt is not None:
+        ckpt.close()
+    metrics = evaluate(config, sharded.model, rank, world_size, device)
+    pieces = collect_state(sharded.model, sharded.dense_optimizer)
+    digest = state_digest(pieces, global_names(pieces))
+    stats = _reduce_stats(saving.engine.stats if saving is not None else None, train_seconds)
+    if publisher is not None:
+        stats.update(publisher.summary())
+    if rank != 0:
+        return None
+    return {
+        "steps": step, "samples": progress.samples, "eval_logloss": metrics["logloss"],
+        "eval_auc": metrics["auc"], "state_sha256": digest, "restores": ckpt.restores if ckpt is not None else 0,
+        "world_size": world_size, "skipped_lines": source.skipped_lines, **stats,
+        "checkpoint_bits": saving.engine.bit_width.bits if saving is not None else None,
+        "restored_checkpoint": manifest.id if manifest is not None else None,
+        "restore_fallbacks": [{"id": s.id, "reason": s.reason} for s in ckpt.skipped_on_restore] if ckpt else [],
+        "lineage": ckpt.lineage if ckpt is not None else None,
+        **commit_status(saving, manifest.step if manifest is not None else None),
+    }
+
+
+def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) -> Dict[str, Any]:
+    """Whether this run's checkpoints ended committed: ``last_committed_step`` (the newest committed
+    checkpoint's step, this run's or the restored one; None: none), and, when the checkpoints
+    taken after it all failed, ``no_commit_since_step`` (that step, 0 for none) and
+    ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise.
+
+    With a local tier, ``local_only_checkpoints`` names the checkpoints committed only on the node
+    (the remote store was unreachable until the job's bounded end, or another job took the lease)
+    and ``last_remote_step`` the newest step the storage itself holds. When the newest committed
+    checkpoint is local only, the storage lacks this run's newest state: ``commit_failure`` says so
+    (exit 3 too) and how to resume from the node, and ``no_commit_since_step`` is the remote one."""
+    outcomes = sorted(saving.engine.outcomes.values(), key=lambda i: i.step) if saving is not None else []
+    last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
+    since = last if last is not None else 0
+    failed = [i for i in outcomes if i.status != CheckpointStatus.COMMITTED and (last is None or i.step > last)]
+    out: Dict[str, Any] = {"last_committed_step": last, "no_commit_since_step": None, "commit_failure": None}
+    if failed:
+        newest = failed[-1]
+        out["no_commit_since_step"] = since
+        out["commit_failure"] = (f"no checkpoint committed since step {since}: the {len(failed)} checkpoint(s) taken "
+                                 f"after it failed, the newest ({newest.id}, step {newest.step}) with: "
+                                 f"{(newest.error or 'no reason given')[:500]}")
+    report = getattr(saving.engine, "flush_report", None) if saving is not None else None
+    if report is None:
+        return out
+    local_only = [i for i in outcomes if i.id in set(report.local_only) and i.status == CheckpointStatus.COMMITTED]
+    remote = [i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED and i.id not in set(report.local_only)]
+    out["local_only_checkpoints"] = [i.id for i in local_only]
+    out["last_remote_step"] = max(remote, default=restored_step)
+    if local_only and (failed or local_only[-1].step == last):
+        out["no_commit_since_step"] = out["last_remote_step"] or 0
+        line = _local_only_line(saving, local_only, out["no_commit_since_step"], report.fenced_out)
+        if failed:  # after a lost lease, every later checkpoint fails
+            line += (f"; the {len(failed)} checkpoint(s) taken after them failed, the newest ({failed[-1].id}, step "
+                     f"{failed[-1].step}) with: {(failed[-1].error or 'no reason given')[:300]}")
+        out["commit_failure"] = line
+    return out
+
+
+def _local_only_line(saving: Checkpointer, local_only: List[Any], since: int, fenced_out: Optional[str]) -> str:
+    """The final line for checkpoints committed only on the node-local tier (issue #25, item 8)."""
+    ids = ", ".join(f"{i.id} (step {i.step})" for i in local_only) if len(local_only) <= 3 else \
+        f"{len(local_only)} checkpoints, {local_only[0].id} (step {local_only[0].step}) to {local_only[-1].id} (step " \
+        f"{local_only[-1].step}),"
+    where = saving.options.local_dir
+    if fenced_out:
+        why = (f"they were not flushed because another job holds the storage's lease now ({fenced_out[:300]}); "
+               "nothing of theirs was written there")
+        todo = f"they stay in {where}; resuming from them would flush them into that job's location"
+    else:
+        why = "the storage was still unreachable when the job ended, after its bounded wait for the flush"
+        todo = (f"they stay in {where}: resume on this node with --resume and the same checkpoint.local_dir, and "
+                "the resumed job flushes them to the storage first")
+    return (f"no checkpoint committed to the storage {saving.uri} since step {since}: {ids} committed only on the "
+            f"node-local tier; {why}; {todo}")
+
+
+def _check_fresh_start(ckpt: Checkpointer) -> None:
+    """A job without --resume, now under the lease: refused (before it trains) when its location
+    holds committed checkpoints, unless --new-history. cnr.app.job checked before the ranks started,
+    but a job holding the lease then may have committed and ended since (issue #25, item 3)."""
+    try:
+        ckpt.check_history(FRESH_START_REMEDY)
+    except CheckpointError:
+        ckpt.abort()  # releases the lease at once: the location's owner may resume
+        raise
+
+
+def _open_trace(config: Config, rank: int, step: int) -> Optional[SampleTrace]:
+    """This rank's sample trace (data.trace_dir), holding only steps <= ``step`` so far."""
+    if not config.data.trace_dir:
+        return None
+    if rank == 0:
+        reset_trace(config.data.trace_dir, step)
+    dist.barrier()  # no rank appends before rank 0 has dropped the records of lost steps
+    return SampleTrace(config.data.trace_dir, rank)
+
+
+@dataclass
+class _Boundaries:
+    """What happens at a checkpoint boundary: the reader cursor and samples go into app_state,
+    then the Checkpointer (None: checkpoints off) saves."""
+
+    ckpt: Optional[Checkpointer]
+    position: ReaderPosition
+    progress: Progress
+
+
+def _next_stop(step: int, steps: int, interval: Optional[int]) -> int:
+    """The step the current grant runs to: the next checkpoint boundary, or the end of training."""
+    if interval is None:
+        return steps
+    return min(steps, (step // interval + 1) * interval)
+
+
+def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Boundaries,
+          trace: Optional[SampleTrace], step: int, rank: int, world_size: int, device: torch.device,
+          publisher: Optional[Publisher] = None) -> Tuple[int, float]:
+    """Train from ``step`` to ``train.steps``; return the step reached and the seconds it took."""
+    bar = _progress(rank, config.train.steps, step)
+    start = time.perf_counter()
+    interval = config.checkpoint.interval if at.ckpt is not None else None
+    stop = step
+    while step < config.train.steps:
+        if step == stop:  # readers produce exactly the batches up to the next stop
+            stop = _next_stop(step, config.train.steps, interval)
+            source.grant(stop - step)
+        batch = source.next_batch()
+        loss = train_step(sharded, to_device(batch, device))
+        step += 1
+        at.progress.samples += config.train.batch_size * world_size
+        if trace is not None:
+            trace.record(step, batch.sample_ids)
+        maybe_crash("after_step", step, rank)
+        if config.train.eval_interval and step % config.train.eval_interval == 0 and step < config.train.steps:
+            m = evaluate(config, sharded.model, rank, world_size, device)
+            logger.info("step %d: eval logloss %.5f auc %.5f", step, m["logloss"], m["auc"])
+        if step == stop:
+            at.position.cursor = source.collect()  # nothing is in flight: the cursor names what was trained
+            if at.ckpt is not None and step % interval == 0:
+                at.ckpt.save(step)
+        if publisher is not None and step % config.publish.interval == 0:
+            publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+    if bar is not None:
+        bar.close()
+    return step, time.perf_counter() - start
+
+
+def _reduce_stats(s: Optional[SaveStats], train_seconds: float) -> Dict[str, Any]:
+    sums = torch.tensor([s.bytes_written if s else 0, s.full_fp32_bytes if s else 0], dtype=torch.float64)
+    maxes = torch.tensor([s.stall_seconds if s else 0.0, train_seconds], dtype=torch.float64)
+    all_reduce_host(sums)
+    all_reduce_host(maxes, op=dist.ReduceOp.MAX)
+    return {
+        "checkpoints": s.checkpoints if s else 0, "failed_checkpoints": s.failed if s else 0,
+        "nonfinite_checkpoints": len(s.nonfinite) if s else 0,
+        "drain_seconds": round(s.drain_seconds, 6) if s else 0.0,
+        "bytes_written": int(sums[0]), "full_fp32_bytes": int(sums[1]),
+        "stall_seconds": round(float(maxes[0]), 6), "train_seconds": round(float(maxes[1]), 6),
+        "last_checkpoint": s.ids[-1] if s and s.ids else None,
+        "checkpoint_errors": dict(s.errors) if s else {},  # redacted where the writer made them
+    }

@@ -1,0 +1,335 @@
+"""Chunk byte layout: encode host rows into one stored object, and decode it back, verified.
+
+Layout of a chunk object (all integers little-endian):
+
+    b"CNRC" | u16 format version | u32 header length | header (UTF-8 JSON) | payload
+
+The header names the tensor, dtype, the rows it covers, its codec chain (``codecs``, see
+cnr.codec) and the stored payload's size and CRC-32. The payload, before the chain's
+bytes->bytes stages (zstd) and after them undone, is: the global row ids when ``row_ids`` is true,
+in the form the header's ``ids`` names (``{"format": "int64"}``: ``rows`` int64 values; or, for
+strictly ascending ids where it is smaller, ``{"format": "bitmap", "first": f, "span": n}``:
+``ceil(n / 8)`` bytes, bit ``i`` LSB-first set iff row ``f + i`` is listed); then the value bytes
+of the chain's array->bytes stage (raw, rowwise or log8). The CRC covers the stored payload, so
+a chunk is verified before any codec reads it. Nothing is unpickled; every header field is
+checked against the manifest's ChunkRef before the payload is used.
+
+Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); versions 1 (int64 ids
+only) and 2 are still read, their headers mapped onto the equivalent chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from cnr.codec import array_codec, bytes_codec, check_chain_names
+from cnr.codec.base import DTYPES, DTYPE_NAMES, ValuesShape, dtype_name, take, tensor_bytes
+from cnr.codec.spec import make_spec, spec_from_json, spec_to_json
+from cnr.codec.log8 import encode_log8
+from cnr.codec.raw import encode_raw
+from cnr.codec.rowwise import encode_rowwise
+from cnr.errors import CorruptChunkError
+from cnr.codec.quant.quantize import QuantizedRows, dequantize_rows
+from cnr.types import ChunkRef, CodecSpec
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "DecodedChunk", "decode_chunk", "dtype_name", "encode_log8_chunk",
+           "encode_quantized_chunk", "encode_raw_chunk", "stored_payload"]
+
+MAGIC = b"CNRC"
+FORMAT_VERSION = 3
+_PREFIX = struct.Struct("<4sHI")
+_MAX_HEADER = 1 << 20
+_MAX_CODECS = 2  # one array->bytes stage and at most one bytes->bytes stage
+
+_COMMON_FIELDS = {
+    "tensor": str, "dtype": str, "row_start": int, "rows": int, "row_ids": bool, "col_offset": int, "cols": int,
+    "row_shape": list, "payload_bytes": int, "payload_crc32": int, "ids": (dict, type(None)),
+}
+_HEADER_FIELDS = {**_COMMON_FIELDS, "codecs": list}
+_V2_HEADER_FIELDS = {**_COMMON_FIELDS, "encoding": str, "bits": int, "quant": (dict, type(None))}
+_V1_HEADER_FIELDS = {k: v for k, v in _V2_HEADER_FIELDS.items() if k != "ids"}
+_QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
+
+Compression = Sequence[CodecSpec]
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    """A verified chunk: ``data`` is ``[rows, *row_shape]`` (dequantized for quantized chunks);
+    ``row_ids`` is None for a contiguous range. A quantized chunk decoded with
+    ``dequantize=False`` holds ``quantized`` instead and ``data`` is None until asked for."""
+
+    ref: ChunkRef
+    row_ids: Optional[torch.Tensor]
+    data: Optional[torch.Tensor]
+    quantized: Optional[QuantizedRows] = None
+
+    def values(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo..hi-1`` as values: a view of raw data, or just those rows dequantized.
+
+        Dequantizing a block at a time keeps the temporaries small and in cache; the result is
+        bit-identical to dequantizing the whole chunk (the same ops per row).
+        """
+        if self.data is not None:
+            return self.data[lo:hi]
+        q = self.quantized
+        return dequantize_rows(dataclasses.replace(q, rows=hi - lo, codes=q.codes[lo:hi], scale=q.scale[lo:hi],
+                                                   bias=q.bias[lo:hi]))
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows at local indexes ``rows`` (int64) as values; of a quantized chunk only
+        those rows are dequantized, bit-identical to the same rows of ``values`` (per-row ops)."""
+        if self.data is not None:
+            return self.data.index_select(0, rows)
+        q = self.quantized
+        return dequantize_rows(dataclasses.replace(q, rows=rows.numel(), codes=q.codes.index_select(0, rows),
+                                                   scale=q.scale.index_select(0, rows),
+                                                   bias=q.bias.index_select(0, rows)))
+
+
+def _encode_ids(row_ids: Optional[torch.Tensor], rows: int) -> Tuple[Optional[dict], memoryview]:
+    """The header's ``ids`` and the id bytes: a bitmap when the ids ascend and it is smaller."""
+    if row_ids is None:
+        return None, memoryview(b"")
+    if row_ids.dtype != torch.int64 or tuple(row_ids.shape) != (rows,):
+        raise ValueError(f"row_ids must be int64 of shape [{rows}], got {row_ids.dtype} {tuple(row_ids.shape)}")
+    if rows:
+        ids = row_ids.numpy()
+        first, span = int(ids[0]), int(ids[-1]) - int(ids[0]) + 1
+        if (span + 7) // 8 < 8 * rows and first >= 0 and (rows == 1 or bool((np.diff(ids) > 0).all())):
+            bits = np.zeros(span, dtype=np.bool_)
+            bits[ids - first] = True
+            return {"format": "bitmap", "first": first, "span": span}, memoryview(np.packbits(bits, bitorder="little"))
+    return {"format": "int64"}, tensor_bytes(row_ids)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a chunk's rows and columns lie in its tensor."""
+
+    tensor_name: str
+    row_start: int
+    col_offset: int
+    row_ids: Optional[torch.Tensor]
+
+
+def _encode(key: str, where: _Placement, shape: ValuesShape, array: Tuple[CodecSpec, List[memoryview]],
+            compression: Compression) -> Tuple[bytes, ChunkRef]:
+    spec, value_parts = array
+    ids_format, ids = _encode_ids(where.row_ids, shape.rows)
+    parts: List[Union[memoryview, bytes]] = [ids, *value_parts]
+    for stage in compression:
+        parts = [bytes_codec(stage.name).encode(stage, b"".join(parts))]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    chain = (spec, *compression)
+    header = {
+        "tensor": where.tensor_name, "dtype": shape.dtype, "row_start": where.row_start, "rows": shape.rows,
+        "row_ids": where.row_ids is not None, "col_offset": where.col_offset, "cols": shape.cols,
+        "row_shape": list(shape.row_shape), "payload_bytes": sum(len(p) for p in parts), "payload_crc32": crc,
+        "ids": ids_format, "codecs": [spec_to_json(s) for s in chain],
+    }
+    header_bytes = json.dumps(header, sort_keys=True).encode()
+    blob = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
+    codec = array_codec(spec.name)
+    bits, method = codec.summary(spec, shape.dtype)
+    ref = ChunkRef(key=key, tensor_name=where.tensor_name, rows=shape.rows, row_start=where.row_start,
+                   row_ids=where.row_ids is not None, col_offset=where.col_offset, cols=shape.cols, nbytes=len(blob),
+                   crc32=crc, encoding=codec.encoding, bits=bits, method=method, codecs=chain)
+    return blob, ref
+
+
+def _values_shape(data: torch.Tensor) -> ValuesShape:
+    return ValuesShape(int(data.shape[0]), tuple(int(s) for s in data.shape[1:]),
+                       int(data.shape[1]) if data.dim() >= 2 else 0, dtype_name(data.dtype))
+
+
+def encode_raw_chunk(key: str, tensor_name: str, data: torch.Tensor, row_start: int, col_offset: int,
+                     row_ids: Optional[torch.Tensor] = None, compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
+    """Encode ``data`` (``[rows, ...]``, host memory) as one raw chunk; return bytes and its ref.
+
+    ``row_ids`` (int64 ``[rows]``) lists global row ids for a non-contiguous selection; without it
+    the rows are ``row_start .. row_start + rows - 1``. ``cols`` is ``data.shape[1]`` for 2-D data.
+    ``compression``: bytes->bytes stages applied to the payload, in order (e.g. zstd).
+    """
+    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), _values_shape(data),
+                   encode_raw(data), compression)
+
+
+def encode_quantized_chunk(key: str, tensor_name: str, q: QuantizedRows, row_start: int, col_offset: int,
+                           row_ids: Optional[torch.Tensor] = None,
+                           compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
+    """Encode float32 rows quantized by cnr.codec.quant.quantize (a uniform method) as one chunk."""
+    shape = ValuesShape(q.rows, (q.dim,), q.dim, "float32")
+    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), shape, encode_rowwise(q),
+                   compression)
+
+
+def encode_log8_chunk(key: str, tensor_name: str, data: torch.Tensor, row_start: int, col_offset: int,
+                      row_ids: Optional[torch.Tensor] = None, compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
+    """Encode 1-D non-negative float32 ``data`` (an optimizer accumulator) with cnr.codec.log8."""
+    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), _values_shape(data),
+                   encode_log8(data), compression)
+
+
+def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+    """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong.
+
+    ``dequantize=False`` leaves a quantized chunk's rows quantized (see DecodedChunk.values).
+    """
+    where = f"chunk {ref.key!r}"
+    if len(blob) != ref.nbytes:
+        raise CorruptChunkError(f"{where} has {len(blob)} bytes, the manifest says {ref.nbytes} (truncated or altered)")
+    if len(blob) < _PREFIX.size:
+        raise CorruptChunkError(f"{where} is shorter than its {_PREFIX.size}-byte prefix")
+    magic, version, header_len = _PREFIX.unpack_from(blob, 0)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"{where} does not start with {MAGIC!r}: not a cnr chunk")
+    if version not in (1, 2, FORMAT_VERSION):
+        raise CorruptChunkError(f"{where} has format version {version}; this cnr reads versions 1 to {FORMAT_VERSION}")
+    if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(blob):
+        raise CorruptChunkError(f"{where} declares a {header_len}-byte header that does not fit")
+    header = _parse_header(blob[_PREFIX.size:_PREFIX.size + header_len], where, version)
+    _check_header_matches(header, ref, where, version)
+    payload = memoryview(blob)[_PREFIX.size + header_len:]
+    if len(payload) != header["payload_bytes"]:
+        raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
+    if zlib.crc32(payload) != header["payload_crc32"]:
+        raise CorruptChunkError(f"{where} payload fails its CRC-32 check (altered or corrupted)")
+    return _payload_tensors(payload, header, ref, where, dequantize)
+
+
+def stored_payload(blob: Union[bytes, memoryview]) -> memoryview:
+    """The stored payload of a chunk ``blob`` that decode_chunk has verified (benchmarks measure
+    bytes->bytes stages on it); raises CorruptChunkError when the framing does not hold."""
+    if len(blob) < _PREFIX.size or _PREFIX.unpack_from(blob, 0)[0] != MAGIC:
+        raise CorruptChunkError("not a cnr chunk")
+    header_len = _PREFIX.unpack_from(blob, 0)[2]
+    if _PREFIX.size + header_len > len(blob):
+        raise CorruptChunkError(f"a {header_len}-byte chunk header does not fit")
+    return memoryview(blob)[_PREFIX.size + header_len:]
+
+
+def _typed(value, kind) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _parse_header(raw: bytes, where: str, version: int) -> dict:
+    try:
+        header = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptChunkError(f"{where} header is not valid JSON: {e}") from e
+    fields = {1: _V1_HEADER_FIELDS, 2: _V2_HEADER_FIELDS}.get(version, _HEADER_FIELDS)
+    if not isinstance(header, dict) or set(header) != set(fields):
+        got = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise CorruptChunkError(f"{where} header fields {got} differ from the expected {sorted(fields)}")
+    if version == 1:
+        header["ids"] = {"format": "int64"} if header["row_ids"] else None
+    for name, kind in {**fields, "ids": (dict, type(None))}.items():
+        if not _typed(header[name], kind):
+            raise CorruptChunkError(f"{where} header field {name!r} = {header[name]!r:.80} has the wrong type")
+    if header["dtype"] not in DTYPES:
+        raise CorruptChunkError(f"{where} header dtype {header['dtype']!r:.40} is not one of {', '.join(DTYPES)}")
+    if any(not _typed(s, int) or s < 0 for s in header["row_shape"]) or header["rows"] < 0:
+        raise CorruptChunkError(f"{where} header has a negative size")
+    header["row_shape"] = tuple(header["row_shape"])
+    header["codecs"] = _legacy_chain(header, where) if version < 3 else _parse_chain(header["codecs"], where)
+    shape = ValuesShape(header["rows"], header["row_shape"], header["cols"], header["dtype"])
+    array_codec(header["codecs"][0].name, where).check(header["codecs"][0], shape, where)
+    for stage in header["codecs"][1:]:
+        bytes_codec(stage.name, where).check(stage, where)
+    _parse_ids(header, where)
+    return header
+
+
+def _parse_chain(raw: list, where: str) -> Tuple[CodecSpec, ...]:
+    chain = tuple(spec_from_json(obj, where) for obj in raw[:_MAX_CODECS + 1])
+    check_chain_names([spec.name for spec in chain], where)
+    return chain
+
+
+def _legacy_chain(header: dict, where: str) -> Tuple[CodecSpec, ...]:
+    """The chain equivalent to a version 1 or 2 header's ``encoding``/``bits``/``quant``."""
+    encoding, quant = header["encoding"], header["quant"]
+    if encoding not in ("raw", "quantized") or (encoding == "quantized") != (quant is not None):
+        raise CorruptChunkError(f"{where} encoding {encoding!r:.40} with quant {quant!r:.80} is not supported")
+    if quant is None:
+        return (make_spec("raw"),)
+    if set(quant) != set(_QUANT_FIELDS) or any(not isinstance(quant[k], str) for k in _QUANT_FIELDS):
+        raise CorruptChunkError(f"{where} quant fields {sorted(quant)} differ from the expected {sorted(_QUANT_FIELDS)}")
+    return (make_spec("rowwise", bits=header["bits"], method=quant["method"], scale=quant["scale_dtype"],
+                      bias=quant["bias_dtype"]),)
+
+
+def _parse_ids(header: dict, where: str) -> None:
+    ids = header["ids"]
+    if (ids is not None) != header["row_ids"]:
+        raise CorruptChunkError(f"{where} header's ids {ids!r:.80} do not match row_ids={header['row_ids']}")
+    if ids is None or ids == {"format": "int64"}:
+        return
+    ok = (set(ids) == {"format", "first", "span"} and ids["format"] == "bitmap"
+          and _typed(ids["first"], int) and _typed(ids["span"], int) and ids["first"] >= 0 and ids["span"] >= 0)
+    if not ok:
+        raise CorruptChunkError(f"{where} header ids {ids!r:.80} are neither int64 nor a valid bitmap")
+
+
+def _check_header_matches(header: dict, ref: ChunkRef, where: str, version: int) -> None:
+    codec = array_codec(header["codecs"][0].name, where)
+    bits, method = codec.summary(header["codecs"][0], header["dtype"])
+    expected = {
+        "tensor": ref.tensor_name, "rows": ref.rows, "row_start": ref.row_start, "row_ids": ref.row_ids,
+        "col_offset": ref.col_offset, "cols": ref.cols, "payload_crc32": ref.crc32,
+    }
+    got = {**{k: header[k] for k in expected}}
+    expected.update(encoding=ref.encoding, bits=ref.bits, method=ref.method)
+    got.update(encoding=codec.encoding, bits=bits, method=method)
+    if version >= 3 or ref.codecs:  # a manifest that lists codecs lists exactly the header's
+        expected["codecs"], got["codecs"] = ref.codecs, header["codecs"]
+    for name, value in expected.items():
+        if got[name] != value:
+            raise CorruptChunkError(f"{where} header {name}={got[name]!r:.120} but the manifest says {value!r:.120}")
+
+
+def _ids_bytes(header: dict) -> int:
+    ids = header["ids"]
+    if ids is None:
+        return 0
+    return 8 * header["rows"] if ids["format"] == "int64" else (ids["span"] + 7) // 8
+
+
+def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str, dequantize: bool) -> DecodedChunk:
+    chain = header["codecs"]
+    shape = ValuesShape(header["rows"], header["row_shape"], header["cols"], header["dtype"])
+    codec = array_codec(chain[0].name, where)
+    size = _ids_bytes(header) + codec.value_bytes(chain[0], shape)
+    for stage in chain[1:]:  # at most one (_MAX_CODECS): its decoded size is the one computed here
+        payload = memoryview(bytes_codec(stage.name, where).decode(stage, payload, size, where))
+    if len(payload) != size:
+        raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header declares {size}")
+    row_ids, offset = _decode_ids(payload, header, where) if header["row_ids"] else (None, 0)
+    values = codec.decode(chain[0], shape, payload[offset:], where)
+    data = values.data
+    if values.quantized is not None and dequantize:
+        data = dequantize_rows(values.quantized)
+    return DecodedChunk(ref=ref, row_ids=row_ids, data=data, quantized=None if dequantize else values.quantized)
+
+
+def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Tensor, int]:
+    rows, ids = header["rows"], header["ids"]
+    if ids["format"] == "int64":
+        return take(payload, 0, rows, torch.int64, where)
+    packed, offset = take(payload, 0, (ids["span"] + 7) // 8, torch.uint8, where)
+    bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=ids["span"], bitorder="little"))
+    listed = torch.nonzero(bits).view(-1)  # torch's nonzero uses the intra-op threads; numpy's does not
+    if listed.numel() != rows:
+        raise CorruptChunkError(f"{where} id bitmap lists {listed.numel()} rows, the header says {rows}")
+    return listed.add_(ids["first"]), offset

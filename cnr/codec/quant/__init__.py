@@ -1,0 +1,1 @@
+"""Quantization kernels: the greedy range search, row-wise quantization, bit packing."""

@@ -1,0 +1,156 @@
+"""What a store holds: reading manifests, listing checkpoints with their status, and resolving
+the chain a restore reads (cnr.format.manifest holds the formats and the layout)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import List, Optional, Tuple
+
+from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.format.manifest import (
+    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest, step_of,
+)
+from cnr.format.lineage import restore_order
+from cnr.storage.base import Storage, from_sources, read_document
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
+
+logger = logging.getLogger(__name__)
+
+
+def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
+    key = manifest_key(ckpt_id)
+    manifest = from_sources(storage, key, lambda source: parse_manifest(read_document(source, key),
+                                                                        where=f"{source.uri}/{key}"))
+    if manifest.id != ckpt_id:
+        raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
+    return manifest
+
+
+def checkpoint_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with anything stored, committed or not, oldest step first."""
+    ids = {k.split("/")[1] for k in storage.list(ROOT) if k.count("/") >= 2}
+    return sorted(ids)
+
+
+def marker_error(storage: Storage, key: str) -> str:
+    """The error a failure marker (``failed_key``) records, shortened to 2000 characters."""
+    try:
+        return str(json.loads(storage.get(key).decode()).get("error", "failed"))[:2000]
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return "failed (unreadable marker)"
+
+
+def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
+    """The error recorded for a failed checkpoint (or one of its ranks), else None."""
+    for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/failed-rank-" in k]:
+        if storage.exists(key):
+            return marker_error(storage, key)
+    return None
+
+
+def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Manifest]]]:
+    """Every checkpoint in storage, oldest first, with its manifest (None unless committed)."""
+    found: List[Tuple[CheckpointInfo, Optional[Manifest]]] = []
+    for ckpt_id in checkpoint_ids(storage):
+        step = step_of(ckpt_id)
+        if not storage.exists(manifest_key(ckpt_id)):
+            nbytes = sum(_size_or_zero(storage, k) for k in storage.list(checkpoint_prefix(ckpt_id)))
+            error = failure_of(storage, ckpt_id)
+            status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
+            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
+            continue
+        try:
+            m = read_manifest(storage, ckpt_id)
+        except CheckpointError as e:  # one damaged manifest must not hide the others
+            logger.warning("checkpoint %s is damaged: %s", ckpt_id, e)
+            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.DAMAGED, 0, 0, 0,
+                                         error=str(e)), None))
+            continue
+        found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
+                                     method=m.method, lineage=m.lineage), m))
+    return found
+
+
+def _size_or_zero(storage: Storage, key: str) -> int:
+    """A listed key's size; 0 when it is gone since the listing or is no object (a FIFO, a link
+    out of a local store's root): an uncommitted checkpoint's size is informative only."""
+    try:
+        return storage.size(key)
+    except KeyNotFoundError:
+        return 0
+
+
+def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
+    """Every checkpoint in storage with its status, oldest first (what ``inspect`` prints)."""
+    return [info for info, _ in scan_checkpoints(storage)]
+
+
+def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
+    """The manifests to apply in order to restore ``manifest``: its full baseline first.
+
+    Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
+    consecutive increment the checkpoint before it. Every link must be committed and older. A link
+    whose chain was merged (a committed ``merged_id(link)``, cnr.write.merge) is replaced by the merged
+    full checkpoint, which holds the same state, and the walk ends there without reading that
+    link (``chain_links`` walks the same way over a listing).
+    """
+    if manifest.kind != CheckpointKind.FULL:
+        merged = _read_if_committed(storage, merged_id(manifest.id))
+        if merged is not None:
+            return [_checked_merged(merged, manifest)]
+    chain = [manifest]
+    while chain[0].kind != CheckpointKind.FULL:
+        head = chain[0]
+        if not head.base:
+            raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
+        merged = _read_if_committed(storage, merged_id(head.base))
+        if merged is not None:
+            chain.insert(0, _checked_merged(merged, head))
+            break
+        base = _read_if_committed(storage, head.base)
+        if base is None:
+            raise CheckpointError(f"checkpoint {manifest.id} needs {head.base} (the base of {head.id}), "
+                                  f"which is not committed in {storage.uri}")
+        if base.step >= head.step:
+            raise CheckpointError(f"base {base.id} of {head.id} is not older than the increment")
+        chain.insert(0, base)
+    return chain
+
+
+def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
+    try:
+        return read_manifest(storage, ckpt_id)
+    except KeyNotFoundError:
+        return None
+
+
+def _checked_merged(merged: Manifest, after: Manifest) -> Manifest:
+    """A merged baseline found while resolving ``after``'s chain: full, and no newer than it."""
+    if merged.kind != CheckpointKind.FULL or merged.step > after.step:
+        raise CheckpointError(f"{merged.id} is not a full checkpoint at or before step {after.step}")
+    return merged
+
+
+def committed_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with a manifest (readable or not), newest first."""
+    return [i for i in reversed(checkpoint_ids(storage)) if storage.exists(manifest_key(i))]
+
+
+def restore_ids(storage: Storage) -> List[str]:
+    """Ids of every checkpoint with a manifest in the order a restore tries them: the current
+    history's first, each history's highest step first (cnr.format.lineage.restore_order)."""
+    return restore_order(storage, committed_ids(storage))
+
+
+def newest_committed(storage: Storage) -> Optional[Manifest]:
+    """The committed checkpoint a restore tries first (``restore_ids``) whose manifest reads, or
+    None. A damaged newer manifest is skipped with a warning naming it."""
+    for ckpt_id in restore_ids(storage):
+        try:
+            return read_manifest(storage, ckpt_id)
+        except KeyNotFoundError:
+            continue  # deleted by retention since the listing
+        except CheckpointError as e:
+            logger.warning("skipping damaged checkpoint %s: %s", ckpt_id, e)
+    return None

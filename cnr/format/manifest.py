@@ -1,0 +1,478 @@
+"""Checkpoint manifests and per-rank indexes: versioned JSON, strict parsing, storage layout.
+
+Layout under the storage root (see README "Storage layout"):
+
+    checkpoints/<id>/rank-<r>/chunk-<n>.bin   rank r's encoded chunks: one large chunk, or small ones back to back
+    checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
+    checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
+    checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
+    checkpoints/<id>/failed.json              the checkpoint will never commit (error text)
+
+``<id>`` is ``<step:010d>-<nonce>``, so ids sort by step and a rewrite of the same step never
+mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json`` is uncommitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from cnr.codec import array_encoding, check_chain_names
+from cnr.codec.spec import spec_from_json, spec_to_json
+from cnr.errors import CheckpointError, CorruptChunkError
+from cnr.format.integrity import check_manifest_fields, check_sealed, seal, unseal
+from cnr.format.legacy_v1 import v1_app, v1_role, v1_upgrade
+from cnr.storage.base import validate_key
+from cnr.types import (
+    RNG_PREFIX, TABLE_ROLES, CheckpointKind, ChunkRef, CodecSpec, Encoding, Role, TableSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+ROOT = "checkpoints"
+MANIFEST_FORMAT = "cnr.manifest"
+RANK_INDEX_FORMAT = "cnr.rank-index"
+VERSION = 5
+"""Version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
+version 2 (the library API) records each tensor's role and table, the application's state per
+rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 4 still read,
+with lineage "" (none recorded)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+LINEAGE_VERSION = 5
+_LINEAGE = re.compile(r"^(|[0-9a-f]{32})$")
+
+
+def checkpoint_prefix(ckpt_id: str) -> str:
+    return f"{ROOT}/{ckpt_id}"
+
+
+def manifest_key(ckpt_id: str) -> str:
+    return f"{ROOT}/{ckpt_id}/manifest.json"
+
+
+def rank_index_key(ckpt_id: str, rank: int) -> str:
+    return f"{ROOT}/{ckpt_id}/rank-{rank:05d}.json"
+
+
+def object_key(ckpt_id: str, rank: int, n: int) -> str:
+    """Rank ``rank``'s ``n``-th data object: one large chunk, or small chunks back to back."""
+    return f"{ROOT}/{ckpt_id}/rank-{rank:05d}/chunk-{n:06d}.bin"
+
+
+def failed_key(ckpt_id: str, rank: Optional[int] = None) -> str:
+    """Marker of a failed checkpoint (``rank`` None) or of one rank's failed writer."""
+    name = "failed.json" if rank is None else f"failed-rank-{rank:05d}.json"
+    return f"{ROOT}/{ckpt_id}/{name}"
+
+
+def deleting_key(ckpt_id: str) -> str:
+    """Retention's marker on a committed checkpoint it is deleting: stored before the manifest
+    goes, removed last. A checkpoint left with it (a crash, or another process's retention
+    mid-way) was committed, so its purge records no failure."""
+    return f"{ROOT}/{ckpt_id}/deleting.json"
+
+
+# A merged baseline (cnr.write.merge) is named after the increment it stands for: it sorts right after it.
+MERGED_SUFFIX = ".merged"
+
+
+def merged_id(ckpt_id: str) -> str:
+    """Id of the full checkpoint that a merge of ``ckpt_id``'s chain writes."""
+    return ckpt_id + MERGED_SUFFIX
+
+
+def chain_links(ckpt_id: str, bases: Mapping[str, Optional[str]]) -> Tuple[List[str], bool]:
+    """The ids a restore of ``ckpt_id`` reads, newest first, walked as ``resolve_chain`` walks
+    storage but over ``bases`` (committed id -> its base id, None for a full checkpoint): base
+    links, and a link with a committed merged baseline ends at that baseline, in its place.
+    Also whether the walk reached a full checkpoint (a missing link or a loop ends it early)."""
+    out: List[str] = []
+    link = ckpt_id
+    while True:
+        if merged_id(link) in bases:  # checked before the link itself is needed
+            return out + [merged_id(link)], True
+        if link not in bases or link in out:
+            return out, False
+        out.append(link)
+        if bases[link] is None:
+            return out, True
+        link = bases[link]
+
+
+def make_id(step: int, nonce: str) -> str:
+    return f"{step:010d}-{nonce}"
+
+
+def step_of(ckpt_id: str) -> int:
+    """The step a checkpoint id (``make_id``) names, or -1 for an id not of that form."""
+    head = ckpt_id.split("-")[0]
+    return int(head) if head.isdigit() else -1
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor in a checkpoint: its shape, dtype, role, and the chunks that hold it.
+
+    ``table``: for the table roles, the id of the table it belongs to (its weight's name).
+    """
+
+    shape: Tuple[int, ...]
+    dtype: str
+    replicated: bool
+    chunks: Tuple[ChunkRef, ...]
+    role: Role = Role.DENSE
+    table: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """What one rank wrote for one checkpoint. ``app``: its JSON state of app_state's objects."""
+
+    id: str
+    rank: int
+    world_size: int
+    tensors: Dict[str, TensorEntry]
+    app: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint. ``counters``: integers, ``step`` always among them.
+
+    ``tables``: every embedding table of the model. ``metadata``: the application's own
+    description of the job (opaque to cnr; ``cnr train`` stores its config there).
+    ``app_ranks``: per rank, the JSON state of app_state's objects (cnr.track.app_state).
+    ``chain_bytes``: chunk bytes of the newest full checkpoint of the job and of every committed
+    checkpoint after it, this one last (what the intermittent predictor reads on resume).
+    ``bit_width``: the bit-width decision in force (cnr.policy.kinds.BitDecision.to_dict()).
+    ``lineage``: the job history it belongs to (cnr.format.lineage: 32 hex digits; "" when none is
+    recorded, as in every manifest before version 5).
+    ``version``: the format version it was read from.
+    """
+
+    id: str
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    world_size: int
+    created_unix: float
+    tables: Tuple[TableSpec, ...]
+    tensors: Dict[str, TensorEntry]
+    counters: Dict[str, int]
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    app_ranks: Tuple[Dict[str, Any], ...] = ()
+    chain_bytes: Tuple[int, ...] = ()
+    bit_width: Dict[str, Any] = field(default_factory=dict)
+    version: int = VERSION
+    lineage: str = ""
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every chunk this checkpoint stored (manifest and indexes excluded)."""
+        return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+
+    @property
+    def full_fp32_bytes(self) -> int:
+        """Bytes of all training state as raw fp32 (4 per element of every tensor but RNG state):
+        what a full fp32 checkpoint of this state would store, whatever this one's kind and bits."""
+        return sum(4 * math.prod(t.shape) for name, t in self.tensors.items() if not name.startswith(RNG_PREFIX))
+
+    @property
+    def rows(self) -> int:
+        """Embedding rows stored (rows of table weight chunks)."""
+        return sum(c.rows for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks)
+
+    @property
+    def bits(self) -> int:
+        """Bit-width of the stored embedding rows (32 for fp32)."""
+        bits = {c.bits for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks}
+        return min(bits) if bits else 32
+
+    @property
+    def method(self) -> str:
+        """Quantizer of the stored embedding rows ("" when they are raw)."""
+        methods = sorted({c.method for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks})
+        return ",".join(m for m in methods if m)
+
+
+# ---- serialisation ---------------------------------------------------------------------------
+
+def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
+    d = asdict(c)
+    d["tensor"] = d.pop("tensor_name")  # the format's name for it
+    d["encoding"] = c.encoding.value
+    d["codecs"] = [spec_to_json(spec) for spec in c.codecs]
+    if not c.offset:
+        del d["offset"]  # a chunk alone in its object reads exactly as before packing existed
+    return d
+
+
+def _tensors_to_dict(tensors: Dict[str, TensorEntry]) -> Dict[str, Any]:
+    return {
+        name: {"shape": list(t.shape), "dtype": t.dtype, "replicated": t.replicated, "role": t.role.value,
+               "table": t.table, "chunks": [_chunk_to_dict(c) for c in t.chunks]}
+        for name, t in sorted(tensors.items())
+    }
+
+
+def manifest_to_bytes(m: Manifest) -> bytes:
+    """Always the current version: a manifest read from version 1 is written back as version 2."""
+    body = {
+        "format": MANIFEST_FORMAT, "version": VERSION, "id": m.id, "step": m.step, "kind": m.kind.value,
+        "base": m.base, "world_size": m.world_size, "created_unix": m.created_unix,
+        "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features),
+                    "placement": t.placement} for t in m.tables],
+        "tensors": _tensors_to_dict(m.tensors), "counters": m.counters, "metadata": m.metadata,
+        "app": list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
+        "lineage": check_lineage(m.lineage, f"manifest {m.id}"),
+    }
+    return seal(json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def rank_index_to_bytes(r: RankIndex) -> bytes:
+    body = {"format": RANK_INDEX_FORMAT, "version": VERSION, "id": r.id, "rank": r.rank,
+            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors), "app": r.app}
+    return seal(json.dumps(body, sort_keys=True).encode())
+
+
+# ---- strict parsing --------------------------------------------------------------------------
+
+class _Reader:
+    """Typed field access on a JSON object that rejects missing, extra and mistyped fields."""
+
+    def __init__(self, obj: Any, where: str, fields: Dict[str, Any],
+                 optional: Optional[Dict[str, Any]] = None) -> None:
+        """``optional``: fields that may be absent (added after version 1 first shipped)."""
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{where} must be a JSON object, got {type(obj).__name__}")
+        optional = optional or {}
+        missing = sorted(set(fields) - set(obj))
+        extra = sorted(set(obj) - set(fields) - set(optional))
+        if missing or extra:
+            raise CheckpointError(f"{where} has missing fields {missing} and unknown fields {extra}")
+        for name, kind in list(fields.items()) + [(n, k) for n, k in optional.items() if n in obj]:
+            value = obj[name]
+            ok = isinstance(value, kind) and not (kind in (int, (int, float)) and isinstance(value, bool))
+            if not ok:
+                raise CheckpointError(f"{where} field {name!r} = {value!r:.80} has the wrong type")
+        self.obj = obj
+
+    def __getitem__(self, name: str) -> Any:
+        return self.obj[name]
+
+    def get(self, name: str, default: Any) -> Any:
+        return self.obj.get(name, default)
+
+
+_OPT_STR = (str, type(None))
+_NUM = (int, float)
+_CHUNK_FIELDS = {"key": str, "tensor": str, "rows": int, "row_start": int, "row_ids": bool, "col_offset": int,
+                 "cols": int, "nbytes": int, "crc32": int, "encoding": str, "bits": int, "method": str}
+
+
+def _parse_codecs(raw: List[Any], where: str) -> Tuple[CodecSpec, ...]:
+    """A chunk's codec chain: one registered array codec, then at most one bytes codec; their
+    parameters are checked against the chunk header when the chunk is read. Empty for a chunk
+    written before the codec seam (a manifest re-written since lists it so)."""
+    try:
+        chain = tuple(spec_from_json(obj, f"{where}.codecs") for obj in raw)
+        if chain:
+            check_chain_names([spec.name for spec in chain], where)
+    except CorruptChunkError as e:
+        raise CheckpointError(str(e)) from None
+    return chain
+
+
+def _parse_chunk(obj: Any, where: str, ckpt_id: str, tensor: str, version: int) -> ChunkRef:
+    fields = {**_CHUNK_FIELDS, "codecs": list} if version >= 4 else _CHUNK_FIELDS
+    r = _Reader(obj, where, fields, optional={"offset": int})
+    key = r["key"]
+    try:
+        validate_key(key)
+    except Exception as e:
+        raise CheckpointError(f"{where} key {key!r} is rejected: {e}") from e
+    if not key.startswith(checkpoint_prefix(ckpt_id) + "/"):
+        raise CheckpointError(f"{where} key {key!r} is outside its checkpoint's prefix {checkpoint_prefix(ckpt_id)}/")
+    if r["tensor"] != tensor:
+        raise CheckpointError(f"{where} belongs to tensor {r['tensor']!r}, listed under {tensor!r}")
+    try:
+        encoding = Encoding(r["encoding"])
+    except ValueError as e:
+        raise CheckpointError(f"{where} encoding {r['encoding']!r} is not one of {[e.value for e in Encoding]}") from e
+    if min(r["rows"], r["row_start"], r["col_offset"], r["cols"], r["nbytes"], r.get("offset", 0)) < 0:
+        raise CheckpointError(f"{where} has a negative size or offset")
+    codecs = _parse_codecs(r["codecs"], where) if version >= 4 else ()
+    if codecs and array_encoding(codecs[0].name) != encoding:
+        raise CheckpointError(f"{where} encoding {encoding.value!r} does not match its codec {codecs[0].name!r}")
+    return ChunkRef(key=key, tensor_name=tensor, rows=r["rows"], row_start=r["row_start"], row_ids=r["row_ids"],
+                    col_offset=r["col_offset"], cols=r["cols"], nbytes=r["nbytes"], crc32=r["crc32"],
+                    encoding=encoding, bits=r["bits"], method=r["method"], offset=r.get("offset", 0), codecs=codecs)
+
+
+def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str, TensorEntry]:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must be a JSON object")
+    fields = {"shape": list, "dtype": str, "replicated": bool, "chunks": list}
+    if version >= 2:
+        fields.update(role=str, table=_OPT_STR)
+    out = {}
+    for name, raw in obj.items():
+        r = _Reader(raw, f"{where}[{name!r}]", fields)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in r["shape"]):
+            raise CheckpointError(f"{where}[{name!r}] shape {r['shape']!r} must list non-negative integers")
+        chunks = tuple(_parse_chunk(c, f"{where}[{name!r}].chunks[{i}]", ckpt_id, name, version)
+                       for i, c in enumerate(r["chunks"]))
+        role, table = v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
+        if (role in TABLE_ROLES) != (table is not None):
+            raise CheckpointError(f"{where}[{name!r}] has role {role.value!r} but table {table!r}")
+        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks, role, table)
+    return out
+
+
+def _parse_role(value: str, where: str) -> Role:
+    try:
+        return Role(value)
+    except ValueError as e:
+        raise CheckpointError(f"{where} role {value!r} is not one of {[r.value for r in Role]}") from e
+
+
+def _parse_json(blob: bytes, where: str, fmt: str) -> Tuple[Any, int]:
+    """The document's JSON object, checked against its seal (cnr.format.integrity), and its version."""
+    document, sealed = unseal(blob, where)
+    try:
+        obj = json.loads(document.decode())
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, or an integer of thousands of digits
+        raise CheckpointError(f"{where} is not valid JSON: {str(e)[:200]}") from None
+    version = _check_format(obj, fmt, where)
+    check_sealed(version, sealed, where)
+    return obj, version
+
+
+def _check_format(obj: Any, fmt: str, where: str) -> int:
+    """The document's format version (raises unless ``fmt`` at a readable version)."""
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        raise CheckpointError(f"{where} is not a {fmt} document")
+    version = obj.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{where} has version {version!r:.40}; this cnr reads versions {list(READABLE_VERSIONS)}")
+    return version
+
+
+_COMMON = {"format": str, "version": int, "id": str, "step": int, "kind": str, "base": _OPT_STR, "world_size": int,
+           "created_unix": _NUM, "tables": list, "tensors": dict, "counters": dict}
+_V1_FIELDS = {**_COMMON, "arch": str, "sparse_optimizer": str, "dense_optimizer": str, "reader": dict, "config": dict}
+_V2_FIELDS = {**_COMMON, "metadata": dict, "app": list, "chain_bytes": list, "bit_width": dict}
+_V5_FIELDS = {**_V2_FIELDS, "lineage": str}
+
+
+def check_lineage(value: str, where: str) -> str:
+    """``value`` if it is a lineage id (32 lowercase hex digits) or "" (none recorded), else
+    CheckpointError naming it."""
+    if not isinstance(value, str) or not _LINEAGE.match(value):
+        raise CheckpointError(f"{where} lineage {value!r:.80} is not allowed; it must be 32 lowercase hex digits "
+                              "or empty (none recorded)")
+    return value
+
+
+def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, ...]:
+    fields = {"name": str, "rows": int, "dim": int, "features": list}
+    if version >= 2:
+        fields["placement"] = str
+    tables = []
+    for i, t in enumerate(raw):
+        tr = _Reader(t, f"{where}.tables[{i}]", fields)
+        tables.append(TableSpec(tr["name"], tr["rows"], tr["dim"], tuple(tr["features"]), tr.get("placement", "")))
+    return tuple(tables)
+
+
+def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
+    """Parse and validate a manifest (versions 1 to 4); raise CheckpointError naming the first problem."""
+    return _untrusted(_parse_manifest, blob, where)
+
+
+def _untrusted(parse, blob: bytes, where: str):
+    """``parse(blob, where)``; what strict field checks did not foresee in untrusted bytes is
+    still a damaged document, reported as a CheckpointError."""
+    try:
+        return parse(blob, where)
+    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _parse_manifest(blob: bytes, where: str) -> Manifest:
+    obj, version = _parse_json(blob, where, MANIFEST_FORMAT)
+    if version == 1:
+        r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
+    else:
+        r = _Reader(obj, where, _V5_FIELDS if version >= LINEAGE_VERSION else _V2_FIELDS)
+    try:
+        kind = CheckpointKind(r["kind"])
+    except ValueError as e:
+        raise CheckpointError(f"{where} kind {r['kind']!r} is not one of {[k.value for k in CheckpointKind]}") from e
+    counters = r["counters"]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in counters.values()):
+        raise CheckpointError(f"{where}.counters must hold integers, got {counters!r:.200}")
+    chain_bytes = r.get("chain_bytes", [])
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in chain_bytes):
+        raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
+    id_step = re.match(r"^(\d{10})-", r["id"])
+    check_manifest_fields(where, r["id"], r["step"], r["world_size"], counters,
+                          int(id_step.group(1)) if id_step else None)
+    tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+    if version == 1:
+        tensors = v1_upgrade(tensors, where)
+        metadata = {"config": r["config"], "arch": r["arch"], "sparse_optimizer": r["sparse_optimizer"],
+                    "dense_optimizer": r["dense_optimizer"]}
+        app_ranks = v1_app(r["reader"], counters, r["world_size"])
+    else:
+        metadata, app_ranks = r["metadata"], tuple(r["app"])
+        if len(app_ranks) not in (0, r["world_size"]) or any(not isinstance(a, dict) for a in app_ranks):
+            raise CheckpointError(f"{where}.app must hold one object per rank ({r['world_size']}), or none")
+    return Manifest(
+        id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
+        created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),
+        tensors=tensors, counters=counters, metadata=metadata, app_ranks=app_ranks,
+        chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}), version=version,
+        lineage=check_lineage(r.get("lineage", ""), where),
+    )
+
+
+def parse_rank_index(blob: bytes, where: str = "rank index") -> RankIndex:
+    return _untrusted(_parse_rank_index, blob, where)
+
+
+def _parse_rank_index(blob: bytes, where: str) -> RankIndex:
+    obj, version = _parse_json(blob, where, RANK_INDEX_FORMAT)
+    fields = {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "tensors": dict}
+    if version >= 2:
+        fields["app"] = dict
+    r = _Reader(obj, where, fields)
+    if not 0 <= r["rank"] < r["world_size"]:
+        raise CheckpointError(f"{where} rank {r['rank']} is outside world size {r['world_size']}")
+    tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+    return RankIndex(r["id"], r["rank"], r["world_size"], tensors, r.get("app", {}))
+
+
+def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:
+    """Combine every rank's tensors into one table: a tensor's chunks are those of every rank that
+    wrote part of it (its shards, or its share of a replicated tensor, cnr.track.shares)."""
+    merged: Dict[str, TensorEntry] = {}
+    for index in sorted(indexes, key=lambda i: i.rank):
+        for name, entry in index.tensors.items():
+            if name not in merged:
+                merged[name] = entry
+                continue
+            have = merged[name]
+            if (have.shape, have.dtype, have.replicated, have.role, have.table) != \
+                    (entry.shape, entry.dtype, entry.replicated, entry.role, entry.table):
+                raise CheckpointError(f"ranks disagree on tensor {name!r}: {have.shape}/{have.dtype}/{have.role.value} "
+                                      f"vs {entry.shape}/{entry.dtype}/{entry.role.value}")
+            merged[name] = dataclasses.replace(have, chunks=have.chunks + entry.chunks)
+    return merged

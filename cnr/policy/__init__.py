@@ -1,0 +1,1 @@
+"""Decisions: full or incremental, the bit-width, retention, per-table plans."""

@@ -1,0 +1,1 @@
+"""Publishing increments to inference and subscribing to them."""

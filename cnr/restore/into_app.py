@@ -1,0 +1,291 @@
+"""Restore a committed checkpoint chain into an application's state (cnr.track.app_state.AppState).
+
+Collective. The order: check that the checkpoint fits the application (placements, per-rank
+state at another world size) before anything is written; create optimizer state the optimizers
+make lazily (Adam's); fill every tensor from the chain (cnr.restore.pieces); then give each optimizer
+its ``param_groups`` and each Stateful object its state; last, this rank's RNG state.
+
+Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
+restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
+naming the key (a data loader's position is per rank: drop it from app_state and restore with
+``partial=True``, or restore at the saved world size). RNG state is restored only at the same
+world size.
+
+Keys: by default app_state and the checkpoint must hold the same keys, or the restore fails naming
+the keys missing on each side before anything is written (``check_keys``): an app_state entry
+without saved state would silently keep its fresh values, saved state without an entry would be
+silently dropped. ``partial=True`` restores the keys both hold and reports the others
+(``RestoredChain.fresh`` and ``unused``). A mismatch is a property of the application, not damage:
+cnr.restore.newest raises it rather than passing over the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, fused_group_tables, sharded_modules,
+                           stateful_name)
+from cnr.codec.chunk_format import DTYPES
+from cnr.errors import CheckpointError
+from cnr.format.manifest import Manifest
+from cnr.track.managed_collision import check_restore as check_managed_collisions
+from cnr.format.catalog import resolve_chain
+from cnr.restore.chain import restore_chain
+from cnr.restore.pieces import check_no_extra_tensors, check_shapes, restore_rng
+from cnr.track.state import StatePiece, global_names, whole_piece
+from cnr.storage.base import Storage
+from cnr.types import Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoredChain:
+    """What a restore applied: the manifest, its chain (full first), rows its increments held
+    per table id, and bytes this rank read."""
+
+    manifest: Manifest
+    chain: List[Manifest]
+    increment_row_ids: Dict[str, torch.Tensor]
+    bytes_read: int
+    fresh: List[str] = field(default_factory=list)  # app_state keys the checkpoint held no state of
+    unused: List[str] = field(default_factory=list)  # saved keys with no app_state entry
+
+    @property
+    def partial(self) -> bool:
+        """Whether app_state and the checkpoint held different keys (only under ``partial=True``)."""
+        return bool(self.fresh or self.unused)
+
+
+def _source_rank(manifest: Manifest, key: str, rank: int, world_size: int) -> int:
+    """Whose saved state of app_state[key] this rank takes (see the module docstring)."""
+    if manifest.world_size == world_size:
+        return rank
+    states = [a.get(key) for a in manifest.app_ranks]
+    tensors = [[manifest.tensors[stateful_name(key, r, i)].chunks for i in range((s or {}).get("tensors", 0))]
+               if s else [] for r, s in enumerate(states)]
+    crcs = [[[c.crc32 for c in chunks] for chunks in per_rank] for per_rank in tensors]
+    if any(s != states[0] for s in states) or any(c != crcs[0] for c in crcs):
+        raise CheckpointError(
+            f"app_state[{key!r}] saved a different state on each of {manifest.world_size} ranks in checkpoint "
+            f"{manifest.id}; it cannot be given to {world_size} ranks. Restore at world size {manifest.world_size}, "
+            f"or leave {key!r} out of app_state and restore with partial=True")
+    return 0
+
+
+def check_placements(manifest: Manifest, app: AppState) -> None:
+    """Fail before anything is written when a table moved between data-parallel and sharded
+    placements and its optimizer state cannot follow (dense optimizer state on one side, fused
+    table state on the other)."""
+    saved = {t.name: t.placement for t in manifest.tables}
+    now = {t.id: _placement(t) for t in app.tables}
+    for table, placement in now.items():
+        before = saved.get(table, "")
+        if not before or not placement or (before == "data_parallel") == (placement == "data_parallel"):
+            continue
+        had_fused = any(e.role == Role.TABLE_STATE and e.table == table for e in manifest.tensors.values())
+        param = table.replace("/", ".", 1)
+        had_dense = any(e.role == Role.OPTIMIZER and name.split("/")[1] == param for name, e in manifest.tensors.items())
+        if had_fused or had_dense:
+            raise CheckpointError(
+                f"table {table!r} was {before} in checkpoint {manifest.id} but is {placement} now, and its optimizer "
+                f"state ({'fused table state' if had_fused else 'dense optimizer state'}) cannot move to the other "
+                "placement's optimizer. Give the table the same placement as when it was saved, e.g. torchrec "
+                f"ParameterConstraints(sharding_types=['{before}']) for it in the planner")
+
+
+def _placement(table) -> str:
+    plan = getattr(table.module, "module_sharding_plan", None) or {}
+    sharding = plan.get(table.name)
+    return str(getattr(sharding, "sharding_type", "") or "")
+
+
+def _prepare_optimizers(manifest: Manifest, app: AppState) -> None:
+    """Create optimizer state tensors the checkpoint has and the optimizer has not made yet."""
+    for key, kind in app.kinds.items():
+        if kind != OPTIMIZER:
+            continue
+        opt = app.objects[key]
+        params = dict(app.optimizer_params(opt))
+        for name, entry in manifest.tensors.items():
+            if entry.role != Role.OPTIMIZER or not name.startswith(key + "/"):
+                continue
+            param_name, state_key = name[len(key) + 1:].rsplit("/", 1)
+            param = params.get(param_name)
+            if param is None:
+                raise CheckpointError(f"checkpoint {manifest.id} has state of app_state[{key!r}] for parameter "
+                                      f"{param_name!r}, which that optimizer does not hold now")
+            state = opt.state[param]
+            if state_key not in state:
+                shape = tuple(entry.shape)
+                state[state_key] = torch.zeros(shape, dtype=DTYPES[entry.dtype], device=param.device if shape else "cpu")
+
+
+def _stateful_targets(manifest: Manifest, app: AppState, rank: int, world_size: int) -> Dict[str, Tuple[int, List[StatePiece]]]:
+    """key -> (source rank, fresh tensors to restore its saved tensors into)."""
+    out = {}
+    for key, kind in app.kinds.items():
+        if kind != STATEFUL:
+            continue
+        if not manifest.app_ranks or key not in manifest.app_ranks[0]:
+            raise CheckpointError(f"checkpoint {manifest.id} holds no state of app_state[{key!r}] (it holds "
+                                  f"{sorted(manifest.app_ranks[0]) if manifest.app_ranks else []})")
+        src = _source_rank(manifest, key, rank, world_size)
+        pieces = []
+        for i in range(manifest.app_ranks[src][key].get("tensors", 0)):
+            name = stateful_name(key, src, i)
+            entry = manifest.tensors[name]
+            pieces.append(whole_piece(name, torch.empty(tuple(entry.shape), dtype=DTYPES[entry.dtype]), Role.STATEFUL,
+                                      replicated=False))
+        out[key] = (src, pieces)
+    return out
+
+
+def _set_groups(groups: List[Dict[str, Any]], saved: List[Any], where: str) -> None:
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{where} had {len(saved)} param_groups when saved, {len(groups)} now")
+    for group, values in zip(groups, saved):
+        group.update({k: v for k, v in decode_tree(values, []).items() if k != "params"})
+
+
+def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int, List[StatePiece]]],
+                rank: int, world_size: int) -> None:
+    for key, kind in app.kinds.items():
+        obj = app.objects[key]
+        if kind == STATEFUL:
+            src, pieces = targets[key]
+            obj.load_state_dict(decode_tree(manifest.app_ranks[src][key]["state"], [p.tensor for p in pieces]))
+            continue
+        saved = manifest.app_ranks[rank if manifest.world_size == world_size else 0].get(key) if manifest.app_ranks else None
+        if saved is None:
+            continue  # version 1 stored no param_groups
+        if kind == OPTIMIZER:
+            _set_groups(obj.param_groups, saved["param_groups"], f"app_state[{key!r}]")
+            params = dict(app.optimizer_params(obj))
+            for name, states in saved.get("state", {}).items():
+                if name in params:
+                    obj.state[params[name]].update({k: decode_tree(v, []) for k, v in states.items()})
+        elif kind == MODULE:
+            by_table = _saved_table_groups(manifest, key)
+            for path, sharded in sharded_modules(obj):
+                if getattr(sharded, "fused_optimizer", None) is None:
+                    continue
+                if by_table:
+                    _set_table_groups(manifest, key, path, sharded.fused_optimizer, by_table)
+                    continue
+                groups = _fused_groups(manifest, key, path, rank, world_size, len(sharded.fused_optimizer.param_groups))
+                if groups is not None:
+                    _set_groups(sharded.fused_optimizer.param_groups, groups, f"the fused optimizer of {path!r}")
+
+
+def _saved_table_groups(manifest: Manifest, key: str) -> Dict[str, List[Any]]:
+    """Table id -> the distinct fused param group values every rank saved for it."""
+    out: Dict[str, List[Any]] = {}
+    for saved in manifest.app_ranks:
+        for table, values in (saved.get(key) or {}).get("fused_table_groups", {}).items():
+            if values not in out.setdefault(table, []):
+                out[table].append(values)
+    return out
+
+
+def _set_table_groups(manifest: Manifest, key: str, path: str, fused: Any, saved: Dict[str, List[Any]]) -> None:
+    """Give each param group of ``fused`` the values saved for its tables, whichever ranks held
+    them: a group (one per table a rank holds now) takes its tables' values, which must agree."""
+    for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
+        missing = [t for t in tables if t not in saved]
+        if missing:
+            raise CheckpointError(f"checkpoint {manifest.id} holds no fused optimizer values (lr, ...) of tables "
+                                  f"{missing}")
+        values = [v for t in tables for v in saved[t]]
+        if any(v != values[0] for v in values):
+            raise CheckpointError(
+                f"tables {tables} share one fused optimizer param group now, but checkpoint {manifest.id} holds "
+                f"different values for them ({[decode_tree(v, []) for v in values]}); give them separate groups "
+                "(the plan that saved them) to restore each one's values")
+        group.update({k: v for k, v in decode_tree(values[0], []).items() if k != "params"})
+
+
+def _fused_groups(manifest: Manifest, key: str, path: str, rank: int, world_size: int, count: int):
+    """Checkpoints before fused_table_groups: the saved param_groups of a sharded module's fused
+    optimizer for this rank; at another world size the first rank that saved as many groups as
+    this one has now (or None: the lrs stay as they are)."""
+    saved = [a.get(key, {}).get("fused_param_groups", {}).get(path) for a in manifest.app_ranks]
+    if manifest.world_size == world_size:
+        return saved[rank]
+    return next((g for g in saved if g is not None and len(g) == count), None)
+
+
+def _saved_keys(manifest: Manifest) -> Dict[str, str]:
+    """app_state key -> kind ("" when not recorded) of everything ``manifest`` holds state of."""
+    saved = {k: str(v.get("kind", "")) if isinstance(v, dict) else "" for k, v in
+             (manifest.app_ranks[0] if manifest.app_ranks else {}).items()}
+    for name, entry in manifest.tensors.items():
+        if entry.role != Role.RNG:
+            saved.setdefault(name.split("/", 1)[0], "")
+    return saved
+
+
+def check_keys(manifest: Manifest, app: AppState, partial: bool = False) -> Tuple[List[str], List[str]]:
+    """(app_state keys the checkpoint holds no state of, saved keys app_state has no entry for).
+
+    Raises CheckpointError when a key changed kind, or (unless ``partial``) when any key is
+    missing on either side: a restore must not silently keep fresh values or drop saved state.
+    Version 1 manifests (cnr train) recorded no JSON for modules and optimizers, so only their
+    Stateful keys and tensors can be matched."""
+    saved = _saved_keys(manifest)
+    changed = [f"app_state[{k!r}] is a {app.kinds[k]} now but was saved as a {saved[k]}"
+               for k in app.kinds if saved.get(k) and saved[k] != app.kinds[k]]
+    if changed:
+        raise CheckpointError(f"checkpoint {manifest.id} does not fit app_state: " + "; ".join(changed))
+    fresh = sorted(k for k in app.kinds if k not in saved and (manifest.version > 1 or app.kinds[k] == STATEFUL))
+    unused = sorted(k for k in saved if k not in app.kinds)
+    if (fresh or unused) and not partial:
+        raise CheckpointError(
+            f"checkpoint {manifest.id} (step {manifest.step}) and app_state hold different keys: "
+            f"app_state keys with no saved state: {fresh}; saved keys with no app_state entry: {unused} "
+            f"(the checkpoint holds {sorted(saved)}, app_state {sorted(app.kinds)}). Give app_state the keys "
+            "it was saved with, or call restore(partial=True) to restore the keys both hold and leave the "
+            "others at their fresh values")
+    return fresh, unused
+
+
+def _only(app: AppState, keys: List[str]) -> AppState:
+    """``app`` restricted to ``keys``; optimizer parameters keep the names every module gives them."""
+    sub = copy.copy(app)
+    sub.objects = {k: v for k, v in app.objects.items() if k in keys}
+    sub.kinds = {k: app.kinds[k] for k in sub.objects}
+    sub.tables = [t for t in app.tables if t.id.split("/", 1)[0] in sub.objects]
+    return sub
+
+
+def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,
+                threads: int = 1, chain: Optional[List[Manifest]] = None, partial: bool = False) -> RestoredChain:
+    """Restore ``manifest`` (and the chain it needs: ``chain`` when the caller resolved it
+    already) into ``app`` on this rank (collective). ``partial``: see ``check_keys``."""
+    fresh, unused = check_keys(manifest, app, partial)
+    chain = chain if chain is not None else resolve_chain(storage, manifest)
+    app = _only(app, [k for k in app.kinds if k not in fresh]) if fresh else app
+    check_placements(manifest, app)
+    check_managed_collisions(manifest, {k: app.objects[k] for k in app.runtime_keys if k in app.kinds}, rank, world_size)
+    targets = _stateful_targets(manifest, app, rank, world_size)
+    _prepare_optimizers(manifest, app)
+    pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
+    dropped = [n for n in manifest.tensors if n.split("/", 1)[0] in unused]  # saved state no entry takes
+    check_no_extra_tensors(manifest, global_names(pieces) + dropped)
+    check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
+    pieces += [p for _src, stateful in targets.values() for p in stateful]
+    nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
+    _apply_json(manifest, app, targets, rank, world_size)
+    restore_rng(storage, manifest, rank, world_size)
+    logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
+                manifest.id, manifest.step, len(chain), nbytes, rank)
+    if (fresh or unused) and rank == 0:
+        logger.warning("partial restore of checkpoint %s: app_state keys left at their fresh values (no saved "
+                       "state): %s; saved keys not restored (no app_state entry): %s", manifest.id, fresh, unused)
+    return RestoredChain(manifest, chain, row_ids, nbytes, fresh, unused)
+

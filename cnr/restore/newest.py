@@ -1,0 +1,167 @@
+"""Restore the newest committed checkpoint that verifies, falling back past damaged ones.
+
+Collective. Rank 0 lists the committed checkpoints in restore order (the current history's first,
+each history's highest step first, cnr.format.lineage); every rank tries the first:
+it reads the manifest and its chain (rank 0 also checks each link's manifest against its rank
+indexes, cnr.format.verify), then restores it into the application (cnr.restore.into_app), whose chunks are
+verified as they are read. The ranks then agree (an all-gather of what went wrong, if anything):
+
+- every rank restored it: done;
+- some rank found it *damaged* (a manifest, rank index or chunk that does not verify, a missing
+  object or chain link): with ``on_damage="fallback"`` every rank moves on to the next older
+  checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
+- some rank failed otherwise (the checkpoint does not fit the model, app_state and the checkpoint
+  hold different keys, the store cannot be read): every rank raises, as a restore without
+  fallback would; an older checkpoint would not fit the application any better. A store that is unreachable is not
+  damage: falling back would silently lose committed work.
+
+A checkpoint named by id (``restore_checkpoint``) gets the same attempt and agreement but is never
+replaced by another: when any rank finds it damaged, every rank raises.
+
+A failed attempt may have written part of the state; the next attempt's full baseline covers
+every element again (restore checks that coverage), and the application's JSON state (optimizer
+groups, Stateful objects) and the RNG are applied only after all tensors were read, so nothing
+of a damaged checkpoint survives a successful fallback. The reader position therefore comes from
+the checkpoint actually restored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from cnr.restore.into_app import RestoredChain, restore_app
+from cnr.track.app_state import AppState
+from cnr.app.config import ON_DAMAGE
+from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
+from cnr.track.collectives import rank0_decides
+from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
+from cnr.format.catalog import read_manifest, resolve_chain, restore_ids
+from cnr.storage.base import Storage
+from cnr.format.verify import DAMAGE, check_rank_indexes
+
+logger = logging.getLogger(__name__)
+
+DAMAGED, FAILED = "damaged", "failed"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A committed checkpoint a restore passed over, and why (what is damaged)."""
+
+    id: str
+    reason: str
+
+
+def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> Tuple[Manifest, List[Manifest]]:
+    """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
+    manifest itself); raises (as damage) unless its manifests and links read and verify."""
+    manifest = read_manifest(storage, ckpt_id)
+    chain = resolve_chain(storage, manifest)
+    if rank == 0:
+        for link in chain:
+            if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
+                check_rank_indexes(storage, link)
+    return manifest, chain
+
+
+def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
+             partial: bool = False
+             ) -> Tuple[Optional[RestoredChain], Optional[Tuple[str, str]], Optional[BaseException]]:
+    """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, (DAMAGED or
+    FAILED, why), the exception)."""
+    try:
+        manifest, chain = _read_chain(storage, ckpt_id, rank)
+    except DAMAGE as e:
+        return None, (DAMAGED, str(e)), e
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+    try:
+        return restore_app(storage, manifest, app, rank, world_size, threads, chain, partial), None, None
+    except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
+        return None, (DAMAGED, str(e)), e
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+
+
+def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
+                      threads: int, partial: bool = False) -> Tuple[Optional[RestoredChain], str]:
+    """One attempt on every rank, then agreement (collective): (restored, "") when every rank
+    restored ``ckpt_id``; (None, what is damaged, per rank) when some rank found damage. Raises
+    on every rank when some rank failed otherwise: its own error there, a CheckpointError
+    naming that rank's error on the others."""
+    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial)
+    problems: List[Optional[Tuple[str, str]]] = [None] * world_size
+    dist.all_gather_object(problems, problem)
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why) in found)
+    if any(kind == FAILED for _r, (kind, _why) in found):
+        if error is not None and problem is not None and problem[0] == FAILED:
+            raise error
+        raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
+    return (restored, "") if not found else (None, reason)
+
+
+def _ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
+    """``list_ids()`` on rank 0, broadcast. Its error is raised on rank 0 and named on every
+    other rank, so no rank is left waiting in the broadcast (collective)."""
+    raised: List[BaseException] = []
+
+    def decide() -> Tuple[Optional[List[str]], str]:
+        try:
+            return list_ids(), ""
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            raised.append(e)
+            return None, f"{type(e).__name__}: {e}"
+
+    ids, error = rank0_decides(decide, rank)
+    if raised:
+        raise raised[0]
+    if ids is None:
+        raise CheckpointError(f"rank 0 could not list the committed checkpoints: {error}")
+    return ids
+
+
+def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
+                       threads: int = 1, partial: bool = False) -> RestoredChain:
+    """Restore ``ckpt_id`` on every rank, or raise on every rank (collective): a checkpoint named
+    by id is never replaced by another, and no rank goes on training when another could not
+    restore it. ``partial``: cnr.restore.into_app.check_keys."""
+    key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
+    if not _ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
+        raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
+    restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
+    if restored is None:
+        raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({damage})")
+    logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
+    return restored
+
+
+def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, threads: int = 1,
+                   on_damage: str = "fallback", partial: bool = False) -> Tuple[Optional[RestoredChain], List[Skipped]]:
+    """Restore the newest committed checkpoint that verifies (see the module docstring); return
+    it (None when nothing is committed) and the newer ones passed over. ``partial``:
+    cnr.restore.into_app.check_keys (a key mismatch under strict matching raises, never falls back)."""
+    if on_damage not in ON_DAMAGE:
+        raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
+    skipped: List[Skipped] = []
+    for ckpt_id in _ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
+        restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
+        if restored is not None:
+            logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
+            if skipped:
+                logger.warning("restored checkpoint %s instead of the newest committed one, %s, which is damaged (%s)",
+                               ckpt_id, skipped[0].id, "; ".join(f"{s.id}: {s.reason}" for s in skipped))
+            return restored, skipped
+        if on_damage == "fail":
+            raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({reason}); on_damage is 'fail', so no older "
+                                  "checkpoint is tried")
+        logger.warning("checkpoint %s is damaged (%s); trying the next older committed checkpoint", ckpt_id, reason)
+        skipped.append(Skipped(ckpt_id, reason))
+    if skipped:
+        raise CheckpointError(f"no committed checkpoint in {storage.uri} restores: "
+                              + "; ".join(f"{s.id}: {s.reason}" for s in skipped))
+    return None, skipped

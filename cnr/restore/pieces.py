@@ -1,0 +1,345 @@
+"""Restore a committed checkpoint into the current model, whatever its sharding or world size.
+
+Each rank reads only the chunks that overlap the pieces it holds now -- one GET per object, ranged
+when it needs only some of the chunks packed in it -- verifies them, and copies the overlapping
+rows and columns into its live tensors. Coverage is checked: the manifest's chunks must be
+disjoint and cover each tensor (cnr.write.commit.check_coverage), and the elements written into each
+piece must add up to its size, so every element is written exactly once, or the restore fails
+before training resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from cnr.format.chunk_coverage import check_coverage
+from cnr.format.chunks import fetch_chunk, read_range
+from cnr.codec.chunk_format import DTYPES, DecodedChunk, decode_chunk
+from cnr.errors import CheckpointError, InvalidKeyError
+from cnr.format.manifest import Manifest, TensorEntry
+from cnr.track.state import StatePiece
+from cnr.storage.base import Storage, from_sources
+from cnr.types import RNG_PREFIX, TABLE_ROLES, ByteRange, ChunkRef, Role
+
+logger = logging.getLogger(__name__)
+
+# A block of dequantized rows stays in cache on its way into the model (1, 4 and 16 MiB were
+# measured on bench.yaml's 4-bit chain: 4 MiB was fastest).
+_BLOCK_BYTES = 4 << 20
+
+
+
+def _span(ref: ChunkRef) -> Tuple[int, int, int, int]:
+    """(row_lo, row_hi, col_lo, col_hi) a contiguous chunk covers; cols 0 = not column-split."""
+    return ref.row_start, ref.row_start + ref.rows, ref.col_offset, ref.col_offset + ref.cols
+
+
+def _piece_span(piece: StatePiece) -> Tuple[int, int, int, int]:
+    offs, sizes = piece.region.offsets, piece.region.sizes
+    if not offs:  # 0-d tensor: stored as one row
+        return 0, 1, 0, 0
+    c0, c1 = (offs[1], offs[1] + sizes[1]) if len(offs) >= 2 else (0, 0)
+    return offs[0], offs[0] + sizes[0], c0, c1
+
+
+def _cols_overlap(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
+    _r0, _r1, c0, c1 = _span(ref)
+    _p0, _p1, q0, q1 = piece
+    return (c1 == c0 == 0 and q1 == q0 == 0) or (c0 < q1 and q0 < c1)
+
+
+def _overlaps(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
+    r0, r1, _c0, _c1 = _span(ref)
+    p0, p1, _q0, _q1 = piece
+    return r0 < p1 and p0 < r1 and _cols_overlap(ref, piece)
+
+
+def _block_rows(chunk: DecodedChunk) -> int:
+    """Rows per block of about _BLOCK_BYTES of float values, the unit chunks are written in."""
+    width = max(1, chunk.ref.cols or 1) * 4
+    return max(1, _BLOCK_BYTES // width)
+
+
+def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> int:
+    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied."""
+    p0, p1, q0, q1 = span
+    r0, r1, c0, c1 = _span(chunk.ref)
+    lo, hi = max(p0, r0), min(p1, r1)
+    view = target.reshape(1) if target.dim() == 0 else target
+    copied = 0
+    step = _block_rows(chunk)
+    for b0 in range(lo, hi, step):
+        b1 = min(hi, b0 + step)
+        src = chunk.values(b0 - r0, b1 - r0)
+        dst_rows = slice(b0 - p0, b1 - p0)
+        if q1 == q0 == 0:
+            dst = view[dst_rows]
+        else:
+            clo, chi = max(q0, c0), min(q1, c1)
+            dst = view[dst_rows, clo - q0:chi - q0]
+            src = src[:, clo - c0:chi - c0]
+        dst.copy_(src)
+        copied += dst.numel()
+    return copied
+
+
+def _check_entry(piece: StatePiece, entry: Optional[TensorEntry]) -> TensorEntry:
+    if entry is None:
+        raise CheckpointError(f"the checkpoint has no tensor {piece.name!r}, which the current model needs")
+    if tuple(entry.shape) != tuple(piece.global_shape):
+        raise CheckpointError(
+            f"tensor {piece.name!r} has shape {list(entry.shape)} in the checkpoint but "
+            f"{list(piece.global_shape)} in the current model"
+        )
+    if DTYPES.get(entry.dtype) != piece.tensor.dtype:
+        raise CheckpointError(f"tensor {piece.name!r} is {entry.dtype} in the checkpoint but {piece.tensor.dtype} now")
+    return entry
+
+
+def check_shapes(manifest: Manifest, pieces: List[StatePiece]) -> None:
+    """Every piece's tensor in ``manifest`` has its global shape and dtype (before anything is
+    written). A table's row-wise optimizer state under another column split is named as such:
+    torchrec keeps one value per row for each column shard, laid end to end, and a value per row
+    of k shards cannot be split or merged exactly into another number of shards."""
+    for piece in pieces:
+        entry = manifest.tensors.get(piece.name)
+        weight = manifest.tensors.get(piece.table or "")
+        if (entry is not None and weight is not None and piece.role == Role.TABLE_STATE and len(entry.shape) == 1
+                and len(piece.global_shape) == 1 and tuple(entry.shape) != tuple(piece.global_shape)):
+            rows = weight.shape[0]
+            raise CheckpointError(
+                f"table {piece.table!r}: its row-wise optimizer state {piece.name.rsplit('/', 1)[-1]!r} was saved for "
+                f"{entry.shape[0] // max(rows, 1)} column shard(s) of its {rows} rows in checkpoint {manifest.id}, and "
+                f"the current plan splits the table into {piece.global_shape[0] // max(rows, 1)}. torchrec keeps one "
+                "such value per row for each column shard, so it cannot move exactly to another column split: plan "
+                "the table with the column split it was saved with (the same sharding type and "
+                "ParameterConstraints.min_partition); the shards may sit on any ranks")
+        _check_entry(piece, entry)
+
+
+def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
+    """Write the chunk's listed rows that fall inside ``span``; return their global ids."""
+    p0, p1, q0, q1 = span
+    ids = chunk.row_ids
+    inside = (ids >= p0) & (ids < p1)
+    every = bool(inside.all())  # the usual case: no masked copies of ids and values needed
+    step = _block_rows(chunk)
+    for b0 in range(0, ids.numel(), step):
+        b1 = min(ids.numel(), b0 + step)
+        keep = slice(None) if every else inside[b0:b1]
+        # the decoded rows are on the host; a table on the GPU takes its ids and values there
+        local = (ids[b0:b1][keep] - p0).to(target.device)
+        data = chunk.values(b0, b1)[keep].to(target.device)
+        if q1 == q0 == 0:
+            target.index_copy_(0, local, data)
+        else:
+            c0, c1 = chunk.ref.col_offset, chunk.ref.col_offset + chunk.ref.cols
+            clo, chi = max(q0, c0), min(q1, c1)
+            target[local, clo - q0:chi - q0] = data[:, clo - c0:chi - c0]
+    return ids if every else ids[inside]
+
+
+def _write_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk, local: torch.Tensor,
+                dest: torch.Tensor) -> None:
+    """Write the chunk's rows ``local`` (its own row indexes) into ``target``'s rows ``dest``,
+    a block of rows at a time; only those rows are dequantized."""
+    _p0, _p1, q0, q1 = span
+    c0 = chunk.ref.col_offset
+    step = _block_rows(chunk)
+    for b0 in range(0, local.numel(), step):
+        values = chunk.take(local[b0:b0 + step])
+        if q1 > q0:  # the chunk holds whole rows of the piece (chain_restore checks), maybe wider ones
+            values = values[:, q0 - c0:q1 - c0]
+        target.index_copy_(0, dest[b0:b0 + step].to(target.device), values.to(target.device))
+
+
+def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk,
+              done: torch.Tensor) -> Optional[torch.Tensor]:
+    """Write the chunk's rows inside ``span`` that ``done`` (bool, one per row of the piece) does
+    not mark yet, and mark them. Every chunk must hold whole rows of the piece. Returns the
+    global ids of the rows a row-id chunk holds inside the span (written or not), else None."""
+    p0, p1, _q0, _q1 = span
+    if chunk.row_ids is not None:
+        ids = chunk.row_ids
+        local = ((ids >= p0) & (ids < p1)).nonzero().flatten()
+        inside = ids.index_select(0, local)
+        rows = inside - p0
+        need = ~done.index_select(0, rows)
+        if bool(need.all()):  # the newest link: every row, by the usual block scatter
+            _scatter_rows(target, span, chunk)
+        else:
+            _write_rows(target, span, chunk, local[need], rows[need])
+        done[rows] = True
+        return inside
+    r0, r1, _c0, _c1 = _span(chunk.ref)
+    lo, hi = max(p0, r0), min(p1, r1)
+    if not bool(done[lo - p0:hi - p0].any()):  # plain block copies
+        _copy_overlap(target, span, chunk)
+    else:
+        rows = (~done[lo - p0:hi - p0]).nonzero().flatten() + (lo - p0)
+        _write_rows(target, span, chunk, rows + (p0 - r0), rows)
+    done[lo - p0:hi - p0] = True
+    return None
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: Optional[int]) -> Iterator[None]:
+    """Run the block with torch's intra-op thread count set to ``n`` (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+_Plan = Dict[str, List[Tuple[ChunkRef, List[int]]]]
+
+
+def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
+          wanted: Optional[Callable[[int, ChunkRef], bool]] = None) -> Tuple[_Plan, Dict[str, int]]:
+    """Per object key, the chunks in it to apply with the indexes of the pieces each writes into;
+    and the size of every object the manifest names (where its last chunk ends). ``wanted(i,
+    ref)``: whether piece ``i`` still needs chunk ``ref`` (None: every overlapping chunk)."""
+    plan: _Plan = {}
+    sizes: Dict[str, int] = {}
+    for entry in manifest.tensors.values():
+        for ref in entry.chunks:
+            sizes[ref.key] = max(sizes.get(ref.key, 0), ref.offset + ref.nbytes)
+    needed: Dict[Tuple[str, int], Tuple[ChunkRef, List[int]]] = {}
+    for i, piece in enumerate(pieces):
+        entry = _check_entry(piece, manifest.tensors.get(piece.name))
+        span = _piece_span(piece)
+        for ref in entry.chunks:
+            if ref.row_ids and not overlay:
+                raise CheckpointError(f"chunk {ref.key!r} lists row ids, but {manifest.id} is a full checkpoint")
+            if (_cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)) and (wanted is None or wanted(i, ref)):
+                needed.setdefault((ref.key, ref.offset), (ref, []))[1].append(i)
+    for ref, targets in needed.values():
+        plan.setdefault(ref.key, []).append((ref, targets))
+    return plan, sizes
+
+
+def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int) -> memoryview:
+    """The bytes of ``key`` from its first needed chunk to its last: one GET of the whole object
+    (S3 then also checks the object's own checksum) or one ranged GET of that span. No read goes
+    past the ``size`` bytes the manifest records for the object: an object that holds more is
+    read by range (its other bytes are no chunk of this checkpoint)."""
+    lo = min(ref.offset for ref, _t in chunks)
+    hi = max(ref.offset + ref.nbytes for ref, _t in chunks)
+    if lo == 0 and hi == size:
+        try:
+            return memoryview(storage.get(key, limit=size))
+        except InvalidKeyError:
+            pass  # it holds more than the manifest records (or the key is refused: the ranged read says so)
+    return memoryview(read_range(storage, key, ByteRange(lo, hi - lo)))
+
+
+_Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
+
+
+def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int,
+                  pieces: List[StatePiece], done: Optional[Dict[int, torch.Tensor]] = None) -> Tuple[int, _Writes]:
+    """Fetch the needed chunks of one object, verify and decode each, write it into every piece
+    it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)]).
+    Pieces of one checkpoint never share an element between two chunks, so workers write
+    disjoint memory. ``done``: piece index -> its rows that already hold their newest value
+    (cnr.restore.chain); those pieces take only the other rows, and the rows written join them."""
+    nbytes, decoded = from_sources(storage, key, lambda source: _decode_object(source, key, chunks, size))
+    out: _Writes = []
+    for (ref, targets), chunk in zip(chunks, decoded):
+        for i in targets:
+            span = _piece_span(pieces[i])
+            if done is not None and i in done:
+                out.append((i, 0, fill_rows(pieces[i].tensor, span, chunk, done[i])))
+            elif ref.row_ids:
+                out.append((i, 0, _scatter_rows(pieces[i].tensor, span, chunk)))
+            else:
+                out.append((i, _copy_overlap(pieces[i].tensor, span, chunk), None))
+    return nbytes, out
+
+
+def _decode_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]],
+                   size: int) -> Tuple[int, List[DecodedChunk]]:
+    """Bytes read and the verified chunks of ``key``, decoded (quantized rows kept as codes: they
+    are dequantized block by block as they are written). Nothing is written before every chunk
+    of the object verified, so a damaged copy can be passed over for another source's."""
+    data = _fetch_object(storage, key, chunks, size)
+    lo = min(ref.offset for ref, _t in chunks)
+    return len(data), [decode_chunk(data[ref.offset - lo:ref.offset - lo + ref.nbytes], ref, dequantize=False)
+                       for ref, _t in chunks]
+
+
+def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],
+                   overlay: bool = False, threads: int = 1) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """Fill live pieces from ``manifest``'s chunks; return bytes read and rows applied per table.
+
+    A full checkpoint must cover every element of every piece. With ``overlay`` (an increment on
+    top of its baseline) table tensors take only the rows the increment lists; every other tensor
+    must still be covered whole. Each object is fetched once (whole, or the span of the chunks
+    needed from it), however many pieces its chunks overlap. ``threads`` > 1 fetches, decodes and
+    writes that many objects at once; torch's intra-op threads are then set to 1 for the
+    duration, since workers on top of them oversubscribe the cores (a 4-bit chunk decoded 14x
+    slower with 2 intra-op threads on a loaded 2-core machine).
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
+    check_coverage(manifest.tensors, manifest.kind)  # disjoint chunks: a piece's total then means exactly once
+    plan, sizes = _plan(manifest, pieces, overlay)
+    with _intra_op_threads(1 if threads > 1 else None):
+        with ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
+            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces), plan))
+        return _check_results(manifest, pieces, overlay, results)
+
+
+def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
+                   results: List[Tuple[int, _Writes]]) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """Sum what the chunks wrote, check every piece's coverage, collect rows applied per table."""
+    copied = [0] * len(pieces)
+    applied: Dict[str, List[torch.Tensor]] = {}
+    for _nbytes, writes in results:
+        for i, count, rows in writes:
+            copied[i] += count
+            # a table's rows are its weight's (its optimizer state holds the same rows, at other
+            # offsets where torchrec lays a column shard's row-wise state end to end)
+            if rows is not None and pieces[i].role == Role.TABLE_ROWS:
+                applied.setdefault(pieces[i].table, []).append(rows)
+    for i, piece in enumerate(pieces):
+        partial_ok = overlay and piece.role in TABLE_ROLES
+        if not partial_ok and copied[i] != max(1, piece.tensor.numel()):
+            raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
+    rows = {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()}
+    return sum(n for n, _w in results), rows
+
+
+def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:
+    """Every training-state tensor in the checkpoint must exist in the current application state
+    (``names``: every rank's; per-rank RNG and Stateful tensors are matched by their owners)."""
+    extra = sorted(set(n for n, t in manifest.tensors.items() if t.role not in (Role.RNG, Role.STATEFUL)) - set(names))
+    if extra:
+        raise CheckpointError(f"checkpoint {manifest.id} holds tensors the current model lacks: {extra[:5]}")
+
+
+def restore_rng(storage: Storage, manifest: Manifest, rank: int, world_size: int) -> bool:
+    """Set this rank's torch RNG from the checkpoint when the world size is unchanged."""
+    if manifest.world_size != world_size:
+        logger.info("world size changed (%d -> %d): per-rank RNG state not restored", manifest.world_size, world_size)
+        return False
+    entry = manifest.tensors.get(f"{RNG_PREFIX}rank-{rank:05d}")
+    if entry is None or not entry.chunks:
+        raise CheckpointError(f"checkpoint {manifest.id} lacks the RNG state of rank {rank}")
+    # a small checkpoint.chunk_bytes splits the state (about 5 KB) into consecutive row ranges
+    chunks = sorted(entry.chunks, key=lambda c: c.row_start)
+    starts = [c.row_start for c in chunks]
+    if any(c.row_ids for c in chunks) or starts != [sum(c.rows for c in chunks[:i]) for i in range(len(chunks))] \
+            or sum(c.rows for c in chunks) != entry.shape[0]:
+        raise CheckpointError(f"checkpoint {manifest.id}: the chunks of rank {rank}'s RNG state do not cover it exactly once")
+    torch.set_rng_state(torch.cat([fetch_chunk(storage, c).data for c in chunks]).clone())
+    return True

@@ -1,0 +1,411 @@
+"""The application's state: an ``app_state`` dict -> named, role-tagged state pieces and JSON, and back.
+
+``app_state`` maps a key (no "/") to one of (torch.distributed.checkpoint's conventions):
+- a module (a DistributedModelParallel, or any module holding torchrec sharded
+  EmbeddingBagCollection / EmbeddingCollection modules): every tensor of its ``state_dict()``
+  and the state of its tables' fused optimizers. A module holding managed-collision modules
+  (MC-EC / MC-EBC) also gets a Stateful entry ``<key>.managed_collision`` for their runtime
+  state outside the state_dict (cnr.track.managed_collision);
+- an optimizer (``torch.optim.Optimizer``, torchrec ``KeyedOptimizer`` / ``CombinedOptimizer``):
+  per-parameter state tensors and ``param_groups``; state already stored with a module's
+  tables (fused, ShardedTensor) is skipped;
+- any other object with ``state_dict()`` / ``load_state_dict()`` (the Stateful protocol): its
+  state, a tree of dicts, lists, tuples, JSON scalars and tensors, stored per rank.
+
+Stored names (``/`` separates what a state_dict key never contains):
+  ``<key>/<state_dict key>``                          module tensors (role table_rows or dense)
+  ``<key>/<table weight key>/<fused state key>``       e.g. ``model/ebc.embedding_bags.t0.weight/t0.momentum1``
+  ``<key>/<module key>.<parameter path>/<state key>``  optimizer state, e.g. ``optim/model.over.0.weight/sum``
+  ``<key>/rank-<r>/t<i>``                             the i-th tensor of a Stateful object's state on rank r
+A table's id is the stored name of its weight, so two modules may both name a table ``t0``.
+Nothing is pickled: the JSON parts go into the manifest, tensors into chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from cnr.track.state import StatePiece, pieces_of, whole_piece
+from cnr.types import Role
+
+MODULE, OPTIMIZER, STATEFUL = "module", "optimizer", "stateful"
+_TABLE_PARENTS = ("embedding_bags", "embeddings")
+
+
+def _is_sharded(value: Any) -> bool:
+    return hasattr(value, "local_shards")
+
+
+def kind_of(key: str, value: Any) -> str:
+    """What ``app_state[key]`` is to cnr; TypeError for a value cnr cannot checkpoint."""
+    if isinstance(value, torch.nn.Module):
+        return MODULE
+    if isinstance(value, torch.optim.Optimizer):
+        return OPTIMIZER
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return STATEFUL
+    raise TypeError(f"app_state[{key!r}] is a {type(value).__name__}; allowed: a torch.nn.Module, a torch optimizer, "
+                    "or an object with state_dict() and load_state_dict()")
+
+
+def check_app_state(app_state: Mapping[str, Any]) -> Dict[str, str]:
+    """Key -> kind for every entry; TypeError/ValueError naming a bad key or value."""
+    if not isinstance(app_state, Mapping) or not app_state:
+        raise TypeError(f"app_state must be a non-empty dict of key -> module/optimizer/Stateful, got {app_state!r:.80}")
+    kinds = {}
+    for key, value in app_state.items():
+        if not isinstance(key, str) or not key or "/" in key or key != key.strip():
+            raise ValueError(f"app_state key {key!r} is not allowed; use a non-empty string without '/' or "
+                             "surrounding spaces")
+        kinds[key] = kind_of(key, value)
+    return kinds
+
+
+# ---- embedding tables of a module -----------------------------------------------------------------
+
+def is_managed_collision(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torchrec's sharded MC-EC / MC-EBC: a wrapper whose tables live in its
+    ``_embedding_module`` (cnr.track.managed_collision)."""
+    return hasattr(module, "_managed_collision_collection") and hasattr(module, "_embedding_module") \
+        and hasattr(module, "register_post_lookup_tracker_fn")
+
+
+def embedding_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(path as in ``module.state_dict()`` keys, module) for every torchrec sharded embedding
+    module inside ``module``, managed-collision wrappers as they are. DMP's and DDP's wrapper
+    levels are not part of the state_dict keys, so they are left out of the path."""
+    out: List[Tuple[str, torch.nn.Module]] = []
+
+    def walk(parent: torch.nn.Module, prefix: str) -> None:
+        for name, child in parent.named_children():
+            wrapper = (name == "_dmp_wrapped_module" and hasattr(parent, "_dmp_wrapped_module")) or \
+                (name == "module" and isinstance(parent, torch.nn.parallel.DistributedDataParallel))
+            path = prefix if wrapper else (f"{prefix}.{name}" if prefix else name)
+            if hasattr(child, "register_post_lookup_tracker_fn"):
+                out.append((path, child))
+            else:
+                walk(child, path)
+
+    walk(module, "")
+    return out
+
+
+# wrappers of a sharded EC/EBC: torchrec's managed-collision modules (cnr.track.managed_collision) and
+# its feature-processed EBC, whose compute_and_output_dist is the wrapped EBC's (so its hook runs)
+_WRAPPED = ("_embedding_module", "_embedding_bag_collection")
+
+
+def _wrapped(module: torch.nn.Module) -> Optional[str]:
+    """The attribute holding the sharded EC/EBC that ``module`` wraps, or None."""
+    if is_managed_collision(module):
+        return _WRAPPED[0]
+    inner = getattr(module, _WRAPPED[1], None)
+    return _WRAPPED[1] if hasattr(inner, "register_post_lookup_tracker_fn") else None
+
+
+def sharded_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(path as in ``module.state_dict()`` keys, sharded EBC/EC) for every module holding tables
+    inside ``module``: a wrapper (managed collisions, feature processing) stands for the EC/EBC
+    it wraps."""
+    out = []
+    for path, child in embedding_modules(module):
+        attr = _wrapped(child)
+        if attr is not None:
+            path, child = (f"{path}.{attr}" if path else attr), getattr(child, attr)
+        out.append((path, child))
+    return out
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """One embedding table of an app_state module. ``id``: the stored name of its weight;
+    ``local_key``: the weight's key in ``module.state_dict()``; ``name``: torchrec's table name;
+    ``path``: the sharded module's path in the app module's state_dict keys."""
+
+    id: str
+    module: torch.nn.Module
+    path: str
+    local_key: str
+    name: str
+
+
+def tables_of(key: str, module: torch.nn.Module) -> List[TableRef]:
+    """Every embedding table of ``module`` (app_state[key]), in its modules' order."""
+    refs = []
+    for path, sharded in sharded_modules(module):
+        for local_key in sharded.state_dict():
+            parts = local_key.split(".")
+            if len(parts) == 3 and parts[0] in _TABLE_PARENTS and parts[2] == "weight":
+                full = f"{path}.{local_key}" if path else local_key
+                refs.append(TableRef(f"{key}/{full}", sharded, path, local_key, parts[1]))
+    return refs
+
+
+def app_tables(app_state: Mapping[str, Any]) -> List[TableRef]:
+    """Every embedding table of every module in ``app_state``."""
+    return [t for key, value in app_state.items() if isinstance(value, torch.nn.Module) for t in tables_of(key, value)]
+
+
+# ---- JSON trees with tensors ------------------------------------------------------------------------
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def encode_tree(value: Any, path: str, tensors: List[torch.Tensor]) -> Any:
+    """``value`` as JSON; tensors are appended to ``tensors`` and stand as {"__tensor__": i}.
+
+    Tuples and dicts with non-string keys are tagged so they come back as they were. TypeError
+    names the key path of anything else.
+    """
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor) and not _is_sharded(value):
+        tensors.append(value)
+        return {"__tensor__": len(tensors) - 1}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: encode_tree(v, f"{path}[{k!r}]", tensors) for k, v in value.items()}
+        bad = [k for k in value if not isinstance(k, _SCALARS)]
+        if bad:
+            raise TypeError(f"{path} has a key of type {type(bad[0]).__name__}; cnr stores dict keys that are "
+                            "str, int, float, bool or None")
+        return {"__dict__": [[k, encode_tree(v, f"{path}[{k!r}]", tensors)] for k, v in value.items()]}
+    raise TypeError(f"{path} holds a {type(value).__name__}, which cnr cannot store; allowed: dict, list, tuple, "
+                    "str, int, float, bool, None and (unsharded) tensors")
+
+
+def decode_tree(value: Any, tensors: List[torch.Tensor]) -> Any:
+    """The inverse of encode_tree, with ``tensors`` standing in for the stored ones."""
+    if isinstance(value, list):
+        return [decode_tree(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"__tensor__"}:
+        return tensors[value["__tensor__"]]
+    if set(value) == {"__tuple__"}:
+        return tuple(decode_tree(v, tensors) for v in value["__tuple__"])
+    if set(value) == {"__dict__"}:
+        return {k: decode_tree(v, tensors) for k, v in value["__dict__"]}
+    return {k: decode_tree(v, tensors) for k, v in value.items()}
+
+
+def stateful_name(key: str, rank: int, i: int) -> str:
+    return f"{key}/rank-{rank:05d}/t{i}"
+
+
+def _groups_json(key: str, groups: List[Dict[str, Any]]) -> List[Any]:
+    """param_groups without their parameters (restored into the optimizer's own groups)."""
+    out = []
+    for i, g in enumerate(groups):
+        out.append(encode_tree({k: v for k, v in g.items() if k != "params"}, f"app_state[{key!r}].param_groups[{i}]", []))
+    return out
+
+
+def fused_group_tables(key: str, path: str, fused: Any) -> List[List[str]]:
+    """The table ids each param group of a sharded module's fused optimizer trains."""
+    names = {id(p): k for k, p in fused.params.items()}
+    out = []
+    for i, group in enumerate(fused.param_groups):
+        unknown = [j for j, p in enumerate(group["params"]) if id(p) not in names]
+        if unknown:
+            raise ValueError(f"param group {i} of the fused optimizer of {path or key!r} holds parameters {unknown} "
+                             "that the optimizer does not name; cnr cannot tell which tables its lr belongs to")
+        out.append([f"{key}/{path}.{names[id(p)]}" if path else f"{key}/{names[id(p)]}" for p in group["params"]])
+    return out
+
+
+def fused_table_groups(key: str, path: str, fused: Any) -> Dict[str, Any]:
+    """Table id -> the values of its fused param group (lr, eps, ...; JSON), for every table the
+    fused optimizer of ``path`` trains on this rank. Keyed by table, not group: torchrec makes a
+    group per table a rank holds, so another world size or plan has other groups."""
+    out: Dict[str, Any] = {}
+    for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
+        values = encode_tree({k: v for k, v in group.items() if k != "params"},
+                             f"the fused optimizer of app_state[{key!r}].{path}.param_groups", [])
+        out.update({table: values for table in tables})
+    return out
+
+
+# ---- the app state -----------------------------------------------------------------------------------
+
+class AppState:
+    """An app_state dict, validated, with its pieces and per-rank JSON.
+
+    ``whole_tables``: nothing here decides it; see cnr.api (tables stored whole in increments).
+    """
+
+    def __init__(self, app_state: Mapping[str, Any], rank: int = 0) -> None:
+        self.objects = dict(app_state)
+        self.kinds = check_app_state(self.objects)
+        self.rank = rank
+        self.runtime_keys = self._add_managed_collision_state()
+        self.tables = app_tables(self.objects)
+        self.param_names = self._param_names()
+
+    def _add_managed_collision_state(self) -> List[str]:
+        """Add a Stateful entry ``<key>.managed_collision`` per module holding managed-collision
+        modules: their runtime state outside the state_dict (cnr.track.managed_collision). ValueError
+        for managed-collision modules cnr cannot checkpoint."""
+        from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
+
+        added = []
+        for key, kind in list(self.kinds.items()):
+            runtime = adapt(key, self.objects[key]) if kind == MODULE else None
+            if runtime is not None:
+                name = key + RUNTIME_SUFFIX
+                if name in self.objects:
+                    raise ValueError(f"app_state key {name!r} is taken by cnr for the managed-collision state of "
+                                     f"app_state[{key!r}]; rename that key")
+                self.objects[name], self.kinds[name] = runtime, STATEFUL
+                added.append(name)
+        return added
+
+    def _param_names(self) -> Dict[int, str]:
+        """id(parameter) -> ``<module key>.<parameter path>`` over the modules of app_state."""
+        names: Dict[int, str] = {}
+        for key, value in self.objects.items():
+            if self.kinds[key] == MODULE:
+                for path, param in value.named_parameters():
+                    names.setdefault(id(param), f"{key}.{path}")
+        return names
+
+    def optimizer_params(self, opt: torch.optim.Optimizer) -> List[Tuple[str, torch.Tensor]]:
+        """(stored name, parameter) of every parameter of ``opt`` not owned by a fused table."""
+        out = []
+        for g, group in enumerate(opt.param_groups):
+            for i, param in enumerate(group["params"]):
+                if not _is_sharded(param):
+                    out.append((self.param_names.get(id(param), f"group{g}.param{i}"), param))
+        return out
+
+    # ---- save side -------------------------------------------------------------------------------
+
+    def pieces(self) -> List[StatePiece]:
+        """Every tensor piece this rank holds, Stateful tensors included, in name order."""
+        return self.collect()[0]
+
+    def collect(self) -> Tuple[List[StatePiece], Dict[str, Any]]:
+        """(pieces, this rank's JSON of every object). TypeError names state cnr cannot store."""
+        pieces: List[StatePiece] = []
+        app: Dict[str, Any] = {}
+        for key, value in self.objects.items():
+            kind = self.kinds[key]
+            if kind == MODULE:
+                app[key] = self._module(key, value, pieces)
+            elif kind == OPTIMIZER:
+                app[key] = self._optimizer(key, value, pieces)
+            else:
+                app[key] = self._stateful(key, value, pieces)
+        pieces.sort(key=lambda p: (p.name, p.region.offsets))
+        return pieces, app
+
+    def _module(self, key: str, module: torch.nn.Module, pieces: List[StatePiece]) -> Dict[str, Any]:
+        tables = {t.id for t in self.tables}
+        state_dict = module.state_dict()
+        for sd_key, value in state_dict.items():
+            name = f"{key}/{sd_key}"
+            pieces += pieces_of(name, value, Role.TABLE_ROWS if name in tables else Role.DENSE,
+                                name if name in tables else None)
+        fused_groups: Dict[str, Any] = {}  # table id -> its fused param group's values
+        for path, sharded in sharded_modules(module):
+            fused = getattr(sharded, "fused_optimizer", None)
+            if fused is None:
+                continue
+            for param_key, states in fused.state_dict()["state"].items():
+                weight_key = f"{path}.{param_key}" if path else param_key
+                weight = f"{key}/{weight_key}"
+                for state_key, value in states.items():
+                    pieces += table_state_pieces(f"{weight}/{state_key}", value, weight, state_dict.get(weight_key))
+            fused_groups.update(fused_table_groups(key, path, fused))
+        return {"kind": MODULE, "fused_table_groups": fused_groups}
+
+    def _optimizer(self, key: str, opt: torch.optim.Optimizer, pieces: List[StatePiece]) -> Dict[str, Any]:
+        other: Dict[str, Any] = {}
+        for name, param in self.optimizer_params(opt):
+            for state_key, value in opt.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and not _is_sharded(value):
+                    pieces.append(whole_piece(f"{key}/{name}/{state_key}", value, Role.OPTIMIZER))
+                else:
+                    other.setdefault(name, {})[state_key] = encode_tree(
+                        value, f"app_state[{key!r}].state[{name!r}][{state_key!r}]", [])
+        return {"kind": OPTIMIZER, "param_groups": _groups_json(key, opt.param_groups), "state": other}
+
+    def _stateful(self, key: str, obj: Any, pieces: List[StatePiece]) -> Dict[str, Any]:
+        tensors: List[torch.Tensor] = []
+        tree = encode_tree(obj.state_dict(), f"app_state[{key!r}].state_dict()", tensors)
+        for i, t in enumerate(tensors):
+            # a detached CPU copy: the object may reuse its tensors before the writer reads them
+            pieces.append(whole_piece(stateful_name(key, self.rank, i), t.detach().cpu().clone(), Role.STATEFUL,
+                                      replicated=False))
+        return {"kind": STATEFUL, "state": tree, "tensors": len(tensors)}
+
+
+def table_state_pieces(name: str, value: Any, table: str, weight: Any) -> List[StatePiece]:
+    """The pieces of one fused optimizer state tensor of ``table``, each tied to the table rows
+    it holds (``StatePiece.row_origin``).
+
+    torchrec builds a table's state shards in the order of its weight shards, and a state shard
+    holds state for the rows of its weight shard: pointwise state has the weight's shape, row-wise
+    state one value per row. The pairing is checked by row count. State that does not pair (a
+    single value per shard, as some GPU optimizers keep) is refused: an increment stores the
+    rows a lookup touched, and such state has no rows.
+    """
+    pieces = pieces_of(name, value, Role.TABLE_STATE, table)
+    if not _is_sharded(value):
+        return pieces
+    shards = weight.local_shards() if _is_sharded(weight) else []
+    paired = len(shards) == len(pieces) and all(
+        p.region.sizes[0] == s.metadata.shard_sizes[0] for p, s in zip(pieces, shards))
+    if not paired:
+        raise ValueError(
+            f"fused optimizer state {name!r} has shards of {[p.region.sizes for p in pieces]} that do not hold "
+            f"the rows of the table's shards ({[tuple(s.metadata.shard_sizes) for s in shards]}); cnr checkpoints "
+            "state kept per table row or per element, and cannot store this optimizer's state exactly")
+    return [p if p.region.offsets[0] == s.metadata.shard_offsets[0] else replace(p, row_origin=s.metadata.shard_offsets[0])
+            for p, s in zip(pieces, shards)]
+
+
+def _sparse_safe(opt: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether ``opt`` leaves a row untouched when its gradient is zero (plain SGD, Adagrad
+    without weight decay). Anything else (momentum, Adam's moments, weight decay, wrappers
+    cnr cannot see into) may move rows that no lookup touched."""
+    group = next(g for g in opt.param_groups if any(p is param for p in g["params"]))
+    if type(opt) is torch.optim.SGD:
+        return not group.get("momentum") and not group.get("weight_decay")
+    if type(opt) is torch.optim.Adagrad:
+        return not group.get("weight_decay")
+    return False
+
+
+def whole_tables(app: AppState) -> List[str]:
+    """Data-parallel tables whose rows may change without a lookup: stored whole in increments.
+
+    A data-parallel table is trained by a dense optimizer (torchrec fuses optimizers into
+    sharded tables only). It is safe to track only when every optimizer holding its weight,
+    in app_state or applied in backward, is sparse-safe; one not in app_state is unknown.
+    """
+    out = []
+    optimizers = [o for k, o in app.objects.items() if app.kinds[k] == OPTIMIZER]
+    for table in app.tables:
+        if hasattr(table.module.state_dict()[table.local_key], "local_shards"):
+            continue  # sharded: its fused optimizer updates looked-up rows only
+        params = dict(table.module.named_parameters())
+        param = params.get(table.local_key)
+        holders = [o for o in optimizers if param is not None and any(p is param for g in o.param_groups for p in g["params"])]
+        holders += list(getattr(param, "_in_backward_optimizers", []) or [])
+        if not holders or not all(_sparse_safe(o, param) for o in holders):
+            out.append(table.id)
+    return out
+
+
+def collect_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> List[StatePiece]:
+    """Every piece of the training state of ``{"model": model, "optim": optimizer}`` (the keys
+    cnr train uses) that this rank holds, in canonical name order."""
+    return AppState({"model": model, "optim": optimizer} if optimizer is not None else {"model": model}).pieces()

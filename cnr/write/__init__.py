@@ -1,0 +1,1 @@
+"""Writing a checkpoint: the trainer-side engine and handoff, the writer process, puts, commit, lease, local tier, merge."""

@@ -1,0 +1,141 @@
+"""The sequence checkpoints and publishes share: rank 0 decides, every rank snapshots into host
+buffers and hands the job to its background writer, then all agree on how it ended.
+
+``HandOff`` owns one rank's writer, host buffers and the tracker bits the in-flight job took;
+one job is in flight at a time. Rank 0's writer commits, so rank 0's report is the outcome every
+rank acts on: a committed job keeps the tracker views it cleared, any other gives their bits
+back so the rows go out with the next job. cnr.write.engine (CheckpointEngine) and cnr.publish.publisher
+(Publisher) differ only in what they decide and record around it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from cnr.track.collectives import broadcast_host
+from cnr.track.snapshot import HostBuffers, HostPiece
+from cnr.track.state import StatePiece
+from cnr.track.tracker import Captured, RowTracker
+from cnr.types import WriteStatus
+from cnr.write.writer import STATUSES, WriteJob, WriteResult, Writer
+
+_NONE = -1  # nothing was in flight
+_RUNNING = -2  # rank 0's writer is still busy (SettleMode.POLL only)
+
+
+class SettleMode(enum.Enum):
+    """How ``HandOff.settle`` ends the in-flight job."""
+
+    WAIT = "wait"
+    """Every rank waits for its own writer to finish the job."""
+    ABANDON = "abandon"
+    """Every rank cancels its writer's job unless it has already finished."""
+    POLL = "poll"
+    """Rank 0 looks without waiting; while its writer runs nothing is settled (``RUNNING``)."""
+
+
+RUNNING = object()
+"""What ``settle(SettleMode.POLL)`` returns while rank 0's writer is still busy."""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How the in-flight job ended, the same on every rank.
+
+    ``status``: rank 0's writer's report. ``rows``/``nbytes``: the rows and stored bytes rank 0's
+    commit recorded (0 unless committed). ``result``: this rank's own writer's report (None when
+    its writer had nothing in flight). ``token``: what the owner passed to ``submit``.
+    """
+
+    status: WriteStatus
+    rows: int
+    nbytes: int
+    result: Optional[WriteResult]
+    token: Any
+
+    @property
+    def committed(self) -> bool:
+        return self.status == WriteStatus.COMMITTED
+
+    @property
+    def error(self) -> str:
+        """Why it did not commit, as this rank knows it."""
+        if self.result is not None and self.result.error:
+            return self.result.error
+        return "another rank's writer failed"
+
+
+class HandOff:
+    """One rank's writer, host buffers and in-flight job (see the module docstring)."""
+
+    def __init__(self, writer: Writer, tracker: Optional[RowTracker], rank: int) -> None:
+        self.writer = writer
+        self.tracker = tracker
+        self.rank = rank
+        self.buffers = HostBuffers()
+        self._captured: List[Captured] = []
+        self._token: Any = None
+
+    @property
+    def in_flight(self) -> Any:
+        """The token of the job in flight, else None."""
+        return self._token
+
+    def submit(self, pieces: Sequence[StatePiece], row_ids: Optional[Dict[str, torch.Tensor]],
+               captured: List[Captured], make_job: Callable[[List[HostPiece]], WriteJob], token: Any) -> float:
+        """The snapshot (copy ``pieces``, only ``row_ids`` of the tables when given, into host
+        buffers) and the hand-off of ``make_job(host pieces)`` to the writer. ``captured``: the
+        tracker bits this job took. Returns the snapshot's seconds."""
+        if self._token is not None:
+            raise RuntimeError(f"{self._token!r} is still in flight; settle it first")
+        host, seconds = self.buffers.capture(list(pieces), row_ids)
+        self.writer.submit(make_job(host))
+        self._captured, self._token = list(captured), token
+        return seconds
+
+    def settle(self, mode: SettleMode) -> Any:
+        """End the in-flight job as ``mode`` says and agree on its outcome (collective).
+
+        Returns a Settled, None when nothing was in flight, or RUNNING (POLL while rank 0's
+        writer is busy: nothing changes).
+        """
+        result: Optional[WriteResult] = None
+        if mode == SettleMode.POLL:
+            if self.rank == 0 and self.writer.in_flight is not None:
+                result = self.writer.wait(timeout=0.0)
+                code = STATUSES.index(result.status) if result is not None else _RUNNING
+            else:
+                code = _NONE
+        else:
+            if self.writer.in_flight is not None:
+                result = self.writer.wait(timeout=0.0) if mode == SettleMode.ABANDON else None
+                if result is None:
+                    result = self.writer.cancel() if mode == SettleMode.ABANDON else self.writer.wait()
+            code = STATUSES.index(result.status) if result is not None else _NONE
+        extra = result.extra if result is not None and self.rank == 0 else {}
+        agreed = torch.tensor([code, extra.get("rows", 0), extra.get("bytes", 0)], dtype=torch.int64)
+        broadcast_host(agreed, src=0)  # rank 0's writer commits, so its report is the outcome
+        code = int(agreed[0])
+        if code == _RUNNING:
+            return RUNNING
+        if code == _NONE and self._token is None:
+            return None
+        status = STATUSES[code] if code >= 0 else WriteStatus.FAILED
+        if mode == SettleMode.POLL and self.rank != 0 and self.writer.in_flight is not None:
+            # rank 0 has settled: this rank's part is stored already if it committed
+            result = self.writer.wait(timeout=0.0) or (
+                self.writer.wait() if status == WriteStatus.COMMITTED else self.writer.cancel())
+        if self.tracker is not None:
+            self.tracker.release(self._captured, status == WriteStatus.COMMITTED)
+        settled = Settled(status, int(agreed[1]), int(agreed[2]), result, self._token)
+        self._captured, self._token = [], None
+        return settled
+
+    def close(self) -> None:
+        self.writer.close()
+        self.buffers.close()
+

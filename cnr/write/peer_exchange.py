@@ -1,0 +1,89 @@
+"""The ranks' writers hand each other small commit objects over a TCPStore rank 0's trainer hosts.
+
+With a node-local tier (cnr.write.local_tier) on several nodes, rank 0's writer cannot read another
+node's rank index from its own disk, and the remote store may be slow or down. So every writer
+also publishes its rank index here, rank 0's writer takes indexes from here as well as from
+storage, and publishes the checkpoint's outcome (its manifest, or b"" when it failed); every
+other rank's writer then stores that manifest in its own node's local tier, so each node's tier
+commits the checkpoint and a restart on the same nodes resumes from them.
+
+The store is rank 0's (``host_exchange``, collective, in the trainers); writers connect as
+clients with the address their jobs carry (``ExchangeAddress``). Keys are removed once read:
+rank indexes by rank 0 after the commit, an outcome by the last rank that reads it. Anything
+that fails here (rank 0's trainer gone, a timeout) falls back to the remote store alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+
+from cnr.types import ExchangeAddress
+
+logger = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def host_exchange(rank: int, world_size: int) -> Tuple[Optional[dist.TCPStore], Optional[ExchangeAddress]]:
+    """Collective over the default process group: rank 0 starts the store on a free port of its
+    node; every rank gets its address (``MASTER_ADDR``, else 127.0.0.1 for a one-machine job).
+    Returns (the store on rank 0, else None; the address)."""
+    server: Optional[dist.TCPStore] = None
+    shared = [None]
+    if rank == 0:
+        server = dist.TCPStore("0.0.0.0", 0, None, True, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
+        shared = [ExchangeAddress(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(server.port), world_size)]
+    if world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    return server, shared[0]
+
+
+def _index_key(ckpt_id: str, rank: int) -> str:
+    return f"cnr/{ckpt_id}/index/{rank}"
+
+
+def _outcome_key(ckpt_id: str) -> str:
+    return f"cnr/{ckpt_id}/outcome"
+
+
+class PeerExchange:
+    """A writer's client of rank 0's exchange store (see the module docstring)."""
+
+    def __init__(self, address: ExchangeAddress) -> None:
+        self.address = address
+        self._store = dist.TCPStore(address.host, address.port, None, False, timeout=_CONNECT_TIMEOUT)
+
+    def publish_index(self, ckpt_id: str, rank: int, blob: bytes) -> None:
+        self._store.set(_index_key(ckpt_id, rank), blob)
+
+    def index(self, ckpt_id: str, rank: int) -> Optional[bytes]:
+        """Rank ``rank``'s index of ``ckpt_id`` if it was published, else None."""
+        key = _index_key(ckpt_id, rank)
+        return self._store.get(key) if self._store.check([key]) else None
+
+    def forget_indexes(self, ckpt_id: str) -> None:
+        for rank in range(self.address.world_size):
+            self._store.delete_key(_index_key(ckpt_id, rank))
+
+    def publish_outcome(self, ckpt_id: str, manifest: Optional[bytes]) -> None:
+        """Rank 0: the committed manifest of ``ckpt_id``, or None when it failed."""
+        self._store.set(_outcome_key(ckpt_id), manifest or b"")
+
+    def wait_outcome(self, ckpt_id: str, timeout_s: float) -> Optional[bytes]:
+        """The manifest rank 0 committed for ``ckpt_id``; None when it failed or after ``timeout_s``."""
+        key = _outcome_key(ckpt_id)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+            blob = self._store.get(key)
+        except Exception as e:  # noqa: BLE001 - rank 0 gone or a timeout: the remote store decides
+            logger.info("no outcome of checkpoint %s from rank 0: %s", ckpt_id, e)
+            return None
+        if self._store.add(f"{key}/read", 1) >= self.address.world_size - 1:
+            self._store.delete_key(key)  # the last reader
+            self._store.delete_key(f"{key}/read")
+        return blob or None
