@@ -1,6 +1,6 @@
 """cnr: Check-N-Run checkpoints for torchrec jobs.
 
-The public API (see README "Use cnr from your own training loop")::
+The public API (see docs/guide.md)::
 
     ckpt = cnr.Checkpointer(uri, app_state, cnr.CheckpointOptions(...), publish=cnr.PublishOptions(...))
     ckpt.restore(); pending = ckpt.save(step); pending.wait(); ckpt.publish(step); ckpt.close()
@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
     "load_state_dict": "cnr.restore.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
+    "FailureBudget": "cnr.options", "OnDamage": "cnr.types", "OnOverlap": "cnr.types", "BitPolicy": "cnr.types",
+    "Compression": "cnr.types", "SearchKernel": "cnr.types",
     "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
     "DeterministicDataParallel": "cnr.track.dense_sync", "PipelineFeed": "cnr.track.pipeline",
     "UnsupportedStateError": "cnr.track.coverage",
@@ -28,10 +30,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from cnr.errors import CheckpointError  # noqa: F401
     from cnr.restore.load import load_state_dict  # noqa: F401
     from cnr.track.coverage import UnsupportedStateError  # noqa: F401
-    from cnr.options import CheckpointOptions, PublishOptions  # noqa: F401
+    from cnr.options import CheckpointOptions, FailureBudget, PublishOptions  # noqa: F401
     from cnr.track.pipeline import PipelineFeed  # noqa: F401
     from cnr.publish.subscriber import Subscriber  # noqa: F401
-    from cnr.types import CheckpointInfo, CheckpointKind  # noqa: F401
+    from cnr.types import (  # noqa: F401
+        BitPolicy, CheckpointInfo, CheckpointKind, Compression, OnDamage, OnOverlap, SearchKernel,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ encodes and stores the chunks, and rank 0's commits the manifest once every rank
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -28,15 +29,15 @@ import torch
 import torch.distributed as dist
 
 from cnr.track.collectives import all_reduce_host
-from cnr.restore.into_app import RestoredChain, _placement
+from cnr.restore.into_app import RestoredChain, table_placement
 from cnr.track.app_state import AppState, TableRef, whole_tables
 from cnr.policy.bit_width import BitWidthPlanner
-from cnr.write.engine import ChainState, CheckpointEngine
+from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
 from cnr.track.pipeline import check_loaders
 from cnr.errors import CheckpointError, CnrError
 from cnr.format.catalog import restore_ids
-from cnr.restore.newest import Skipped, _ids_from_rank0, restore_checkpoint, restore_newest
+from cnr.restore.newest import Skipped, ids_from_rank0, restore_checkpoint, restore_newest
 from cnr.write.lease import Lease, LeaseHeldError
 from cnr.format.lineage import new_lineage_id, record_activation
 from cnr.track.collectives import rank0_decides
@@ -45,7 +46,7 @@ from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish.location import check_publish_storage, default_publish_uri
-from cnr.policy.kinds import failure_rate
+from cnr.policy.kinds import BitDecision, failure_rate
 from cnr.write.local_tier import open_checkpoint_store
 from cnr.write.peer_exchange import host_exchange
 from cnr.storage.base import Storage
@@ -70,7 +71,7 @@ def _table_spec(table: TableRef) -> TableSpec:
     value = table.module.state_dict()[table.local_key]
     rows, dim = tuple(value.size())[:2]
     features = tuple(table.module._table_name_to_config[table.name].feature_names)
-    return TableSpec(table.id, int(rows), int(dim), features, _placement(table) or "data_parallel")
+    return TableSpec(table.id, int(rows), int(dim), features, table_placement(table) or "data_parallel")
 
 
 class PendingCheckpoint:
@@ -117,6 +118,12 @@ class Checkpointer:
             raise TypeError(f"options must be a cnr.CheckpointOptions, got {type(self.options).__name__}")
         if publish is not None and not isinstance(publish, PublishOptions):
             raise TypeError(f"publish must be a cnr.PublishOptions, got {type(publish).__name__}")
+        # a subclass (an application's config section) may skip the checks in its __post_init__:
+        # rebuilt as the library's own type, every value is checked here, before anything starts
+        if type(self.options) is not CheckpointOptions:
+            self.options = CheckpointOptions.from_config(self.options, self.options.expected_steps)
+        if publish is not None and type(publish) is not PublishOptions:
+            publish = PublishOptions.from_config(publish, publish.uri)
         if publish is not None and PUBLISH_VIEW not in views:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
@@ -175,14 +182,14 @@ class Checkpointer:
             check_publish_storage(publish_uri, self.uri)
             self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker)
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
-        self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
-                                       writer=writer or Writer(uri, self.options.for_writer(rows_per_rank)))
-        self.engine.lease = self._lease_ref  # every rank's: rank 0 fences its commits, all fence their flushes
         # with a local tier per node, the writers hand each other indexes and manifests (collective)
-        self._exchange_server = None
+        self._exchange_server, exchange = None, None
         if self.options.local_dir and self.world_size > 1:
-            self._exchange_server, self.engine.exchange = host_exchange(self.rank, self.world_size)
-        self.engine.table_bits = table_bits
+            self._exchange_server, exchange = host_exchange(self.rank, self.world_size)
+        # the lease is every rank's: rank 0 fences its commits, all fence their flushes
+        self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
+                                       writer=writer or Writer(uri, self.options.for_writer(rows_per_rank)),
+                                       lease=self._lease_ref, exchange=exchange, table_bits=table_bits)
         self._closed = False
         self._prepare_buffers()
         at_exit.register(self)  # an in-flight checkpoint is finished or named at exit (cnr.write.at_exit)
@@ -249,8 +256,8 @@ class Checkpointer:
         if self.tracker is not None:
             self.tracker.seed("baseline", restored.increment_row_ids)
         history = list(m.chain_bytes) or [c.bytes for c in restored.chain]
-        self.engine.chain = ChainState(last_full=restored.chain[0].id, last_committed=m.id, chain_bytes=history,
-                                       increments=len(restored.chain) - 1)
+        self.engine.resume(ChainState(last_full=restored.chain[0].id, last_committed=m.id, chain_bytes=history,
+                                      increments=len(restored.chain) - 1))
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -290,10 +297,9 @@ class Checkpointer:
             raise error
         if int(failed[0]):
             raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
-        self.engine.bit_width = self._bits(step)
-        self.engine.retention = RetentionScope(self.lineage, self._pinned)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
-        ckpt_id = self.engine.save(step, pieces, fields, app_json)
+        ckpt_id = self.engine.save(step, pieces, fields, app_json, bits=self._bits(step),
+                                   retention=RetentionScope(self.lineage, self._pinned))
         self._step_floor = (step, "the previous save()")
         return PendingCheckpoint(self, ckpt_id, step)
 
@@ -360,6 +366,18 @@ class Checkpointer:
                 self._release_lease()
                 self.storage.close()
         self._warn_local_only()
+
+    @property
+    def stats(self) -> SaveStats:
+        """This process's checkpoint totals so far (cnr.write.engine.SaveStats): a copy, which later
+        saves leave alone. Seconds are this rank's; bytes are what this rank stored."""
+        return copy.deepcopy(self.engine.stats)
+
+    @property
+    def bit_width(self) -> BitDecision:
+        """The bit-width decision of the newest checkpoint (cnr.policy.kinds.BitDecision; before the
+        first save, ``options.bits``), the same on every rank."""
+        return self.engine.bit_width
 
     @property
     def local_only_checkpoints(self) -> List[str]:
@@ -469,7 +487,7 @@ def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:
     """(id, step) of the committed checkpoint a restore tries first under ``storage`` (the
     current history's newest, cnr.format.lineage), listed by rank 0 and the same on every rank
     (collective); None when nothing is committed."""
-    ids = _ids_from_rank0(lambda: restore_ids(storage)[:1], rank)
+    ids = ids_from_rank0(lambda: restore_ids(storage)[:1], rank)
     return (ids[0], step_of(ids[0])) if ids else None
 
 

@@ -21,6 +21,14 @@ STORED_QUANT_METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive")
 only the quantize benchmark runs: its codebooks have no chunk encoding)."""
 
 
+POLICIES = ("full", "one_shot", "consecutive", "intermittent")
+"""The checkpoint policies (``CheckpointOptions.policy``; cnr.policy.kinds decides by them): every
+checkpoint full; one full baseline then increments on it; each increment on the previous one;
+the history predictor choosing full or incremental (Check-N-Run's intermittent baseline)."""
+CAPPED_POLICIES = ("intermittent", "consecutive")
+"""The policies whose chains ``CheckpointOptions.chain_cap`` bounds."""
+
+
 class CheckpointKind(str, enum.Enum):
     """What a checkpoint holds."""
 
@@ -90,6 +98,46 @@ class SearchKernel(str, enum.Enum):
     (about 3x the eager rows/s on one core); EAGER until it is built, or if it cannot be."""
 
 
+class OnOverlap(str, enum.Enum):
+    """What ``save`` does while the previous checkpoint is still being written
+    (``CheckpointOptions.on_overlap``)."""
+
+    WAIT = "wait"
+    """Wait for it to commit or fail; the wait counts as stall."""
+    ABANDON = "abandon"
+    """Cancel it: the new checkpoint is taken at once, the older one never commits."""
+
+
+class OnDamage(str, enum.Enum):
+    """What a restore does when the newest committed checkpoint does not verify
+    (``CheckpointOptions.on_damage``, cnr.restore.newest)."""
+
+    FALLBACK = "fallback"
+    """Restore the newest committed checkpoint that verifies, with a warning naming what was passed over."""
+    FAIL = "fail"
+    """Raise on every rank; no older checkpoint is tried."""
+
+
+class BitPolicy(str, enum.Enum):
+    """How the bit-width embedding rows are stored at is chosen (``CheckpointOptions.bit_policy``)."""
+
+    FIXED = "fixed"
+    """``CheckpointOptions.bits``, for every checkpoint."""
+    FAILURES = "failures"
+    """From the failures expected over the job (cnr.policy.kinds.decide_bits, Check-N-Run §5.2.1)
+    within ``CheckpointOptions.failures``, the failure budget; 8 bits once more are observed."""
+
+
+class Compression(str, enum.Enum):
+    """The lossless bytes->bytes stage over quantized and log8 chunks' payloads
+    (``CheckpointOptions.compression``)."""
+
+    ZSTD = "zstd"
+    """zstandard at ``CheckpointOptions.compression_level`` (cnr.codec.zstd)."""
+    NONE = "none"
+    """Payloads are stored as encoded."""
+
+
 class WriteStatus(str, enum.Enum):
     """How a background writer ended one job (a checkpoint or a publish) on its rank."""
 
@@ -121,7 +169,8 @@ class CodecSpec:
 
     ``name``: a registered codec (cnr.codec); ``params``: its parameters as sorted
     ``(name, value)`` pairs of ints and strings, so that a spec is hashable and compares by value.
-    A chain is one array->bytes stage (raw, rowwise, log8) then any bytes->bytes stages (zstd).
+    A chain is one array->bytes stage (raw, rowwise, log8) then at most one bytes->bytes stage
+    (zstd; cnr.codec.base says why one).
     """
 
     name: str

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-from cnr.app.config import Config
+# ``config`` below is the app's Config (cnr.app.config), read duck-typed: ``model`` (arch, tables,
+# embedding_dim, layer sizes), ``data.num_dense`` and ``train.seed``. Not imported, so that the
+# model folder stays below the app that builds it.
+Config = Any
 
 
 def embedding_configs(config: Config) -> list:

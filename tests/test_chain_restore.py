@@ -14,7 +14,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ChainOrder, Role, ShardRegion
-from cnr.write.writer import WriteJob, write_rank_data
+from cnr.write.job import WriteJob
+from cnr.write.writer import write_rank_data
 from cnr.write.puts import Uploader
 
 ROWS, DIM = 300, 8

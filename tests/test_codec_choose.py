@@ -11,7 +11,7 @@ from cnr.write.plan import encode_block, quantized_bits, resolve_table_bits
 from cnr.codec.zstd import zstd_spec
 from cnr.track.snapshot import HostPiece
 from cnr.types import CheckpointKind, Role, ShardRegion
-from cnr.write.writer import WriteJob
+from cnr.write.job import WriteJob
 
 
 def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPiece:

@@ -132,3 +132,21 @@ def test_chain_cap_needs_a_policy_that_takes_new_baselines():
                                           "or 'consecutive', not 'one_shot'"):
         load_config(TINY, ["checkpoint.policy=one_shot", "checkpoint.max_chain_ratio=1.5"])
     assert load_config(TINY, ["checkpoint.policy=consecutive", "checkpoint.max_chain_ratio=1.5"]).checkpoint.max_chain_ratio == 1.5
+
+
+def test_an_application_section_handed_to_the_checkpointer_is_checked_as_library_options(tmp_path):
+    # cnr train's checkpoint section subclasses CheckpointOptions and leaves its checks to the
+    # whole-config validation; handed straight to a Checkpointer it must still be refused
+    import dataclasses
+
+    from cnr.api import Checkpointer
+    from cnr.app.config import CheckpointConfig, PublishConfig
+    from cnr.options import OptionsError
+
+    bad = dataclasses.replace(CheckpointConfig(), bits=5)
+    with pytest.raises(OptionsError, match="bits = 5 is not allowed"):
+        Checkpointer(str(tmp_path / "store"), {}, bad)
+    bad_publish = dataclasses.replace(PublishConfig(), uri=str(tmp_path / "pub"), keep_bases=-1)
+    with pytest.raises(ValueError, match="keep_bases"):
+        Checkpointer(str(tmp_path / "store"), {}, None, publish=bad_publish)
+    assert not (tmp_path / "store").exists()

@@ -21,7 +21,8 @@ from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, Role, ShardRegion, WriteStatus
-from cnr.write.writer import WriteJob, Writer, write_rank_data
+from cnr.write.job import WriteJob
+from cnr.write.writer import Writer, write_rank_data
 from cnr.write.puts import ObjectTimes, Uploader
 
 

@@ -13,7 +13,7 @@ from cnr.write.handoff import RUNNING, HandOff, SettleMode
 from cnr.app.launch import launch
 from cnr.track.state import whole_piece
 from cnr.types import Role, WriteStatus
-from cnr.write.writer import WriteResult
+from cnr.write.job import WriteResult
 
 
 class FakeWriter:

@@ -29,7 +29,7 @@ from cnr.types import CheckpointStatus
 _RUN_PREPARED = """
 import pickle, sys
 from cnr.errors import CnrError
-from cnr.app.job import run_job_rank
+from cnr.app.rank_entry import run_job_rank
 from cnr.app.launch import launch
 with open(sys.argv[1], "rb") as f:
     job = pickle.load(f)

@@ -20,7 +20,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ShardRegion, WriteStatus
 from cnr.write.plan import check_finite
-from cnr.write.writer import WriteJob, Writer
+from cnr.write.job import WriteJob
+from cnr.write.writer import Writer
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -1,4 +1,5 @@
-"""The wheel installs one top-level package, ``cnr``; models/ and readers/ live under it."""
+"""The wheel installs one top-level package, ``cnr``; the top-level folders models/ and readers/
+are mapped into it as cnr.models and cnr.readers (pyproject.toml package-dir)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ def test_wheel_holds_only_the_cnr_package(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"cnr"}
     assert "cnr/models/dlrm.py" in names and "cnr/readers/tier.py" in names
+    # installed into a fresh venv (no torch there, so find the modules without running them)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
+                   capture_output=True)
+    code = ("import importlib.util as u, os, sys; specs = [u.find_spec(n) for n in ('cnr.models', 'cnr.readers', "
+            "'cnr.app', 'cnr.write')]; assert all(s and s.origin.startswith(sys.prefix) for s in specs), specs; "
+            "assert all(os.path.isfile(os.path.join(os.path.dirname(s.origin), f)) for s, f in "
+            "zip(specs, ('dlrm.py', 'tier.py', 'cli.py', 'writer.py')))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_a_users_own_models_package_does_not_shadow_cnrs(tmp_path):

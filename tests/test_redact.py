@@ -18,7 +18,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
 from cnr.write.encode_pool import EncodePool
-from cnr.write.writer import WriteJob, _run_job
+from cnr.write.job import WriteJob
+from cnr.write.writer import _run_job
 from cnr.write.puts import Uploader
 
 SECRET = "s3cr3t-pa55"

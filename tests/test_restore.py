@@ -11,12 +11,13 @@ from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
 from cnr.restore.chain import restore_chain
-from cnr.restore.pieces import restore_pieces
+from cnr.restore.pieces import apply_restore, chunk_overlaps, fetch_pool, piece_span, plan_restore, restore_pieces
 from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, Role
-from cnr.write.writer import WriteJob, write_rank_data
+from cnr.write.job import WriteJob
+from cnr.write.writer import write_rank_data
 from cnr.write.puts import Uploader
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
@@ -108,6 +109,28 @@ def test_each_chunk_is_fetched_once_and_intra_op_threads_are_put_back(tmp_path):
     assert sorted(store.gets) == sorted(c.key for c in manifest.tensors[NAME].chunks)
     with pytest.raises(ValueError, match="threads=0"):
         restore_pieces(store, manifest, _split(target, *LAYOUTS["grid"]), threads=0)
+
+
+def test_plan_then_apply_is_restore_pieces_and_a_plan_reads_nothing(tmp_path):
+    """The public interface: plan_restore decides which chunks land in which pieces (no read),
+    apply_restore writes them, one by one or on a fetch_pool; restore_pieces is the two."""
+    store = _CountingStorage(str(tmp_path))
+    full = torch.randn(ROWS, COLS)
+    manifest = _write(store, _split(full, *LAYOUTS["table_wise_rows"]), 96)
+    pieces = _split(torch.zeros(ROWS, COLS), *LAYOUTS["grid"])
+    plan = plan_restore(manifest, pieces)
+    assert store.gets == [] and set(plan.objects) == {c.key for c in manifest.tensors[NAME].chunks}
+    for chunks in plan.objects.values():
+        for ref, targets in chunks:
+            assert targets == [i for i, p in enumerate(pieces) if chunk_overlaps(ref, piece_span(p))]
+    applied = apply_restore(plan, store)
+    assert applied.copied == [p.tensor.numel() for p in pieces] and applied.rows == []
+    assert all(torch.equal(p.tensor, full[p0:p1, q0:q1]) for p in pieces for p0, p1, q0, q1 in [piece_span(p)])
+    target = torch.zeros(ROWS, COLS)
+    with fetch_pool(2) as pool:
+        again = apply_restore(plan_restore(manifest, _split(target, *LAYOUTS["grid"])), store, pool)
+    assert torch.equal(target, full) and again.bytes_read == applied.bytes_read
+    assert restore_pieces(store, manifest, _split(torch.zeros(ROWS, COLS), *LAYOUTS["grid"]))[0] == applied.bytes_read
 
 
 def test_one_dimensional_and_scalar_state(tmp_path):

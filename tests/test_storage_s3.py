@@ -5,6 +5,7 @@ bounded failure, and aborted multipart uploads."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import socket
 import time
@@ -19,12 +20,13 @@ from botocore.awsrequest import AWSResponse
 
 from cnr.errors import ConfigError, CorruptChunkError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.storage import open_storage
+from cnr.storage import S3Options
 from cnr.storage.s3 import S3Storage
 from cnr.types import ByteRange
 
 MiB = 1024 * 1024
 PREFIX = "jobs/run-7"
-FAST = dict(part_size=5 * MiB, max_concurrency=4, backoff_base=0.01, backoff_max=0.05)
+FAST = S3Options(part_size=5 * MiB, max_concurrency=4, backoff_base=0.01, backoff_max=0.05)
 
 
 def _crc(data: bytes) -> str:
@@ -37,7 +39,7 @@ def _blob(n: int) -> bytes:
 
 @pytest.fixture
 def store(s3_bucket):
-    s = S3Storage(s3_bucket, PREFIX, **FAST)
+    s = S3Storage(s3_bucket, PREFIX, FAST)
     yield s
     s.close()
 
@@ -147,7 +149,7 @@ def test_ranged_reads_use_one_get_and_no_head(store):
 
 
 def test_list_paginates_and_stays_in_prefix(s3_bucket, moto):
-    store = S3Storage(s3_bucket, PREFIX, list_page_size=2, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, list_page_size=2)
     faults = Faults(store.client)
     keys = ["a/1", "a/2", "a/3", "a/b/4", "c"]
     for key in keys:
@@ -162,7 +164,7 @@ def test_list_paginates_and_stays_in_prefix(s3_bucket, moto):
 
 
 def test_bucket_root_prefix(s3_bucket, moto):
-    store = S3Storage(s3_bucket, "", **FAST)
+    store = S3Storage(s3_bucket, "", FAST)
     assert store.uri == f"s3://{s3_bucket}"
     store.put("k/v", b"1")
     assert moto.admin.get_object(Bucket=s3_bucket, Key="k/v")["Body"].read() == b"1"
@@ -182,7 +184,7 @@ def test_one_client_for_all_operations(s3_bucket, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(botocore.session.Session, "create_client", counting)
-    store = S3Storage(s3_bucket, PREFIX, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST)
     faults = Faults(store.client)
     for i in range(20):
         store.put(f"k/{i}", b"v" * i)
@@ -243,11 +245,13 @@ def test_uri_parsing_and_validation(s3_bucket):
 )
 def test_bad_settings_rejected(s3_bucket, kwargs):
     with pytest.raises(ConfigError, match="not allowed"):
-        S3Storage(s3_bucket, PREFIX, **kwargs)
+        S3Options(**kwargs)
+    with pytest.raises(ConfigError, match="not allowed"):
+        S3Storage(s3_bucket, PREFIX, **kwargs)  # S3Options fields as keywords override single settings
 
 
 def test_given_client_is_used_and_not_closed(s3_bucket, moto):
-    store = S3Storage(s3_bucket, PREFIX, client=moto.admin, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, client=moto.admin)
     assert store.client is moto.admin
     store.put("x", b"1")
     store.close()
@@ -273,7 +277,7 @@ def test_credentials_never_leak(s3_bucket, moto, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="cnr")
     texts = []
 
-    store = S3Storage(s3_bucket, PREFIX, op_attempts=2, **{**FAST, "part_size": 5 * MiB})
+    store = S3Storage(s3_bucket, PREFIX, FAST, op_attempts=2)
     texts += [store.uri, repr(store), str(store)]
     with pytest.raises(KeyNotFoundError) as e1:
         store.get("nope")
@@ -284,7 +288,7 @@ def test_credentials_never_leak(s3_bucket, moto, monkeypatch, caplog):
     assert "***" in str(e2.value)
     store.close()
 
-    gone = S3Storage("cnr-no-such-bucket-here", PREFIX, **FAST)
+    gone = S3Storage("cnr-no-such-bucket-here", PREFIX, FAST)
     with pytest.raises(StorageError) as e3:
         gone.check_writable()
     assert "s3://cnr-no-such-bucket-here/jobs/run-7 is not writable" in str(e3.value)
@@ -292,8 +296,8 @@ def test_credentials_never_leak(s3_bucket, moto, monkeypatch, caplog):
     gone.close()
 
     closed_port = _free_port()
-    unreachable = S3Storage(s3_bucket, PREFIX, endpoint_url=f"http://127.0.0.1:{closed_port}",
-                            request_attempts=1, op_attempts=2, connect_timeout=1, **FAST)
+    unreachable = S3Storage(s3_bucket, PREFIX, dataclasses.replace(
+        FAST, endpoint_url=f"http://127.0.0.1:{closed_port}", request_attempts=1, op_attempts=2, connect_timeout=1))
     with pytest.raises(StorageError) as e4:
         unreachable.put("k", b"v")
     unreachable.close()
@@ -332,7 +336,7 @@ def test_puts_survive_a_fraction_of_faults(store, moto, s3_bucket):
 
 
 def test_whole_put_retried_after_botocore_gives_up(s3_bucket, caplog):
-    store = S3Storage(s3_bucket, PREFIX, request_attempts=1, op_attempts=4, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, request_attempts=1, op_attempts=4)
     first_two = {1: "503", 2: "drop"}
     faults = Faults(store.client, plan=lambda op, n: first_two.get(n) if op == "PutObject" else None)
     caplog.set_level(logging.WARNING, logger="cnr")
@@ -344,7 +348,7 @@ def test_whole_put_retried_after_botocore_gives_up(s3_bucket, caplog):
 
 
 def test_failed_multipart_attempt_aborted_then_retried(s3_bucket, moto):
-    store = S3Storage(s3_bucket, PREFIX, request_attempts=1, op_attempts=3, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, request_attempts=1, op_attempts=3)
     faults = Faults(store.client, plan=lambda op, n: "500" if op == "UploadPart" and n == 2 else None)
     data = _blob(12 * MiB)
     store.put("big", data)
@@ -356,7 +360,7 @@ def test_failed_multipart_attempt_aborted_then_retried(s3_bucket, moto):
 
 
 def test_permanently_failing_multipart_is_aborted_and_old_object_kept(s3_bucket, moto):
-    store = S3Storage(s3_bucket, PREFIX, request_attempts=1, op_attempts=2, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, request_attempts=1, op_attempts=2)
     store.put("k", b"old")
     # Every part fails, and so does s3transfer's own abort: our cleanup must still abort.
     faults = Faults(store.client, plan=lambda op, n: (
@@ -371,7 +375,7 @@ def test_permanently_failing_multipart_is_aborted_and_old_object_kept(s3_bucket,
 
 
 def test_always_500_fails_in_bounded_time(s3_bucket):
-    store = S3Storage(s3_bucket, PREFIX, request_attempts=2, op_attempts=3, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST, request_attempts=2, op_attempts=3)
     faults = Faults(store.client, plan=lambda op, n: "500")
     start = time.monotonic()
     with pytest.raises(StorageError) as info:
@@ -384,7 +388,7 @@ def test_always_500_fails_in_bounded_time(s3_bucket):
 
 
 def test_non_retryable_error_fails_at_once(s3_bucket, moto):
-    store = S3Storage(s3_bucket, PREFIX, **FAST)
+    store = S3Storage(s3_bucket, PREFIX, FAST)
     faults = Faults(store.client)
     moto.drop_bucket(s3_bucket)
     start = time.monotonic()
@@ -402,9 +406,9 @@ def test_silent_server_times_out_instead_of_hanging(s3_bucket):
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         port = silent.getsockname()[1]
-        store = S3Storage(s3_bucket, PREFIX, endpoint_url=f"http://127.0.0.1:{port}",
-                          request_attempts=1, op_attempts=2, read_timeout=0.5, connect_timeout=0.5,
-                          **FAST)
+        store = S3Storage(s3_bucket, PREFIX, dataclasses.replace(
+            FAST, endpoint_url=f"http://127.0.0.1:{port}", request_attempts=1, op_attempts=2, read_timeout=0.5,
+            connect_timeout=0.5))
         start = time.monotonic()
         with pytest.raises(StorageError, match="(?i)timeout"):
             store.put("k", b"v")

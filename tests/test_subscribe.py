@@ -31,7 +31,7 @@ from cnr.app.launch import launch
 from cnr.format.manifest import manifest_key
 from cnr.format.catalog import read_manifest
 from cnr.app.parallel import build_sharded_model
-from cnr.publish.publisher import make_publisher
+from cnr.app.train import make_publisher
 from cnr.track.app_state import collect_state
 from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage

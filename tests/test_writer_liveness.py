@@ -19,7 +19,8 @@ from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
-from cnr.write.writer import MAX_WRITER_DEATHS, WriteJob, Writer, WriterDied
+from cnr.write.job import WriteJob
+from cnr.write.writer import MAX_WRITER_DEATHS, Writer, WriterDied
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

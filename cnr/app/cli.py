@@ -15,13 +15,14 @@ BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize",
               "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
 MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
-EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (README, Command line)
+EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (docs/cli.md)
 
 
 def _train(args: argparse.Namespace) -> int:
     from cnr.app.config import load_config
     from cnr.app.launch import launch
-    from cnr.app.job import prepare_job, run_job_rank
+    from cnr.app.job import prepare_job
+    from cnr.app.rank_entry import run_job_rank
 
     config = load_config(args.config, args.set)
     job = prepare_job(config, args.storage, args.resume, args.nproc, new_history=args.new_history)

@@ -1,7 +1,9 @@
 """Validated configuration: YAML file + dotted ``--set`` overrides -> frozen dataclasses.
 
 Every bad value is rejected with a ConfigError naming the key, the value and what is allowed,
-before any process is spawned or anything is written.
+before any process is spawned or anything is written (cnr.app.config_checks). The ``checkpoint``
+and ``publish`` sections are the library's CheckpointOptions and PublishOptions (cnr.options:
+their fields, defaults, meaning and rules) plus what only ``cnr train`` has.
 """
 
 from __future__ import annotations
@@ -11,26 +13,16 @@ import math
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from cnr.app.config_checks import validate
 from cnr.errors import ConfigError
+from cnr.options import CheckpointOptions, FailureBudget, PublishOptions, shown
 from cnr.types import TableSpec
 
-SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
-DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
-ARCHES = ("dlrm", "dcn")
-DATA_SOURCES = ("synthetic", "tsv")
-MALFORMED_POLICIES = ("reject", "skip")
-BIT_POLICIES = ("fixed", "failures")
-OVERLAP_MODES = ("wait", "abandon")
-SEARCH_KERNELS = ("auto", "eager", "compiled")  # cnr.types.SearchKernel
-ON_DAMAGE = ("fallback", "fail")  # cnr.restore.newest
-COMPRESSIONS = ("zstd", "none")  # bytes->bytes stage over chunk payloads (cnr.codec.zstd)
-MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
-MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
-PUBLISH_BITS = (4, 8, 32)
+FailureConfig = FailureBudget  # checkpoint.failures: the library's failure budget (cnr.options.FailureBudget)
 
 
 @dataclass(frozen=True)
@@ -99,146 +91,49 @@ class TrainConfig:
     eval_interval: int = 0
 
 
-def _default_tolerated() -> Dict[int, int]:
-    # From `bench accuracy` (README): 2-bit stays within the seed noise (about 0.5% logloss) up
-    # to 3 restores and leaves it by 20; 3- and 4-bit stay within it up to 20, the most measured.
-    return {2: 3, 3: 20, 4: 20}
-
-
-# From `bench accuracy` at 2 bits (README): log8 Adagrad sums are within the seed noise after 1
-# and 3 restores (-0.45%/-0.30% logloss, against -0.39%/-0.32% with fp32 sums), and cost about
-# 0.2 points at 10 and 20.
-LOG8_TOLERATED_RESTORES = 3
-
-
 @dataclass(frozen=True)
-class FailureConfig:
-    """Inputs of ``checkpoint.bit_policy: failures`` (Check-N-Run §5.2.1).
-
-    The failure rate is ``rate_per_node_hour``, or derived from ``log``: a plain file of failure
-    timestamps (unix seconds or ISO-8601, one per line) observed over ``log_nodes`` nodes.
-    ``nodes``: nodes of this job (0: the world size). ``step_seconds``: expected seconds per
-    step (0: measured over the first interval). ``tolerated_restores``: bit-width (2, 3, 4) ->
-    the most restores from checkpoints at that width the accuracy budget allows.
-    ``log8_tolerated_restores``: the most expected failures at which ``checkpoint.optimizer_bits``
-    0 stores fused optimizer state in 8 bits (log8); beyond them it stays fp32.
+class CheckpointConfig(CheckpointOptions):
+    """The ``checkpoint`` section: every field of cnr.options.CheckpointOptions under its own name
+    (meaning, default and rules are written there; ``checkpoint.failures`` is its
+    FailureBudget), but ``expected_steps``, which is ``train.steps``; plus what only ``cnr train``
+    has: ``enabled`` (false: no checkpoint is written) and ``interval``, the steps between
+    checkpoints. Validated with the whole config (cnr.app.config_checks.validate), naming config keys.
     """
 
-    rate_per_node_hour: float = 0.0
-    log: str = ""
-    log_nodes: int = 0
-    nodes: int = 0
-    step_seconds: float = 0.0
-    tolerated_restores: Dict[int, int] = field(default_factory=_default_tolerated)
-    log8_tolerated_restores: int = LOG8_TOLERATED_RESTORES
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpointing. ``interval`` is in steps; ``chunk_bytes`` bounds one stored chunk.
-
-    ``policy``: "full" (every checkpoint full), "one_shot" (one full baseline, then
-    incrementals of the rows touched since it), "consecutive" (incrementals of the rows touched
-    since the previous checkpoint; restore replays the chain) or "intermittent" (one-shot, with
-    a new baseline whenever the history predictor expects it to pay off; cnr.policy.kinds).
-    ``on_overlap``: what a boundary does while the
-    previous checkpoint is still being written: "wait" (the wait counts as stall) or "abandon"
-    (the older one is cancelled). ``upload_threads``: concurrent puts of the rank's background
-    writer process; ``encode_threads``: chunks it encodes at once (each on one core: raise it
-    where the host has cores training leaves idle, cnr.write.encode_pool); ``search_kernel``: how the
-    writer runs the adaptive quantizer's range search, "auto", "eager" or "compiled"
-    (cnr.types.SearchKernel; compiled needs a C++ compiler on the host); ``restore_threads``:
-    objects a rank fetches, verifies and decodes at once on restore.
-    ``bits``: embedding rows are stored at 2, 3, 4 or 8 bits (row-wise quantized
-    by the writer, cnr.codec.quant.quantize) or 32 (fp32, bit-exact); ``quant_method``: "adaptive", "naive",
-    "symmetric" or "" for the bit-width's default (adaptive below 8 bits, naive at 8);
-    ``optimizer_bits``: 32, or 8 to store fused optimizer state in 8 bits too: 2-D state row-wise
-    quantized, 1-D non-negative state (the row-wise Adagrad sum) on a log grid (cnr.codec.log8);
-    0 (with ``bit_policy: failures``) lets the failure budget choose 8 or 32 (cnr.policy.kinds).
-    ``compression``: "zstd" (lossless, over quantized and log8 chunks' payloads, at
-    ``compression_level`` 1..19) or "none". ``small_table_rows``/``small_table_bits``: tables of
-    at most ``small_table_rows`` rows (0: none) store their rows at no fewer than
-    ``small_table_bits`` (3, 4, 8 or 32) whatever ``bits`` is: small tables are the hot ones
-    (every row is looked up often) and cost few bytes (cnr.write.plan.quantized_bits).
-    ``table_bits``: table name -> the width (2, 3, 4, 8, 32) its rows are stored at instead of
-    ``bits`` and the small-table rule, e.g. a plan from ``bench tables``; after the fallback
-    to 8 bits no table goes below 8. ``table_plan_width``: the uniform width that plan stands
-    in for (0: any): checkpoints at another width (a failure decision for more failures, or
-    the fallback) store every table at that width instead.
-    ``bit_policy``: "fixed" (``bits``) or "failures" (chosen from the expected failures,
-    ``failures``). ``commit_timeout_s``: how long rank 0's
-    writer waits for every rank's data before it marks the checkpoint failed. ``keep_last``:
-    after a commit, keep the newest ``keep_last`` checkpoints of the job's history whose chains
-    verify and every checkpoint their chains need, delete older ones of that history
-    (cnr.policy.retention; 0: keep everything). ``merge_every``: with the
-    consecutive policy, merge the chain into a new full baseline in the background once this
-    many increments followed the newest one (cnr.write.merge; 0: never). ``max_chain_ratio``: with
-    the intermittent or consecutive policy, a new baseline whenever the next checkpoint's chain
-    (what its restore reads) is predicted to exceed this many times its baseline's bytes (0: no
-    cap; else > 1; cnr.policy.kinds.predicted_chain_ratio). ``lease_ttl_s``: a job holds
-    its storage location's lease (cnr.write.lease), renewed every quarter of this; another machine may
-    take over a crashed job's location this long after its last renewal. ``on_damage``: a
-    ``--resume`` whose newest committed checkpoint does not verify restores the newest one that
-    does ("fallback", with a warning) or stops ("fail"). ``local_dir``: a node-local directory
-    (cnr.storage.tiered; "" none): each rank stores its chunks there first, the checkpoint
-    commits there once every rank's data is durable, and a background flush then copies it to
-    the storage and commits it there; give each node its own (jobs on different locations may
-    share it: each location has its own subdirectory, cnr.write.local_tier). ``local_keep_last``: committed
-    checkpoints (with their chains) the local tier keeps (0: all; what the storage does not hold
-    yet is never deleted from it).
-    """
+    NOT_KEYS: ClassVar[Tuple[str, ...]] = ("expected_steps",)
 
     enabled: bool = True
     interval: int = 50
-    chunk_bytes: int = 16 * 1024 * 1024
-    policy: str = "intermittent"
-    on_overlap: str = "wait"
-    upload_threads: int = 2
-    encode_threads: int = 1
-    search_kernel: str = "auto"
-    restore_threads: int = 2
-    commit_timeout_s: float = 600.0
-    bits: int = 32
-    quant_method: str = ""
-    optimizer_bits: int = 32
-    compression: str = "zstd"
-    compression_level: int = 3
-    small_table_rows: int = 0
-    small_table_bits: int = 8
-    table_bits: Dict[str, int] = field(default_factory=dict)
-    table_plan_width: int = 0
-    bit_policy: str = "fixed"
-    failures: FailureConfig = field(default_factory=FailureConfig)
-    keep_last: int = 2
-    merge_every: int = 0
-    max_chain_ratio: float = 0.0
-    lease_ttl_s: float = 60.0
-    on_damage: str = "fallback"
-    local_dir: str = ""
-    local_keep_last: int = 1
+
+    def __post_init__(self) -> None:
+        """Checked by cnr.app.config_checks.validate with the rest of the config, not here."""
+
+    def options(self, expected_steps: int) -> CheckpointOptions:
+        """The library's options this section holds, for a job of ``expected_steps`` steps."""
+        return CheckpointOptions.from_config(self, expected_steps)
 
 
 @dataclass(frozen=True)
-class PublishConfig:
-    """Online-training publishing to inference (cnr.publish.publisher), independent of checkpoints.
-
-    Every ``interval`` steps the embedding rows modified since the previous publish go to
-    ``storage`` as a consecutive increment with the next sequence number; every
-    ``full_every``-th publish (and the first of every run) is a full base instead. Dense
-    parameters ride along every ``dense_interval`` steps (a multiple of ``interval``) and in
-    every base. ``bits``: 4, 8 or 32 (fp32, exact); ``quant_method`` as checkpoint.quant_method.
-    ``storage``: a URI of its own ("" = ``<--storage>/publish``). ``keep_bases``: after each
-    commit keep the newest N bases and every publish after the oldest of them (0: keep all).
+class PublishConfig(PublishOptions):
+    """The ``publish`` section (online training, cnr.publish.publisher; independent of checkpoints):
+    the fields of cnr.options.PublishOptions but ``uri``, plus ``enabled``, ``storage`` (the
+    publish store, a URI of its own; "" = ``<--storage>/publish``, cnr.publish.location) and
+    ``interval``: every ``interval`` steps the rows modified since the previous publish go out
+    (``dense_interval`` must be a multiple of it).
     """
+
+    NOT_KEYS: ClassVar[Tuple[str, ...]] = ("uri",)
 
     enabled: bool = False
     storage: str = ""
     interval: int = 20
-    full_every: int = 10
-    dense_interval: int = 100
-    bits: int = 8
-    quant_method: str = ""
-    keep_bases: int = 2
+
+    def __post_init__(self) -> None:
+        """Checked by cnr.app.config_checks.validate with the rest of the config, not here."""
+
+    def options(self, uri: str) -> PublishOptions:
+        """The library's options this section holds, publishing to ``uri``."""
+        return PublishOptions.from_config(self, uri)
 
 
 @dataclass(frozen=True)
@@ -263,21 +158,26 @@ class Config:
         return [(f, t.rows) for t in self.model.tables for f in t.features]
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain nested dict (JSON/YAML-serialisable) of every value."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (JSON/YAML-serialisable) of every value, keyed as the YAML is."""
+        return _keys_only(self)
 
 
-MAX_SHOWN = 200  # characters of a bad value quoted in an error message
-MAX_TABLE_ROWS = 2**31 - 1  # fbgemm's row indexes
-MAX_EMBEDDING_DIM = 65536
-MAX_TABLE_BYTES = 1 << 40  # fp32 weights of one table (1 TiB), far beyond any one machine's memory
+def config_keys(cls: type) -> List[str]:
+    """The keys a section of dataclass ``cls`` takes: its fields, but those it marks NOT_KEYS."""
+    return [f.name for f in dataclasses.fields(cls) if f.name not in getattr(cls, "NOT_KEYS", ())]
+
+
+def _keys_only(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _keys_only(getattr(value, k)) for k in config_keys(type(value))}
+    if isinstance(value, (list, tuple)):
+        return [_keys_only(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _keys_only(v) for k, v in value.items()}
+    return value
+
+
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-
-
-def shown(value: Any) -> str:
-    """``repr(value)``, cut to MAX_SHOWN characters: an error never quotes a huge value whole."""
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -323,8 +223,6 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
         raw = loaded or {}
     for item in overrides:
         _apply_override(raw, item)
-    from cnr.app.config_checks import validate  # the checks import this module's types
-
     config = _build(Config, raw, "")
     validate(config)
     return config
@@ -351,7 +249,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"config section {where or '<top>'!r} must be a mapping, got {shown(raw)}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = config_keys(cls)
     unknown = sorted((set(raw) - set(names)), key=str)
     if unknown:
         prefix = where + "." if where else ""

@@ -1,42 +1,49 @@
 """The checks of a cnr configuration (cnr.app.config's dataclasses): every bad value raises a
-ConfigError naming the key, the value and what is allowed, before any work starts.
-``validate_checkpoint`` is shared with cnr.options.CheckpointOptions."""
+ConfigError naming the key, the value and what is allowed, before any work starts. The
+``checkpoint`` and ``publish`` sections hold the library's settings, checked by the library's own
+rules (cnr.options.check_checkpoint, check_publish) under their config keys.
+
+Below cnr.app.config (which imports it): its types are only named here, never imported.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
-from cnr.app.config import (
-    ARCHES, BIT_POLICIES, COMPRESSIONS, DATA_SOURCES, DENSE_OPTIMIZERS, MALFORMED_POLICIES, MAX_EMBEDDING_DIM,
-    MAX_QUEUE_DEPTH, MAX_READER_PROCESSES, MAX_TABLE_BYTES, MAX_TABLE_ROWS, ON_DAMAGE, OVERLAP_MODES, PUBLISH_BITS,
-    SEARCH_KERNELS, SPARSE_OPTIMIZERS, CheckpointConfig, Config, FailureConfig, PublishConfig, TableConfig, shown,
-)
 from cnr.errors import ConfigError
-from cnr.policy.kinds import CAPPED_POLICIES, POLICIES
-from cnr.types import STORED_QUANT_METHODS, ShardingKind
+from cnr.options import Naming, check_checkpoint, check_publish, shown
+from cnr.types import ShardingKind
 
+if TYPE_CHECKING:
+    import torch
 
+# cnr.app.config's dataclasses, named in annotations only: that module imports this one, so
+# these are read duck-typed (the attributes each check names), never imported.
+Config = Any
+TableConfig = Any
+
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "adam")
+DENSE_OPTIMIZERS = ("adagrad", "sgd", "adam")
+# fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
+CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+ARCHES = ("dlrm", "dcn")
+DATA_SOURCES = ("synthetic", "tsv")
+MALFORMED_POLICIES = ("reject", "skip")
+MAX_READER_PROCESSES = 64  # per trainer rank; each is a process with its own copy of the reader
+MAX_QUEUE_DEPTH = 1024  # batches buffered per reader process
+MAX_TABLE_ROWS = 2**31 - 1  # fbgemm's row indexes
+MAX_EMBEDDING_DIM = 65536
+MAX_TABLE_BYTES = 1 << 40  # fp32 weights of one table (1 TiB), far beyond any one machine's memory
 MAX_LEARNING_RATE = 3.4028234663852886e38  # the largest fp32 number: fbgemm and torch's optimizers take lr as fp32
 SPARSE_STATE_FLOATS = {"rowwise_adagrad": 1, "adagrad": -1, "sgd": 0, "adam": -2}  # per row; -k: k x embedding_dim
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+KEYS = Naming("", config_keys=True, error=ConfigError)  # top-level keys: config key 'model.arch'
+_require, _one_of, _positive = KEYS.require, KEYS.one_of, KEYS.positive
 
 
-def _one_of(key: str, value: str, allowed: Sequence[str]) -> None:
-    choices = ", ".join(a if a else "'' (the default)" for a in allowed)
-    _require(value in allowed, f"config key {key!r} = {shown(value)} is not allowed; allowed: {choices}")
-
-
-def _positive(key: str, value: float) -> None:
-    _require(value > 0, f"config key {key!r} = {value!r} is not allowed; it must be > 0")
-
-
-def validate(config: Config) -> None:
+def validate(config: "Config") -> None:
     """Cross-field checks; raises ConfigError naming the offending key and value."""
     m, d, t, c = config.model, config.data, config.train, config.checkpoint
     _one_of("model.arch", m.arch, ARCHES)
@@ -85,99 +92,25 @@ def validate(config: Config) -> None:
                  f"(0, {MAX_LEARNING_RATE:.7g}] (the optimizers compute in fp32: a larger rate overflows it)")
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
-    validate_checkpoint(c)
+    check_checkpoint(c, Naming("checkpoint.", config_keys=True, error=ConfigError))
     names = [t.name for t in m.tables]
     unknown = sorted(set(c.table_bits) - set(names))
     _require(not unknown, f"config key 'checkpoint.table_bits' names {shown(unknown[0]) if unknown else ''}, which is "
              f"not a table of model.tables; tables: {shown(', '.join(names))}")
-    _validate_publish(config.publish)
+    p = config.publish
+    check_publish(p, Naming("publish.", config_keys=True, error=ConfigError), interval=p.interval)
 
 
-def validate_checkpoint(c: CheckpointConfig) -> None:
-    """The checkpoint section's checks (cnr.options.CheckpointOptions shares them)."""
-    _one_of("checkpoint.policy", c.policy, POLICIES)
-    _one_of("checkpoint.on_overlap", c.on_overlap, OVERLAP_MODES)
-    _one_of("checkpoint.search_kernel", c.search_kernel, SEARCH_KERNELS)
-    _positive("checkpoint.upload_threads", c.upload_threads)
-    _positive("checkpoint.encode_threads", c.encode_threads)
-    _positive("checkpoint.restore_threads", c.restore_threads)
-    _positive("checkpoint.commit_timeout_s", c.commit_timeout_s)
-    _require(c.bits in (2, 3, 4, 8, 32), f"config key 'checkpoint.bits' = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
-    _one_of("checkpoint.quant_method", c.quant_method, ("",) + STORED_QUANT_METHODS)
-    _require(c.optimizer_bits in (0, 8, 32), f"config key 'checkpoint.optimizer_bits' = {c.optimizer_bits} is not "
-             "allowed; allowed: 8, 32, or 0 (chosen from the failure budget, with bit_policy 'failures')")
-    _require(c.optimizer_bits != 0 or c.bit_policy == "failures", "config key 'checkpoint.optimizer_bits' = 0 "
-             f"(chosen from the failure budget) needs checkpoint.bit_policy 'failures', not {c.bit_policy!r}")
-    _one_of("checkpoint.compression", c.compression, COMPRESSIONS)
-    _require(c.compression_level in range(1, 20), f"config key 'checkpoint.compression_level' = "
-             f"{c.compression_level} is not allowed; allowed: 1..19")
-    _require(c.small_table_rows >= 0, f"config key 'checkpoint.small_table_rows' = {c.small_table_rows} is not "
-             "allowed; it must be >= 0 (0: no table is small)")
-    _require(c.small_table_bits in (3, 4, 8, 32), f"config key 'checkpoint.small_table_bits' = "
-             f"{c.small_table_bits} is not allowed; allowed: 3, 4, 8, 32")
-    _require(isinstance(c.table_bits, dict) and all(isinstance(k, str) and k and v in (2, 3, 4, 8, 32)
-                                                    and not isinstance(v, bool) for k, v in c.table_bits.items()),
-             f"config key 'checkpoint.table_bits' = {shown(c.table_bits)} is not allowed; it maps table names to "
-             "bit-widths 2, 3, 4, 8 or 32, e.g. {t_0: 4, t_1: 2}")
-    _require(c.table_plan_width in (0, 2, 3, 4, 8), f"config key 'checkpoint.table_plan_width' = "
-             f"{c.table_plan_width} is not allowed; allowed: 0 (the plan applies at any width), 2, 3, 4, 8")
-    _one_of("checkpoint.bit_policy", c.bit_policy, BIT_POLICIES)
-    _require(c.keep_last >= 0, f"config key 'checkpoint.keep_last' = {c.keep_last} is not allowed; it must be >= 0 (0 keeps everything)")
-    _require(c.merge_every >= 0, f"config key 'checkpoint.merge_every' = {c.merge_every} is not allowed; it must be >= 0 (0 never merges)")
-    _require(c.merge_every == 0 or c.policy == "consecutive",
-             f"config key 'checkpoint.merge_every' = {c.merge_every} needs checkpoint.policy 'consecutive', not "
-             f"{c.policy!r}: only consecutive increments form chains to merge")
-    _require(c.max_chain_ratio == 0 or c.max_chain_ratio > 1, f"config key 'checkpoint.max_chain_ratio' = "
-             f"{c.max_chain_ratio} is not allowed; it must be 0 (no cap) or > 1 (a chain reads its baseline at least)")
-    _require(c.max_chain_ratio == 0 or c.policy in CAPPED_POLICIES,
-             f"config key 'checkpoint.max_chain_ratio' = {c.max_chain_ratio} needs checkpoint.policy "
-             f"{' or '.join(repr(p) for p in CAPPED_POLICIES)}, not {c.policy!r}: the others never choose a new baseline")
-    _validate_failures(c.failures, c.bit_policy)
-    _require(c.chunk_bytes >= 4096, f"config key 'checkpoint.chunk_bytes' = {c.chunk_bytes} is not allowed; it must be >= 4096")
-    _one_of("checkpoint.on_damage", c.on_damage, ON_DAMAGE)
-    _require(isinstance(c.local_dir, str) and "://" not in c.local_dir, f"config key 'checkpoint.local_dir' = "
-             f"{shown(c.local_dir)} is not allowed; give a node-local directory path, or '' for none")
-    _require(c.local_keep_last >= 0, f"config key 'checkpoint.local_keep_last' = {c.local_keep_last} is not "
-             "allowed; it must be >= 0 (0 keeps everything)")
-    _require(1.0 <= c.lease_ttl_s <= 86400.0, f"config key 'checkpoint.lease_ttl_s' = {c.lease_ttl_s} is not allowed; "
-             "it must be from 1 to 86400 seconds")
+def check_device_support(config: "Config", device: "torch.device") -> None:
+    """Reject combinations fbgemm cannot run on ``device``, before any work starts."""
+    if device.type == "cpu" and config.train.sparse_optimizer not in CPU_SPARSE_OPTIMIZERS:
+        raise ConfigError(
+            f"train.sparse_optimizer = {config.train.sparse_optimizer!r} is not supported by fbgemm's fused "
+            f"kernels on CPU; allowed on CPU: {', '.join(CPU_SPARSE_OPTIMIZERS)} (adam needs CUDA)"
+        )
 
 
-def _validate_publish(p: PublishConfig) -> None:
-    _positive("publish.interval", p.interval)
-    _positive("publish.full_every", p.full_every)
-    _require(p.dense_interval > 0 and p.dense_interval % p.interval == 0,
-             f"config key 'publish.dense_interval' = {p.dense_interval} is not allowed; it must be a positive "
-             f"multiple of publish.interval = {p.interval}")
-    _require(p.bits in PUBLISH_BITS, f"config key 'publish.bits' = {p.bits} is not allowed; allowed: "
-             + ", ".join(str(b) for b in PUBLISH_BITS))
-    _one_of("publish.quant_method", p.quant_method, ("",) + STORED_QUANT_METHODS)
-    _require(p.keep_bases >= 0, f"config key 'publish.keep_bases' = {p.keep_bases} is not allowed; "
-             "it must be >= 0 (0 keeps everything)")
-
-
-def _validate_failures(f: FailureConfig, bit_policy: str) -> None:
-    k = "checkpoint.failures"
-    _require(math.isfinite(f.rate_per_node_hour) and f.rate_per_node_hour >= 0,
-             f"config key '{k}.rate_per_node_hour' = {f.rate_per_node_hour!r} is not allowed; it must be >= 0")
-    for name in ("log_nodes", "nodes"):
-        _require(getattr(f, name) >= 0, f"config key '{k}.{name}' = {getattr(f, name)} is not allowed; it must be >= 0")
-    _require(math.isfinite(f.step_seconds) and f.step_seconds >= 0,
-             f"config key '{k}.step_seconds' = {f.step_seconds!r} is not allowed; it must be >= 0 (0: measured)")
-    _require(bool(f.tolerated_restores) and all(b in (2, 3, 4) and n >= 0 for b, n in f.tolerated_restores.items()),
-             f"config key '{k}.tolerated_restores' = {f.tolerated_restores!r} is not allowed; it maps bit-widths "
-             "2, 3, 4 to restore counts >= 0, e.g. {2: 1, 3: 3, 4: 20}")
-    _require(f.log8_tolerated_restores >= 0, f"config key '{k}.log8_tolerated_restores' = "
-             f"{f.log8_tolerated_restores} is not allowed; it must be >= 0")
-    if bit_policy == "failures":
-        _require((f.rate_per_node_hour > 0) != bool(f.log),
-                 f"checkpoint.bit_policy 'failures' needs exactly one of '{k}.rate_per_node_hour' (> 0) or "
-                 f"'{k}.log', got rate {f.rate_per_node_hour!r} and log {f.log!r}")
-        _require(not f.log or f.log_nodes >= 1, f"config key '{k}.log_nodes' = {f.log_nodes} is not allowed with a "
-                 "failure log; it must be the number of nodes (>= 1) the log covers")
-
-
-def _validate_tables(tables: Sequence[TableConfig], allowed_sharding: Sequence[str]) -> None:
+def _validate_tables(tables: Sequence["TableConfig"], allowed_sharding: Sequence[str]) -> None:
     seen_tables: set = set()
     seen_features: Dict[str, str] = {}
     for i, table in enumerate(tables):
@@ -217,7 +150,7 @@ def host_memory_bytes() -> Tuple[int, str]:
     return best
 
 
-def _host_bytes_per_row(config: Config, on_cpu: bool) -> int:
+def _host_bytes_per_row(config: "Config", on_cpu: bool) -> int:
     """Host bytes one embedding row needs at least: on CPU its fp32 weights and sparse optimizer
     state live there; with checkpoints on, a full snapshot copies both, and the row's id, into
     host buffers (cnr.track.snapshot.HostBuffers) on every device."""
@@ -228,7 +161,7 @@ def _host_bytes_per_row(config: Config, on_cpu: bool) -> int:
     return copies * row + (8 if config.checkpoint.enabled else 0)
 
 
-def check_host_memory(config: Config, on_cpu: bool, node_share: float = 1.0,
+def check_host_memory(config: "Config", on_cpu: bool, node_share: float = 1.0,
                       memory: Optional[Tuple[int, str]] = None) -> None:
     """Refuse tables whose rows cannot fit in this machine's memory (``host_memory_bytes``),
     naming the largest table, its rows and the most it may have. ``node_share``: the part of

@@ -2,7 +2,7 @@
 spawned or anything is written (``prepare_job``), and the entry each rank runs.
 
 Nothing here imports torchrec or the training stack: a launcher of N ranks spends its start-up
-on the checks, not on loading what only the ranks use (cnr.app.train, imported by ``run_job_rank``
+on the checks, not on loading what only the ranks use (cnr.app.train, imported by cnr.app.rank_entry.run_job_rank
 inside each rank).
 """
 
@@ -10,36 +10,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from cnr.app.config import Config
-from cnr.app.config_checks import check_host_memory
+from cnr.app.config_checks import check_device_support, check_host_memory
 from cnr.errors import ConfigError
 from cnr.format.manifest import Manifest
 from cnr.format.catalog import newest_committed
 from cnr.app.launch import check_nproc, under_torchrun
 from cnr.policy.kinds import failure_rate
-from cnr.publish.location import check_publish_storage, publish_uri
+from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.write.local_tier import open_checkpoint_store
-from cnr.options import CheckpointOptions
 from cnr.write.local_paths import check_creatable_dir
 
 FRESH_START_REMEDY = ("pass --resume to continue from it, --new-history to start a new history beside it (the old "
                       "one is kept), or give --storage an empty location")
 
-# fbgemm's fused CPU kernels implement only these (measured: adam asserts "not supported in CPU mode").
-CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 
-
-def check_device_support(config: Config, device: torch.device) -> None:
-    """Reject combinations fbgemm cannot run on ``device``, before any work starts."""
-    if device.type == "cpu" and config.train.sparse_optimizer not in CPU_SPARSE_OPTIMIZERS:
-        raise ConfigError(
-            f"train.sparse_optimizer = {config.train.sparse_optimizer!r} is not supported by fbgemm's fused "
-            f"kernels on CPU; allowed on CPU: {', '.join(CPU_SPARSE_OPTIMIZERS)} (adam needs CUDA)"
-        )
+def publish_uri(storage_uri: str, config: Config) -> str:
+    """Where ``cnr train`` publishes: ``publish.storage``, or ``<storage_uri>/publish``."""
+    return config.publish.storage or default_publish_uri(storage_uri)
 
 
 @dataclass(frozen=True)
@@ -124,7 +116,7 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
                               "publish.storage")
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
-        storage = open_checkpoint_store(storage_uri, CheckpointOptions.from_config(config.checkpoint, config.train.steps))
+        storage = open_checkpoint_store(storage_uri, config.checkpoint.options(config.train.steps))
         newest = newest_committed(storage)
         if resume and newest is None:
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
@@ -141,10 +133,3 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
     if config.checkpoint.bit_policy == "failures":
         failure_rate(config.checkpoint)  # reads the failure log now: a bad one is an error before any work
     return TrainJob(config, storage_uri, resume, new_history)
-
-
-def run_job_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:
-    """A rank of ``job`` (see cnr.app.train.run_rank); the training stack is loaded here, in the rank."""
-    from cnr.app.train import run_rank
-
-    return run_rank(rank, world_size, job)

@@ -20,7 +20,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr.app.config import Config
 from cnr.track.dense_sync import DeterministicDataParallel
-from cnr.app.job import check_device_support
+from cnr.app.config_checks import check_device_support
 from cnr.models.dlrm import build_dlrm
 
 logger = logging.getLogger(__name__)

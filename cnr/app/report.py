@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
+from cnr.app.report_points import Entry, Point
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key
 from cnr.format.catalog import scan_checkpoints
 from cnr.storage import open_storage
@@ -45,45 +46,6 @@ logger = logging.getLogger(__name__)
 
 MARKDOWN = "report.md"
 FIGURES = {"sizes": "checkpoint_sizes.png", "storage": "storage.png", "reduction": "reduction.png"}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One committed checkpoint present in storage, as the report counts it (sizes in bytes)."""
-
-    id: str
-    step: int
-    kind: str
-    bits: int
-    method: str
-    base: Optional[str]
-    data_bytes: int
-    meta_bytes: int
-    full_fp32_bytes: int
-
-    @property
-    def interval(self) -> bool:
-        """Whether training took this checkpoint at an interval; a merged baseline (cnr.write.merge) is
-        written beside the intervals, and the fp32 baseline writes nothing for it."""
-        return not self.id.endswith(MERGED_SUFFIX)
-
-    @property
-    def written(self) -> int:
-        """Bytes this checkpoint wrote: chunks plus manifest and rank indexes."""
-        return self.data_bytes + self.meta_bytes
-
-
-@dataclass(frozen=True)
-class Point:
-    """The report's figures after one checkpoint committed (see the module docstring)."""
-
-    entry: Entry
-    cum_written: int
-    cum_fp32: int
-    held: int
-    needed: Optional[int]
-    bw_reduction: Optional[float]
-    capacity_reduction: Optional[float]
 
 
 @dataclass(frozen=True)

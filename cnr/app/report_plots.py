@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from cnr.app.report import Point
+from cnr.app.report_points import Point
 
 FULL_COLOR = "#1f4e79"
 INCREMENTAL_COLOR = "#f28e2b"

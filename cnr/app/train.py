@@ -28,10 +28,9 @@ from cnr.app.launch import rank_device
 from cnr.format.manifest import Manifest
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.app.job import FRESH_START_REMEDY, TrainJob
+from cnr.app.job import FRESH_START_REMEDY, TrainJob, publish_uri
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
-from cnr.publish.publisher import Publisher, make_publisher
-from cnr.publish.location import publish_uri
+from cnr.publish.publisher import Publisher
 from cnr.track.state import global_names, state_digest
 from cnr.write.local_tier import open_checkpoint_store
 from cnr.app.trace import SampleTrace, reset_trace
@@ -160,13 +159,24 @@ def _newest(storage) -> Manifest:
 
 
 def _options(config: Config) -> CheckpointOptions:
-    return CheckpointOptions.from_config(config.checkpoint, expected_steps=config.train.steps)
+    return config.checkpoint.options(expected_steps=config.train.steps)
 
 
 def _publish_options(storage_uri: str, config: Config) -> Optional[PublishOptions]:
     if not config.publish.enabled:
         return None
-    return PublishOptions.from_config(config.publish, publish_uri(storage_uri, config))
+    return config.publish.options(publish_uri(storage_uri, config))
+
+
+def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int,
+                   model: torch.nn.Module) -> Optional[Publisher]:
+    """The Publisher of a ``cnr train`` job that publishes without a Checkpointer (None unless
+    ``publish.enabled``), with a tracker of its own."""
+    options = _publish_options(storage_uri, config)
+    if options is None:
+        return None
+    return Publisher.for_model(options.uri, options, _options(config), rank, world_size, model,
+                               interval=config.publish.interval)
 
 
 def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest],
@@ -226,7 +236,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     metrics = evaluate(config, sharded.model, rank, world_size, device)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
     digest = state_digest(pieces, global_names(pieces))
-    stats = _reduce_stats(saving.engine.stats if saving is not None else None, train_seconds)
+    stats = _reduce_stats(saving.stats if saving is not None else None, train_seconds)
     if publisher is not None:
         stats.update(publisher.summary())
     if rank != 0:
@@ -235,7 +245,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         "steps": step, "samples": progress.samples, "eval_logloss": metrics["logloss"],
         "eval_auc": metrics["auc"], "state_sha256": digest, "restores": ckpt.restores if ckpt is not None else 0,
         "world_size": world_size, "skipped_lines": source.skipped_lines, **stats,
-        "checkpoint_bits": saving.engine.bit_width.bits if saving is not None else None,
+        "checkpoint_bits": saving.bit_width.bits if saving is not None else None,
         "restored_checkpoint": manifest.id if manifest is not None else None,
         "restore_fallbacks": [{"id": s.id, "reason": s.reason} for s in ckpt.skipped_on_restore] if ckpt else [],
         "lineage": ckpt.lineage if ckpt is not None else None,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional
+from typing import Optional, Sequence
 
 from cnr.storage.base import Buffer, Storage
+from cnr.storage.wrapper import WrapperStorage
 from cnr.types import ByteRange
 
 
@@ -39,18 +40,15 @@ class Link:
             time.sleep(delay)
 
 
-class LinkedStorage(Storage):
+class LinkedStorage(WrapperStorage):
     """``inner`` with every read delivered at most as fast as ``link`` allows, and every write
-    stored no sooner than ``uplink`` would carry it (None: at the store's own speed)."""
+    (a put, a commit) stored no sooner than ``uplink`` would carry it (None: at the store's own
+    speed). Everything else is ``inner``'s (cnr.storage.wrapper)."""
 
     def __init__(self, inner: Storage, link: Optional[Link], uplink: Optional[Link] = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.link = link
         self.uplink = uplink
-
-    @property
-    def uri(self) -> str:
-        return self.inner.uri
 
     def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
         started = time.monotonic()
@@ -62,29 +60,16 @@ class LinkedStorage(Storage):
     def put(self, key: str, data: Buffer) -> None:
         started = time.monotonic()
         self.inner.put(key, data)
+        self._carry_up(data, started)
+
+    def commit(self, key: str, data: Buffer, requires: Sequence[str] = ()) -> None:
+        started = time.monotonic()
+        self.inner.commit(key, data, requires)
+        self._carry_up(data, started)
+
+    def _carry_up(self, data: Buffer, started: float) -> None:
         if self.uplink is not None:
             self.uplink.carry(memoryview(data).nbytes, started)
-
-    def put_if_absent(self, key: str, data: Buffer) -> bool:
-        return self.inner.put_if_absent(key, data)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def list(self, prefix: str = "") -> List[str]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def check_writable(self) -> None:
-        self.inner.check_writable()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def over_link(rate: float, storage: Storage) -> Storage:

@@ -6,7 +6,7 @@ server on 127.0.0.1 in its own process, started by the bench). While a publishin
 subscriber process (one torch thread, like a sidecar) follows the store, polling every
 ``--poll-s`` seconds, and applies every publish to an InferenceModel. Checkpointing is off, so
 publishing is the only background work; that is why it uses ``cnr train``'s publisher without a
-Checkpointer (cnr.publish.publisher.make_publisher), as a publish-only ``cnr train`` job does.
+Checkpointer (cnr.app.train.make_publisher), as a publish-only ``cnr train`` job does.
 
 Reported per store:
 - ``bytes``: stored bytes of each publish (chunks + index + manifest) over the fp32 bytes of
@@ -44,7 +44,7 @@ from cnr.app.data import make_reader
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
 from cnr.app.parallel import build_sharded_model
-from cnr.publish.publisher import make_publisher
+from cnr.app.train import make_publisher
 from cnr.track.app_state import collect_state
 
 STORES = ("local", "s3")

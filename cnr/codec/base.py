@@ -1,20 +1,25 @@
 """The codec seam: the two kinds of stage a chunk's codec chain is made of, and spec helpers.
 
 A chunk's values go through one array->bytes stage (cnr.codec.raw, .rowwise, .log8), whose
-output is the payload's value bytes; the payload (row ids, then values) then goes through any
-number of bytes->bytes stages (cnr.codec.zstd). Each stage is recorded as a CodecSpec in the
-chunk header and in the manifest, so a reader knows the whole chain before it touches a byte.
+output is the payload's value bytes; the payload (row ids, then values) then goes through at
+most one bytes->bytes stage (cnr.codec.zstd). At most one because a chunk header records only
+the payload's size before its bytes stage and after it, not the size between two stages, and a
+bytes stage decodes to exactly the size it is told (the manifest and header parsers refuse a
+longer chain: cnr.codec.check_chain_names). Each stage is recorded as a CodecSpec in the chunk
+header and in the manifest, so a reader knows the whole chain before it touches a byte.
 
-Encoding is specific to each array codec (it takes a tensor or QuantizedRows and returns its
-spec and byte parts), so only decoding, size and parameter checks are part of the interface:
-everything a reader needs to verify and invert a chain it did not write.
+A codec is one module: a class implementing ArrayCodec or BytesCodec (both directions, the
+checks a reader needs, and what the writer's plan and the merge need to know: ``compressible``,
+``searched_rows``, ``reencode``, ``merge_rows``) plus one ``register`` line in cnr.codec.
+cnr.codec.chunk_format (the chunk layout), cnr.write.plan (which codec stores a block) and
+cnr.write.merge go through the registry and this interface only.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -52,20 +57,142 @@ class ValuesShape:
     dtype: str
 
 
+Parts = List[memoryview]
+"""Value bytes as the pieces an encoder produced, joined as they are (no copy until the join)."""
+
+
+def values_shape(data: torch.Tensor) -> ValuesShape:
+    """What a chunk header records of plain rows ``data`` ``[rows, *row_shape]``."""
+    return ValuesShape(int(data.shape[0]), tuple(int(s) for s in data.shape[1:]),
+                       int(data.shape[1]) if data.dim() >= 2 else 0, dtype_name(data.dtype))
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An array codec's output for one chunk: its stage's ``spec``, the ``shape`` the chunk header
+    records of the values, and the value ``parts`` (cnr.codec.chunk_format.encode_chunk frames them)."""
+
+    spec: CodecSpec
+    shape: ValuesShape
+    parts: Parts
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the writer's plan (cnr.write.plan) asks of the array codecs for a block of one piece:
+    ``bits`` per value (32: exact), the job's own ``job_bits`` and ``method`` (the width and
+    quantization method it was configured with), ``search``: the adaptive range search's compiled
+    kernels (cnr.codec.quant.range_search.Fused) or None for the eager ones, ``name``: the
+    tensor's, for messages."""
+
+    bits: int = 32
+    job_bits: int = 32
+    method: str = ""
+    search: Optional[Any] = None
+    name: str = ""
+
+
 @dataclass(frozen=True)
 class DecodedValues:
-    """An array codec's output: plain ``data`` ``[rows, *row_shape]``, or ``quantized`` rows
-    (cnr.codec.quant.quantize.QuantizedRows) left for the caller to dequantize when it needs values."""
+    """An array codec's output: plain ``data`` ``[rows, *row_shape]``, or ``stored`` rows left in
+    the codec's stored form for the caller to turn into values when it needs them (a StoredRows,
+    e.g. cnr.codec.quant.quantize.QuantizedRows)."""
 
     data: Optional[torch.Tensor] = None
-    quantized: Optional[Any] = None
+    stored: Optional[Any] = None
+
+
+class StoredRows(abc.ABC):
+    """Rows an array codec decoded without computing their values (``dequantize=False``). The
+    quantized rows of cnr.codec.quant.quantize.QuantizedRows are one; any class with these
+    members serves (it need not derive from this one)."""
+
+    rows: int
+
+    @abc.abstractmethod
+    def select(self, at: Union[slice, torch.Tensor]) -> "StoredRows":
+        """The rows at ``at``: a slice, or int64 local row indexes."""
+
+    @abc.abstractmethod
+    def values(self) -> torch.Tensor:
+        """Every row as values, ``[rows, *row_shape]``."""
+
+
+class MergeRows(abc.ABC):
+    """Every row of one column slice of a tensor in its decoded form, as the merge
+    (cnr.write.merge) gathers them link by link and then re-encodes them block by block."""
+
+    rows: int
+
+    @abc.abstractmethod
+    def place(self, at: Union[slice, torch.Tensor], values: DecodedValues) -> None:
+        """Write a chunk's decoded rows at ``at`` (a slice, or global row ids)."""
+
+    @abc.abstractmethod
+    def row_bytes(self) -> int:
+        """Bytes one row takes in a chunk, for the size of the merged chunks."""
+
+    @abc.abstractmethod
+    def block(self, lo: int, hi: int) -> DecodedValues:
+        """Rows ``lo..hi-1`` in the form decode gives them."""
+
+
+class PlainRows(MergeRows):
+    """MergeRows of a codec whose decode gives plain values: one tensor of ``dtype``."""
+
+    def __init__(self, rows: int, row_shape: Tuple[int, ...], dtype: str) -> None:
+        self.rows = rows
+        self.data = torch.empty((rows,) + tuple(row_shape), dtype=DTYPES[dtype])
+
+    def place(self, at: Union[slice, torch.Tensor], values: DecodedValues) -> None:
+        self.data[at] = values.data
+
+    def row_bytes(self) -> int:
+        return self.data[:1].numel() * self.data.element_size()
+
+    def block(self, lo: int, hi: int) -> DecodedValues:
+        return DecodedValues(data=self.data[lo:hi])
 
 
 class ArrayCodec(abc.ABC):
-    """array->bytes: a chunk's values <-> the value bytes of its payload."""
+    """array->bytes: a chunk's values <-> the value bytes of its payload.
+
+    ``encoding``: the Encoding a ChunkRef records for its chunks. ``compressible``: whether the
+    writer (cnr.write.plan) and the merge run a job's bytes->bytes stage over its chunks.
+    ``plain``: whether decode gives plain values (``data``), which the merge may then mix with
+    raw rows of the same tensor (rows it stored raw when ``reencode`` could not reproduce them).
+    """
 
     name: ClassVar[str]
     encoding: ClassVar[Encoding]
+    compressible: ClassVar[bool] = True
+    plain: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def encode(self, values: Any, target: Optional[Target] = None) -> Optional[Encoded]:
+        """The value bytes of ``values``: host rows (a tensor ``[rows, *row_shape]``), or rows in
+        this codec's stored form (what decode gives as ``stored``), kept as they are. ``target``:
+        what the writer's plan asks for (None: the codec's own choice, e.g. a merge's re-encoding).
+        None when this codec does not store these values at ``target``; the plan then asks the
+        next codec (cnr.codec.plan_codecs). A value a codec cannot take by contract (a bad
+        argument, not a bad fit) raises ValueError instead."""
+
+    def reencode(self, stored: DecodedValues) -> Optional[Encoded]:
+        """Rows this codec decoded (``dequantize=False``) encoded so that they decode to exactly
+        the same values, or None when they cannot be (the merge then stores them with
+        cnr.codec.exact_codec). Default: encode them as they are, which is exact for a lossless
+        codec and for a stored form copied as it is."""
+        return self.encode(stored.data if stored.stored is None else stored.stored)
+
+    def searched_rows(self, values: torch.Tensor, target: Target) -> int:
+        """Rows of ``values`` that ``encode(values, target)`` passes to the adaptive range search
+        (cnr.codec.quant.range_search), by which the writer sizes its compiled kernels; 0 here."""
+        return 0
+
+    def merge_rows(self, first: DecodedValues, rows: int, dtype: str) -> MergeRows:
+        """Room for ``rows`` rows shaped like the decoded chunk ``first`` (of a tensor of stored
+        ``dtype``), for the merge. Default: PlainRows, for a codec whose decode gives ``data``."""
+        return PlainRows(rows, tuple(first.data.shape[1:]), dtype)
 
     @abc.abstractmethod
     def check(self, spec: CodecSpec, shape: ValuesShape, where: str) -> Dict[str, Any]:
@@ -76,8 +203,11 @@ class ArrayCodec(abc.ABC):
         """Exact size of the encoded values."""
 
     @abc.abstractmethod
-    def decode(self, spec: CodecSpec, shape: ValuesShape, data: memoryview, where: str) -> DecodedValues:
-        """Invert the stage; ``data`` is exactly ``value_bytes`` long."""
+    def decode(self, spec: CodecSpec, shape: ValuesShape, data: memoryview, where: str,
+               reference: Optional[torch.Tensor] = None) -> DecodedValues:
+        """Invert the stage; ``data`` is exactly ``value_bytes`` long. ``reference``: the values
+        these rows held before (``[rows, *row_shape]``), for a codec that stores rows as a delta
+        against them; no codec does today, and readers pass None."""
 
     @abc.abstractmethod
     def summary(self, spec: CodecSpec, dtype: str) -> Tuple[int, str]:
@@ -85,7 +215,7 @@ class ArrayCodec(abc.ABC):
 
 
 class BytesCodec(abc.ABC):
-    """bytes->bytes: a payload <-> its stored form."""
+    """bytes->bytes: a payload <-> its stored form (a chain holds at most one such stage)."""
 
     name: ClassVar[str]
 
@@ -123,6 +253,3 @@ def numel(shape: ValuesShape) -> int:
     for s in shape.row_shape:
         n *= s
     return n
-
-
-Parts = List[memoryview]

@@ -5,14 +5,17 @@ Layout of a chunk object (all integers little-endian):
     b"CNRC" | u16 format version | u32 header length | header (UTF-8 JSON) | payload
 
 The header names the tensor, dtype, the rows it covers, its codec chain (``codecs``, see
-cnr.codec) and the stored payload's size and CRC-32. The payload, before the chain's
-bytes->bytes stages (zstd) and after them undone, is: the global row ids when ``row_ids`` is true,
+cnr.codec: one array->bytes stage, then at most one bytes->bytes stage) and the stored
+payload's size and CRC-32. The payload, before the chain's bytes->bytes stage (zstd) and after
+it is undone, is: the global row ids when ``row_ids`` is true,
 in the form the header's ``ids`` names (``{"format": "int64"}``: ``rows`` int64 values; or, for
 strictly ascending ids where it is smaller, ``{"format": "bitmap", "first": f, "span": n}``:
 ``ceil(n / 8)`` bytes, bit ``i`` LSB-first set iff row ``f + i`` is listed); then the value bytes
-of the chain's array->bytes stage (raw, rowwise or log8). The CRC covers the stored payload, so
-a chunk is verified before any codec reads it. Nothing is unpickled; every header field is
-checked against the manifest's ChunkRef before the payload is used.
+of the chain's array->bytes stage (raw, rowwise, log8: any registered array codec). The CRC
+covers the stored payload, so a chunk is verified before any codec reads it. Nothing is
+unpickled; every header field is checked against the manifest's ChunkRef before the payload is
+used. This module knows no codec by itself: it frames what a codec encoded (``encode_chunk``)
+and hands the verified bytes back to the codecs the header names, through cnr.codec's registry.
 
 Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); versions 1 (int64 ids
 only) and 2 are still read, their headers mapped onto the equivalent chain.
@@ -20,34 +23,29 @@ only) and 2 are still read, their headers mapped onto the equivalent chain.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from cnr.codec import array_codec, bytes_codec, check_chain_names
-from cnr.codec.base import DTYPES, DTYPE_NAMES, ValuesShape, dtype_name, take, tensor_bytes
+from cnr.codec import MAX_BYTES_STAGES, array_codec, bytes_codec, check_chain_names
+from cnr.codec.base import DTYPES, DTYPE_NAMES, Encoded, Target, ValuesShape, dtype_name, take, tensor_bytes
 from cnr.codec.spec import make_spec, spec_from_json, spec_to_json
-from cnr.codec.log8 import encode_log8
-from cnr.codec.raw import encode_raw
-from cnr.codec.rowwise import encode_rowwise
 from cnr.errors import CorruptChunkError
-from cnr.codec.quant.quantize import QuantizedRows, dequantize_rows
 from cnr.types import ChunkRef, CodecSpec
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "DecodedChunk", "decode_chunk", "dtype_name", "encode_log8_chunk",
-           "encode_quantized_chunk", "encode_raw_chunk", "stored_payload"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "DecodedChunk", "decode_chunk", "dtype_name", "encode_chunk", "encode_log8_chunk",
+           "encode_quantized_chunk", "encode_raw_chunk", "encode_values", "stored_payload"]
 
 MAGIC = b"CNRC"
 FORMAT_VERSION = 3
 _PREFIX = struct.Struct("<4sHI")
 _MAX_HEADER = 1 << 20
-_MAX_CODECS = 2  # one array->bytes stage and at most one bytes->bytes stage
+_MAX_CODECS = 1 + MAX_BYTES_STAGES  # one array->bytes stage and at most one bytes->bytes stage
 
 _COMMON_FIELDS = {
     "tensor": str, "dtype": str, "row_start": int, "rows": int, "row_ids": bool, "col_offset": int, "cols": int,
@@ -59,18 +57,20 @@ _V1_HEADER_FIELDS = {k: v for k, v in _V2_HEADER_FIELDS.items() if k != "ids"}
 _QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
 
 Compression = Sequence[CodecSpec]
+"""The bytes->bytes stage of a chunk: empty, or one spec (``MAX_BYTES_STAGES``)."""
 
 
 @dataclass(frozen=True)
 class DecodedChunk:
     """A verified chunk: ``data`` is ``[rows, *row_shape]`` (dequantized for quantized chunks);
-    ``row_ids`` is None for a contiguous range. A quantized chunk decoded with
-    ``dequantize=False`` holds ``quantized`` instead and ``data`` is None until asked for."""
+    ``row_ids`` is None for a contiguous range. A chunk whose codec decodes to a stored form
+    (quantized rows: cnr.codec.quant.quantize.QuantizedRows, a cnr.codec.base.StoredRows) decoded
+    with ``dequantize=False`` holds it in ``quantized`` instead, and ``data`` is None until asked for."""
 
     ref: ChunkRef
     row_ids: Optional[torch.Tensor]
     data: Optional[torch.Tensor]
-    quantized: Optional[QuantizedRows] = None
+    quantized: Optional[Any] = None
 
     def values(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo..hi-1`` as values: a view of raw data, or just those rows dequantized.
@@ -80,19 +80,14 @@ class DecodedChunk:
         """
         if self.data is not None:
             return self.data[lo:hi]
-        q = self.quantized
-        return dequantize_rows(dataclasses.replace(q, rows=hi - lo, codes=q.codes[lo:hi], scale=q.scale[lo:hi],
-                                                   bias=q.bias[lo:hi]))
+        return self.quantized.select(slice(lo, hi)).values()
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """The chunk's rows at local indexes ``rows`` (int64) as values; of a quantized chunk only
         those rows are dequantized, bit-identical to the same rows of ``values`` (per-row ops)."""
         if self.data is not None:
             return self.data.index_select(0, rows)
-        q = self.quantized
-        return dequantize_rows(dataclasses.replace(q, rows=rows.numel(), codes=q.codes.index_select(0, rows),
-                                                   scale=q.scale.index_select(0, rows),
-                                                   bias=q.bias.index_select(0, rows)))
+        return self.quantized.select(rows).values()
 
 
 def _encode_ids(row_ids: Optional[torch.Tensor], rows: int) -> Tuple[Optional[dict], memoryview]:
@@ -121,9 +116,12 @@ class _Placement:
     row_ids: Optional[torch.Tensor]
 
 
-def _encode(key: str, where: _Placement, shape: ValuesShape, array: Tuple[CodecSpec, List[memoryview]],
-            compression: Compression) -> Tuple[bytes, ChunkRef]:
-    spec, value_parts = array
+def _encode(key: str, where: _Placement, encoded: Encoded, compression: Compression) -> Tuple[bytes, ChunkRef]:
+    spec, shape, value_parts = encoded.spec, encoded.shape, encoded.parts
+    compression = tuple(compression)
+    if len(compression) > MAX_BYTES_STAGES:
+        raise ValueError(f"a chunk takes at most {MAX_BYTES_STAGES} bytes->bytes stage, got "
+                         f"{[s.name for s in compression]}")
     ids_format, ids = _encode_ids(where.row_ids, shape.rows)
     parts: List[Union[memoryview, bytes]] = [ids, *value_parts]
     for stage in compression:
@@ -148,43 +146,56 @@ def _encode(key: str, where: _Placement, shape: ValuesShape, array: Tuple[CodecS
     return blob, ref
 
 
-def _values_shape(data: torch.Tensor) -> ValuesShape:
-    return ValuesShape(int(data.shape[0]), tuple(int(s) for s in data.shape[1:]),
-                       int(data.shape[1]) if data.dim() >= 2 else 0, dtype_name(data.dtype))
+def encode_chunk(key: str, tensor_name: str, encoded: Encoded, row_start: int, col_offset: int,
+                 row_ids: Optional[torch.Tensor] = None, compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
+    """Frame ``encoded`` (an array codec's output, cnr.codec.base.ArrayCodec.encode) as one chunk,
+    its payload through ``compression`` (at most one bytes->bytes stage, e.g. zstd); return the
+    bytes and the chunk's ref.
 
+    ``row_ids`` (int64 ``[rows]``) lists global row ids for a non-contiguous selection; without it
+    the rows are ``row_start .. row_start + rows - 1``.
+    """
+    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), encoded, compression)
+
+
+def encode_values(codec: str, values: Any, target: Optional[Target] = None) -> Encoded:
+    """Array codec ``codec``'s encoding of ``values`` (ValueError when it does not take them)."""
+    encoded = array_codec(codec).encode(values, target)
+    if encoded is None:
+        raise ValueError(f"codec {codec!r} does not store these values")
+    return encoded
+
+
+# Shorthands for the built-in array codecs, by name (tests, benchmarks).
 
 def encode_raw_chunk(key: str, tensor_name: str, data: torch.Tensor, row_start: int, col_offset: int,
                      row_ids: Optional[torch.Tensor] = None, compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
     """Encode ``data`` (``[rows, ...]``, host memory) as one raw chunk; return bytes and its ref.
-
-    ``row_ids`` (int64 ``[rows]``) lists global row ids for a non-contiguous selection; without it
-    the rows are ``row_start .. row_start + rows - 1``. ``cols`` is ``data.shape[1]`` for 2-D data.
-    ``compression``: bytes->bytes stages applied to the payload, in order (e.g. zstd).
-    """
-    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), _values_shape(data),
-                   encode_raw(data), compression)
+    ``cols`` is ``data.shape[1]`` for 2-D data; the rest as encode_chunk."""
+    return encode_chunk(key, tensor_name, encode_values("raw", data), row_start, col_offset, row_ids, compression)
 
 
-def encode_quantized_chunk(key: str, tensor_name: str, q: QuantizedRows, row_start: int, col_offset: int,
+def encode_quantized_chunk(key: str, tensor_name: str, q: Any, row_start: int, col_offset: int,
                            row_ids: Optional[torch.Tensor] = None,
                            compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
-    """Encode float32 rows quantized by cnr.codec.quant.quantize (a uniform method) as one chunk."""
-    shape = ValuesShape(q.rows, (q.dim,), q.dim, "float32")
-    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), shape, encode_rowwise(q),
-                   compression)
+    """Encode float32 rows quantized by cnr.codec.quant.quantize (QuantizedRows of a uniform method)
+    as one rowwise chunk."""
+    return encode_chunk(key, tensor_name, encode_values("rowwise", q), row_start, col_offset, row_ids, compression)
 
 
 def encode_log8_chunk(key: str, tensor_name: str, data: torch.Tensor, row_start: int, col_offset: int,
                       row_ids: Optional[torch.Tensor] = None, compression: Compression = ()) -> Tuple[bytes, ChunkRef]:
     """Encode 1-D non-negative float32 ``data`` (an optimizer accumulator) with cnr.codec.log8."""
-    return _encode(key, _Placement(tensor_name, row_start, col_offset, row_ids), _values_shape(data),
-                   encode_log8(data), compression)
+    return encode_chunk(key, tensor_name, encode_values("log8", data), row_start, col_offset, row_ids, compression)
 
 
-def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True,
+                 reference: Optional[torch.Tensor] = None) -> DecodedChunk:
     """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong.
 
     ``dequantize=False`` leaves a quantized chunk's rows quantized (see DecodedChunk.values).
+    ``reference``: the values the chunk's rows held before, for a codec that stores a delta
+    against them (cnr.codec.base.ArrayCodec.decode); no codec does today.
     """
     where = f"chunk {ref.key!r}"
     if len(blob) != ref.nbytes:
@@ -205,12 +216,12 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
     if zlib.crc32(payload) != header["payload_crc32"]:
         raise CorruptChunkError(f"{where} payload fails its CRC-32 check (altered or corrupted)")
-    return _payload_tensors(payload, header, ref, where, dequantize)
+    return _payload_tensors(payload, header, ref, where, dequantize, reference)
 
 
 def stored_payload(blob: Union[bytes, memoryview]) -> memoryview:
     """The stored payload of a chunk ``blob`` that decode_chunk has verified (benchmarks measure
-    bytes->bytes stages on it); raises CorruptChunkError when the framing does not hold."""
+    bytes->bytes stage on it); raises CorruptChunkError when the framing does not hold."""
     if len(blob) < _PREFIX.size or _PREFIX.unpack_from(blob, 0)[0] != MAGIC:
         raise CorruptChunkError("not a cnr chunk")
     header_len = _PREFIX.unpack_from(blob, 0)[2]
@@ -306,21 +317,22 @@ def _ids_bytes(header: dict) -> int:
     return 8 * header["rows"] if ids["format"] == "int64" else (ids["span"] + 7) // 8
 
 
-def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str, dequantize: bool) -> DecodedChunk:
+def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str, dequantize: bool,
+                     reference: Optional[torch.Tensor]) -> DecodedChunk:
     chain = header["codecs"]
     shape = ValuesShape(header["rows"], header["row_shape"], header["cols"], header["dtype"])
     codec = array_codec(chain[0].name, where)
     size = _ids_bytes(header) + codec.value_bytes(chain[0], shape)
-    for stage in chain[1:]:  # at most one (_MAX_CODECS): its decoded size is the one computed here
+    for stage in chain[1:]:  # at most one (MAX_BYTES_STAGES): its decoded size is the one computed here
         payload = memoryview(bytes_codec(stage.name, where).decode(stage, payload, size, where))
     if len(payload) != size:
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header declares {size}")
     row_ids, offset = _decode_ids(payload, header, where) if header["row_ids"] else (None, 0)
-    values = codec.decode(chain[0], shape, payload[offset:], where)
+    values = codec.decode(chain[0], shape, payload[offset:], where, reference=reference)
     data = values.data
-    if values.quantized is not None and dequantize:
-        data = dequantize_rows(values.quantized)
-    return DecodedChunk(ref=ref, row_ids=row_ids, data=data, quantized=None if dequantize else values.quantized)
+    if values.stored is not None and dequantize:
+        data = values.stored.values()
+    return DecodedChunk(ref=ref, row_ids=row_ids, data=data, quantized=None if dequantize else values.stored)
 
 
 def _decode_ids(payload: memoryview, header: dict, where: str) -> Tuple[torch.Tensor, int]:

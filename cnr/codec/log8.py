@@ -11,17 +11,18 @@ which is what Adagrad divides by. A row-wise Adagrad sum costs 1 byte per row in
 Why a log grid: an accumulator of squared gradients spans tens of octaves within one table
 (rows touched once against rows touched every step); a linear 8-bit grid would flush the cold
 rows to 0. Encoding is deterministic but not idempotent across chunks with different ranges, so
-the merge (cnr.write.merge) checks that re-encoding reproduces the values and stores them raw if not.
+``reencode`` (the merge's, cnr.write.merge) checks that re-encoding reproduces the values, and the
+merge stores them raw if not.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from cnr.codec.base import ArrayCodec, DecodedValues, ValuesShape, take, tensor_bytes
+from cnr.codec.base import ArrayCodec, DecodedValues, Encoded, Target, ValuesShape, take, tensor_bytes, values_shape
 from cnr.codec.spec import make_spec, require_params
 from cnr.errors import CorruptChunkError
 from cnr.types import CodecSpec, Encoding
@@ -60,15 +61,31 @@ def log8_values(codes: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return torch.where(codes == 0, torch.zeros_like(v), v).float()
 
 
-def encode_log8(values: torch.Tensor) -> Tuple[CodecSpec, list]:
-    """The log8 stage of ``values``: its spec and value bytes."""
-    codes, lo, hi = log8_codes(values)
-    return make_spec("log8", lo=lo, hi=hi), [tensor_bytes(codes)]
+def _encoded(values: torch.Tensor, codes: torch.Tensor, lo: int, hi: int) -> Encoded:
+    return Encoded(make_spec("log8", lo=lo, hi=hi), values_shape(values), [tensor_bytes(codes)])
 
 
 class Log8Codec(ArrayCodec):
+    """Takes what ``log8_applies`` to, below 32 bits (the plan asks it after rowwise)."""
+
     name = "log8"
     encoding = Encoding.LOG8
+
+    def encode(self, values: torch.Tensor, target: Optional[Target] = None) -> Optional[Encoded]:
+        if (target is not None and target.bits == 32) or not log8_applies(values):
+            return None  # a 1-D state with negative values stays raw, exact
+        return _encoded(values, *log8_codes(values))
+
+    def reencode(self, stored: DecodedValues) -> Optional[Encoded]:
+        """log8-coded again when that reproduces ``stored``'s values bit for bit (the grid depends on
+        each chunk's range, so it may not), else None."""
+        values = stored.data
+        if not log8_applies(values):
+            return None
+        codes, lo, hi = log8_codes(values)
+        if not torch.equal(log8_values(codes, lo, hi), values):  # the codec's own kernels: no chunk round trip
+            return None
+        return _encoded(values, codes, lo, hi)
 
     def check(self, spec: CodecSpec, shape: ValuesShape, where: str) -> Dict[str, Any]:
         params = require_params(spec, {"lo": (), "hi": ()}, where)
@@ -83,7 +100,8 @@ class Log8Codec(ArrayCodec):
     def value_bytes(self, spec: CodecSpec, shape: ValuesShape) -> int:
         return shape.rows
 
-    def decode(self, spec: CodecSpec, shape: ValuesShape, data: memoryview, where: str) -> DecodedValues:
+    def decode(self, spec: CodecSpec, shape: ValuesShape, data: memoryview, where: str,
+               reference: Optional[torch.Tensor] = None) -> DecodedValues:
         p = dict(spec.params)
         codes, _ = take(data, 0, shape.rows, torch.uint8, where)
         return DecodedValues(data=log8_values(codes, p["lo"], p["hi"]))

@@ -9,22 +9,13 @@ from typing import List, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import (
-    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, parse_manifest, step_of,
+    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
 )
 from cnr.format.lineage import restore_order
-from cnr.storage.base import Storage, from_sources, read_document
+from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 logger = logging.getLogger(__name__)
-
-
-def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
-    key = manifest_key(ckpt_id)
-    manifest = from_sources(storage, key, lambda source: parse_manifest(read_document(source, key),
-                                                                        where=f"{source.uri}/{key}"))
-    if manifest.id != ckpt_id:
-        raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
-    return manifest
 
 
 def checkpoint_ids(storage: Storage) -> List[str]:

@@ -8,13 +8,14 @@ Version 1 was written by ``cnr train`` only, so its model and dense optimizer ar
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, TypeVar
 
 from cnr.errors import CheckpointError
 from cnr.types import RNG_PREFIX, Role
 
-if TYPE_CHECKING:
-    from cnr.format.manifest import TensorEntry
+Entry = TypeVar("Entry")
+"""A cnr.format.manifest.TensorEntry (anything with ``role`` and ``table`` that dataclasses.replace
+takes): this module sits below the manifest module, which reads version 1 through it."""
 
 V1_MODEL, V1_SPARSE_OPTIM, V1_DENSE_OPTIM = "model/", "sparse_optim/", "dense_optim/"
 V1_MODULE_KEY, V1_OPTIMIZER_KEY = "model", "optim"
@@ -35,10 +36,10 @@ def v1_role(name: str) -> Tuple[Role, Optional[str]]:
     return Role.DENSE, None
 
 
-def v1_upgrade(tensors: Dict[str, "TensorEntry"], where: str) -> Dict[str, "TensorEntry"]:
+def v1_upgrade(tensors: Dict[str, Entry], where: str) -> Dict[str, Entry]:
     """Version 1 names -> version 2 names (chunks keep the name their headers carry)."""
     weights = {name.split(".")[-2]: name for name, t in tensors.items() if t.role == Role.TABLE_ROWS}
-    out: Dict[str, "TensorEntry"] = {}
+    out: Dict[str, Entry] = {}
     for name, t in tensors.items():
         if t.role == Role.TABLE_STATE:
             weight = weights.get(t.table or "")

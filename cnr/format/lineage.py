@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import check_lineage
+from cnr.format.manifest import check_lineage, read_manifest
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,6 @@ def restore_order(storage: Storage, committed: Sequence[str]) -> List[str]:
     ranks = _ranks(storage, record_names(storage))
     if ranks is None:
         return list(committed)
-    from cnr.format.catalog import read_manifest  # cnr.format.catalog orders by this module
 
     def activation(ckpt_id: str) -> int:
         try:

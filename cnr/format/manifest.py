@@ -1,6 +1,6 @@
 """Checkpoint manifests and per-rank indexes: versioned JSON, strict parsing, storage layout.
 
-Layout under the storage root (see README "Storage layout"):
+Layout under the storage root (docs/format.md is the full specification):
 
     checkpoints/<id>/rank-<r>/chunk-<n>.bin   rank r's encoded chunks: one large chunk, or small ones back to back
     checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
@@ -27,7 +27,7 @@ from cnr.codec.spec import spec_from_json, spec_to_json
 from cnr.errors import CheckpointError, CorruptChunkError
 from cnr.format.integrity import check_manifest_fields, check_sealed, seal, unseal
 from cnr.format.legacy_v1 import v1_app, v1_role, v1_upgrade
-from cnr.storage.base import validate_key
+from cnr.storage.base import Storage, from_sources, read_document, validate_key
 from cnr.types import (
     RNG_PREFIX, TABLE_ROLES, CheckpointKind, ChunkRef, CodecSpec, Encoding, Role, TableSpec,
 )
@@ -395,6 +395,18 @@ def _parse_tables(raw: List[Any], where: str, version: int) -> Tuple[TableSpec, 
 def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
     """Parse and validate a manifest (versions 1 to 4); raise CheckpointError naming the first problem."""
     return _untrusted(_parse_manifest, blob, where)
+
+
+def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
+    """The manifest of committed ``ckpt_id`` (from the first of the store's sources that has it),
+    parsed strictly; CheckpointError when it names another checkpoint. (cnr.format.catalog, the
+    usual place to import it from, re-exports it.)"""
+    key = manifest_key(ckpt_id)
+    manifest = from_sources(storage, key, lambda source: parse_manifest(read_document(source, key),
+                                                                        where=f"{source.uri}/{key}"))
+    if manifest.id != ckpt_id:
+        raise CheckpointError(f"{storage.uri}/{key} names checkpoint {manifest.id!r}, expected {ckpt_id!r}")
+    return manifest
 
 
 def _untrusted(parse, blob: bytes, where: str):

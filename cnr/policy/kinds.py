@@ -25,9 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from cnr.errors import ConfigError
-from cnr.types import CheckpointKind
+from cnr.types import CAPPED_POLICIES, POLICIES, CheckpointKind
 
-POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 FALLBACK_BITS = 8
 
 
@@ -50,8 +49,6 @@ def intermittent_wants_full(chain_bytes: Sequence[int]) -> bool:
     sizes = [b / base for b in chain_bytes]
     return sum(sizes) <= (i + 1) * sizes[-1]
 
-
-CAPPED_POLICIES = ("intermittent", "consecutive")
 
 
 def predicted_chain_ratio(policy: str, chain_bytes: Sequence[int]) -> float:

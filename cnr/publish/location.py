@@ -1,22 +1,17 @@
-"""Where ``cnr train`` and ``cnr.Checkpointer`` publish, and the check that the publish store
-is usable. Kept apart from cnr.publish.publisher (torch, the writer) so the launcher can check a job's
+"""Where ``cnr.Checkpointer`` publishes by default, and the check that a publish store is usable.
+Kept apart from cnr.publish.publisher (torch, the writer) so that a launcher can check a job's
 publish store without loading the training stack."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from cnr.app.config import Config
 from cnr.errors import ConfigError
 from cnr.storage import open_storage
 
 
-def publish_uri(storage_uri: str, config: Config) -> str:
-    """Where ``cnr train`` publishes: ``publish.storage``, or ``<storage_uri>/publish``."""
-    return config.publish.storage or default_publish_uri(storage_uri)
-
-
 def default_publish_uri(checkpoint_uri: str) -> str:
+    """The publish store of a job checkpointing to ``checkpoint_uri`` that names none (PublishOptions.uri "")."""
     return checkpoint_uri.rstrip("/") + "/publish"
 
 

@@ -42,22 +42,21 @@ import torch.distributed as dist
 
 from cnr.track.collectives import all_reduce_host
 from cnr.codec.zstd import zstd_spec
-from cnr.write.engine import pieces_to_write
+from cnr.write.engine import WriteTotals, pieces_to_write
 from cnr.track.collectives import rank0_decides
 from cnr.write.handoff import RUNNING, HandOff, SettleMode, Settled
 from cnr.track.app_state import AppState, whole_tables
-from cnr.app.config import Config
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.format.manifest import make_id
 from cnr.format.catalog import newest_committed
-from cnr.publish.location import publish_uri
 from cnr.policy.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
 from cnr.track.state import StatePiece
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.track.tracker import RowTracker
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
-from cnr.write.writer import WriteJob, Writer
+from cnr.write.job import WriteJob
+from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +89,8 @@ def retain_publishes(storage: Storage, keep_bases: int) -> Dict[str, Any]:
 # ---- the publisher -----------------------------------------------------------------------------
 
 @dataclass
-class PublishStats:
-    """This process's publishing totals: seconds are wall time, bytes are stored bytes.
+class PublishStats(WriteTotals):
+    """This process's publishing totals (WriteTotals).
 
     ``records`` (rank 0): one dict per settled publish (id, seq, step, kind, dense, status, bytes,
     background seconds, trigger_unix_us).
@@ -100,10 +99,6 @@ class PublishStats:
     published: int = 0
     failed: int = 0
     skipped: int = 0
-    stall_seconds: float = 0.0
-    snapshot_seconds: float = 0.0
-    drain_seconds: float = 0.0
-    bytes_written: int = 0
     records: List[Dict[str, Any]] = field(default_factory=list)
 
 
@@ -161,6 +156,16 @@ class Publisher:
         # its own retention; publishes go straight to their store (the local tier is the checkpoints')
         writer_options = dataclasses.replace(writer_options, local_dir="")
         self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank)
+
+    @classmethod
+    def for_model(cls, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
+                  world_size: int, model: torch.nn.Module, interval: int = 0) -> "Publisher":
+        """A Publisher of ``model``'s rows with a row tracker of its own (installed here), for a job
+        that publishes without a Checkpointer."""
+        # no optimizer is known here: data-parallel tables are published whole (cnr.track.app_state.whole_tables)
+        tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
+        tracker.install()
+        return cls(uri, options, writer_options, rank, world_size, tracker, interval=interval)
 
     @property
     def writer(self) -> Writer:
@@ -303,17 +308,3 @@ def _newest_seq(uri: str) -> int:
     finally:
         storage.close()
     return newest.step if newest is not None else 0
-
-
-def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int,
-                   model: torch.nn.Module) -> Optional[Publisher]:
-    """The Publisher of a ``cnr train`` job that publishes without a Checkpointer (None unless
-    ``publish.enabled``), with a tracker of its own."""
-    if not config.publish.enabled:
-        return None
-    # no optimizer is known here: data-parallel tables are published whole (cnr.track.app_state.whole_tables)
-    tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
-    tracker.install()
-    uri = publish_uri(storage_uri, config)
-    return Publisher(uri, PublishOptions.from_config(config.publish, uri), CheckpointOptions.from_config(config.checkpoint),
-                     rank, world_size, tracker, interval=config.publish.interval)

@@ -74,12 +74,13 @@ class SubscriberStats:
     its apply)."""
 
     polls: int = 0
+    skipped: int = 0
+    errors: List[str] = field(default_factory=list)
+    # what was applied
     bases: int = 0
     increments: int = 0
     reloads: int = 0
-    skipped: int = 0
     bytes_read: int = 0
-    errors: List[str] = field(default_factory=list)
     records: List[Dict[str, Any]] = field(default_factory=list)
 
 

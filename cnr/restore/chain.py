@@ -20,16 +20,14 @@ column split that today's sharding cuts differently is replayed (``ChainOrder.RE
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Set, Tuple
 
 import torch
 
-from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
-from cnr.restore.pieces import (_apply_object, _cols_overlap, _intra_op_threads, _overlaps, _piece_span, _plan, _span,
-                         restore_pieces)
+from cnr.restore.pieces import (Span, apply_restore, check_threads, chunk_overlaps, chunk_span, fetch_pool, piece_span,
+                                plan_restore, restore_pieces)
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef, Role
@@ -37,8 +35,8 @@ from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef, Role
 RowIds = Dict[str, torch.Tensor]  # table -> sorted global row ids the chain's increments hold
 
 
-def _holds_whole_rows(ref: ChunkRef, span: Tuple[int, int, int, int]) -> bool:
-    _r0, _r1, c0, c1 = _span(ref)
+def _holds_whole_rows(ref: ChunkRef, span: Span) -> bool:
+    _r0, _r1, c0, c1 = chunk_span(ref)
     _p0, _p1, q0, q1 = span
     return (c1 == c0 == 0 and q1 == q0 == 0) or (q0 < q1 and c0 <= q0 and q1 <= c1)
 
@@ -50,10 +48,9 @@ def newest_first_applies(chain: List[Manifest], pieces: List[StatePiece]) -> boo
             entry = manifest.tensors.get(piece.name)
             if piece.role not in TABLE_ROLES or entry is None:
                 continue  # a missing tensor fails in the restore itself, with its own error
-            span = _piece_span(piece)
+            span = piece_span(piece)
             for ref in entry.chunks:
-                overlaps = _cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)
-                if overlaps and not _holds_whole_rows(ref, span):
+                if chunk_overlaps(ref, span) and not _holds_whole_rows(ref, span):
                     return False
     return True
 
@@ -94,7 +91,7 @@ class _NewestFirst:
             return self.source[i] == self.position
         if self.position == 0 or ref.row_ids:
             return True
-        p0, p1, _q0, _q1 = _piece_span(self.pieces[i])
+        p0, p1, _q0, _q1 = piece_span(self.pieces[i])
         lo, hi = max(p0, ref.row_start), min(p1, ref.row_start + ref.rows)
         return not bool(self.done[i][lo - p0:hi - p0].all())
 
@@ -119,22 +116,17 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     # (the weights' rows: a table's optimizer state holds the same rows, in its own coordinates)
     held = {p.table: torch.zeros(p.global_shape[0], dtype=torch.bool) for p in pieces if p.role == Role.TABLE_ROWS}
     seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
-    with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
+    with fetch_pool(threads) as pool:
         for position in [0] + list(range(len(chain) - 1, 0, -1)):
             state.position, manifest = position, chain[position]
-            check_coverage(manifest.tensors, manifest.kind)
-            plan, sizes = _plan(manifest, pieces, position > 0, state.wanted)
-            done = state.done if position > 0 else None
-            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces, done), plan))
-            copied = [0] * len(pieces)
-            for nbytes, writes in results:
-                total += nbytes
-                for i, count, rows in writes:
-                    copied[i] += count
-                    if rows is not None and pieces[i].role == Role.TABLE_ROWS:
-                        held[pieces[i].table][rows] = True
-                        seen.add(pieces[i].table)
-            state.check(manifest, copied)
+            plan = plan_restore(manifest, pieces, position > 0, state.wanted)
+            applied = apply_restore(plan, storage, pool, state.done if position > 0 else None)
+            total += applied.bytes_read
+            for i, rows in applied.rows:
+                if pieces[i].role == Role.TABLE_ROWS:
+                    held[pieces[i].table][rows] = True
+                    seen.add(pieces[i].table)
+            state.check(manifest, applied.copied)
     return total, {table: held[table].nonzero().flatten() for table in sorted(seen)}
 
 
@@ -146,8 +138,7 @@ def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     ``threads``: objects fetched and decoded at once (cnr.restore.pieces.restore_pieces). ``order``:
     NEWEST_FIRST (falls back to REPLAY where the module docstring says) or REPLAY.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
+    check_threads(threads)
     order = ChainOrder(order)
     if order == ChainOrder.NEWEST_FIRST and len(chain) > 1 and newest_first_applies(chain, pieces):
         return _newest_first(storage, chain, pieces, threads)

@@ -83,7 +83,7 @@ def check_placements(manifest: Manifest, app: AppState) -> None:
     placements and its optimizer state cannot follow (dense optimizer state on one side, fused
     table state on the other)."""
     saved = {t.name: t.placement for t in manifest.tables}
-    now = {t.id: _placement(t) for t in app.tables}
+    now = {t.id: table_placement(t) for t in app.tables}
     for table, placement in now.items():
         before = saved.get(table, "")
         if not before or not placement or (before == "data_parallel") == (placement == "data_parallel"):
@@ -99,7 +99,9 @@ def check_placements(manifest: Manifest, app: AppState) -> None:
                 f"ParameterConstraints(sharding_types=['{before}']) for it in the planner")
 
 
-def _placement(table) -> str:
+def table_placement(table) -> str:
+    """The sharding type its module's sharding plan gives ``table`` (a cnr.track.app_state table),
+    e.g. "row_wise" or "data_parallel"; "" when the module has no plan for it."""
     plan = getattr(table.module, "module_sharding_plan", None) or {}
     sharding = plan.get(table.name)
     return str(getattr(sharding, "sharding_type", "") or "")

@@ -35,12 +35,12 @@ import torch.distributed as dist
 
 from cnr.restore.into_app import RestoredChain, restore_app
 from cnr.track.app_state import AppState
-from cnr.app.config import ON_DAMAGE
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.track.collectives import rank0_decides
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
 from cnr.format.catalog import read_manifest, resolve_chain, restore_ids
 from cnr.storage.base import Storage
+from cnr.types import OnDamage
 from cnr.format.verify import DAMAGE, check_rank_indexes
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, 
     return (restored, "") if not found else (None, reason)
 
 
-def _ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
+def ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
     """``list_ids()`` on rank 0, broadcast. Its error is raised on rank 0 and named on every
     other rank, so no rank is left waiting in the broadcast (collective)."""
     raised: List[BaseException] = []
@@ -131,7 +131,7 @@ def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int,
     by id is never replaced by another, and no rank goes on training when another could not
     restore it. ``partial``: cnr.restore.into_app.check_keys."""
     key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
-    if not _ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
+    if not ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
         raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
     restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
     if restored is None:
@@ -141,14 +141,15 @@ def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int,
 
 
 def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, threads: int = 1,
-                   on_damage: str = "fallback", partial: bool = False) -> Tuple[Optional[RestoredChain], List[Skipped]]:
+                   on_damage: str = OnDamage.FALLBACK.value, partial: bool = False) -> Tuple[Optional[RestoredChain], List[Skipped]]:
     """Restore the newest committed checkpoint that verifies (see the module docstring); return
     it (None when nothing is committed) and the newer ones passed over. ``partial``:
     cnr.restore.into_app.check_keys (a key mismatch under strict matching raises, never falls back)."""
-    if on_damage not in ON_DAMAGE:
-        raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(ON_DAMAGE)}")
+    allowed = [m.value for m in OnDamage]
+    if on_damage not in allowed:
+        raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(allowed)}")
     skipped: List[Skipped] = []
-    for ckpt_id in _ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
+    for ckpt_id in ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
         restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
@@ -156,7 +157,7 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
                 logger.warning("restored checkpoint %s instead of the newest committed one, %s, which is damaged (%s)",
                                ckpt_id, skipped[0].id, "; ".join(f"{s.id}: {s.reason}" for s in skipped))
             return restored, skipped
-        if on_damage == "fail":
+        if on_damage == OnDamage.FAIL:
             raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({reason}); on_damage is 'fail', so no older "
                                   "checkpoint is tried")
         logger.warning("checkpoint %s is damaged (%s); trying the next older committed checkpoint", ckpt_id, reason)

@@ -3,16 +3,22 @@
 Each rank reads only the chunks that overlap the pieces it holds now -- one GET per object, ranged
 when it needs only some of the chunks packed in it -- verifies them, and copies the overlapping
 rows and columns into its live tensors. Coverage is checked: the manifest's chunks must be
-disjoint and cover each tensor (cnr.write.commit.check_coverage), and the elements written into each
-piece must add up to its size, so every element is written exactly once, or the restore fails
-before training resumes.
+disjoint and cover each tensor (cnr.format.chunk_coverage.check_coverage), and the elements written
+into each piece must add up to its size, so every element is written exactly once, or the restore
+fails before training resumes.
+
+The interface: ``plan_restore(manifest, pieces)`` decides which chunks land in which pieces (a
+``RestorePlan``), ``apply_restore(plan, storage, pool)`` reads and writes them (an
+``AppliedRestore``: bytes read, elements copied and row ids written per piece); ``restore_pieces``
+does both for one checkpoint and checks coverage. cnr.restore.chain applies a chain with them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -33,13 +39,17 @@ logger = logging.getLogger(__name__)
 _BLOCK_BYTES = 4 << 20
 
 
+Span = Tuple[int, int, int, int]  # (row_lo, row_hi, col_lo, col_hi); cols (0, 0): not column-split
 
-def _span(ref: ChunkRef) -> Tuple[int, int, int, int]:
+
+def chunk_span(ref: ChunkRef) -> Span:
     """(row_lo, row_hi, col_lo, col_hi) a contiguous chunk covers; cols 0 = not column-split."""
     return ref.row_start, ref.row_start + ref.rows, ref.col_offset, ref.col_offset + ref.cols
 
 
-def _piece_span(piece: StatePiece) -> Tuple[int, int, int, int]:
+def piece_span(piece: StatePiece) -> Span:
+    """(row_lo, row_hi, col_lo, col_hi) of the global tensor a live piece holds; a 0-d tensor
+    is one row, a 1-d one has cols (0, 0)."""
     offs, sizes = piece.region.offsets, piece.region.sizes
     if not offs:  # 0-d tensor: stored as one row
         return 0, 1, 0, 0
@@ -47,16 +57,23 @@ def _piece_span(piece: StatePiece) -> Tuple[int, int, int, int]:
     return offs[0], offs[0] + sizes[0], c0, c1
 
 
-def _cols_overlap(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
-    _r0, _r1, c0, c1 = _span(ref)
+def _cols_overlap(ref: ChunkRef, piece: Span) -> bool:
+    _r0, _r1, c0, c1 = chunk_span(ref)
     _p0, _p1, q0, q1 = piece
     return (c1 == c0 == 0 and q1 == q0 == 0) or (c0 < q1 and q0 < c1)
 
 
-def _overlaps(ref: ChunkRef, piece: Tuple[int, int, int, int]) -> bool:
-    r0, r1, _c0, _c1 = _span(ref)
+def _overlaps(ref: ChunkRef, piece: Span) -> bool:
+    r0, r1, _c0, _c1 = chunk_span(ref)
     p0, p1, _q0, _q1 = piece
     return r0 < p1 and p0 < r1 and _cols_overlap(ref, piece)
+
+
+def chunk_overlaps(ref: ChunkRef, span: Span) -> bool:
+    """Whether chunk ``ref`` writes into the piece at ``span``: a chunk that lists row ids (an
+    increment's) by its columns alone, since any of its rows may fall inside; any other chunk by
+    its rows and its columns."""
+    return _cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)
 
 
 def _block_rows(chunk: DecodedChunk) -> int:
@@ -65,10 +82,10 @@ def _block_rows(chunk: DecodedChunk) -> int:
     return max(1, _BLOCK_BYTES // width)
 
 
-def _copy_overlap(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> int:
+def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> int:
     """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied."""
     p0, p1, q0, q1 = span
-    r0, r1, c0, c1 = _span(chunk.ref)
+    r0, r1, c0, c1 = chunk_span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
     view = target.reshape(1) if target.dim() == 0 else target
     copied = 0
@@ -122,7 +139,7 @@ def check_shapes(manifest: Manifest, pieces: List[StatePiece]) -> None:
         _check_entry(piece, entry)
 
 
-def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk) -> torch.Tensor:
+def _scatter_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> torch.Tensor:
     """Write the chunk's listed rows that fall inside ``span``; return their global ids."""
     p0, p1, q0, q1 = span
     ids = chunk.row_ids
@@ -144,7 +161,7 @@ def _scatter_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: 
     return ids if every else ids[inside]
 
 
-def _write_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk, local: torch.Tensor,
+def _write_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk, local: torch.Tensor,
                 dest: torch.Tensor) -> None:
     """Write the chunk's rows ``local`` (its own row indexes) into ``target``'s rows ``dest``,
     a block of rows at a time; only those rows are dequantized."""
@@ -158,7 +175,7 @@ def _write_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: De
         target.index_copy_(0, dest[b0:b0 + step].to(target.device), values.to(target.device))
 
 
-def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: DecodedChunk,
+def fill_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk,
               done: torch.Tensor) -> Optional[torch.Tensor]:
     """Write the chunk's rows inside ``span`` that ``done`` (bool, one per row of the piece) does
     not mark yet, and mark them. Every chunk must hold whole rows of the piece. Returns the
@@ -176,7 +193,7 @@ def fill_rows(target: torch.Tensor, span: Tuple[int, int, int, int], chunk: Deco
             _write_rows(target, span, chunk, local[need], rows[need])
         done[rows] = True
         return inside
-    r0, r1, _c0, _c1 = _span(chunk.ref)
+    r0, r1, _c0, _c1 = chunk_span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
     if not bool(done[lo - p0:hi - p0].any()):  # plain block copies
         _copy_overlap(target, span, chunk)
@@ -200,15 +217,63 @@ def _intra_op_threads(n: Optional[int]) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-_Plan = Dict[str, List[Tuple[ChunkRef, List[int]]]]
+def check_threads(threads: int) -> None:
+    """Raise ValueError unless ``threads`` (objects fetched and decoded at once) is an int >= 1."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
 
 
-def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
-          wanted: Optional[Callable[[int, ChunkRef], bool]] = None) -> Tuple[_Plan, Dict[str, int]]:
-    """Per object key, the chunks in it to apply with the indexes of the pieces each writes into;
-    and the size of every object the manifest names (where its last chunk ends). ``wanted(i,
-    ref)``: whether piece ``i`` still needs chunk ``ref`` (None: every overlapping chunk)."""
-    plan: _Plan = {}
+@contextlib.contextmanager
+def fetch_pool(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``threads`` workers for ``apply_restore``. With ``threads`` > 1 torch's intra-op
+    threads are set to 1 while it is open, since workers on top of them oversubscribe the cores
+    (a 4-bit chunk decoded 14x slower with 2 intra-op threads on a loaded 2-core machine); the
+    count is put back on exit."""
+    with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
+        yield pool
+
+
+ObjectChunks = List[Tuple[ChunkRef, List[int]]]  # chunks of one object, each with the pieces it writes into
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What restoring one checkpoint into ``pieces`` reads and where it writes (``plan_restore``).
+
+    ``objects``: per object key, the chunks to apply from it, each with the indexes (into
+    ``pieces``) of the pieces it writes into; each object is fetched once, however many pieces its
+    chunks overlap. ``sizes``: the size of every object the manifest names (where its last chunk
+    ends; no read goes past it). ``overlay``: the checkpoint is an increment applied on its baseline.
+    """
+
+    manifest: Manifest
+    pieces: List[StatePiece]
+    overlay: bool
+    objects: Dict[str, ObjectChunks]
+    sizes: Dict[str, int]
+
+
+@dataclass(frozen=True)
+class AppliedRestore:
+    """What ``apply_restore`` wrote: ``bytes_read``; ``copied``, per piece, the elements copied by
+    block (rows written by row id count 0); ``rows``, (piece index, global row ids) for every
+    row-id chunk written into a piece (the ids inside it, written or not), in write order."""
+
+    bytes_read: int
+    copied: List[int]
+    rows: List[Tuple[int, torch.Tensor]]
+
+
+def plan_restore(manifest: Manifest, pieces: List[StatePiece], overlay: bool = False,
+                 wanted: Optional[Callable[[int, ChunkRef], bool]] = None) -> RestorePlan:
+    """Which chunks of ``manifest`` land in which of ``pieces``, before anything is read.
+
+    Checks that the manifest's chunks are disjoint and cover each tensor (a piece's total then
+    means exactly once), that every piece's tensor is in the checkpoint with its shape and dtype,
+    and that only an ``overlay`` (an increment) has chunks listing row ids. ``wanted(i, ref)``:
+    whether piece ``i`` still needs chunk ``ref`` (None: every overlapping chunk)."""
+    check_coverage(manifest.tensors, manifest.kind)
+    objects: Dict[str, ObjectChunks] = {}
     sizes: Dict[str, int] = {}
     for entry in manifest.tensors.values():
         for ref in entry.chunks:
@@ -216,18 +281,42 @@ def _plan(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
     needed: Dict[Tuple[str, int], Tuple[ChunkRef, List[int]]] = {}
     for i, piece in enumerate(pieces):
         entry = _check_entry(piece, manifest.tensors.get(piece.name))
-        span = _piece_span(piece)
+        span = piece_span(piece)
         for ref in entry.chunks:
             if ref.row_ids and not overlay:
                 raise CheckpointError(f"chunk {ref.key!r} lists row ids, but {manifest.id} is a full checkpoint")
-            if (_cols_overlap(ref, span) if ref.row_ids else _overlaps(ref, span)) and (wanted is None or wanted(i, ref)):
+            if chunk_overlaps(ref, span) and (wanted is None or wanted(i, ref)):
                 needed.setdefault((ref.key, ref.offset), (ref, []))[1].append(i)
     for ref, targets in needed.values():
-        plan.setdefault(ref.key, []).append((ref, targets))
-    return plan, sizes
+        objects.setdefault(ref.key, []).append((ref, targets))
+    return RestorePlan(manifest, pieces, overlay, objects, sizes)
 
 
-def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int) -> memoryview:
+def apply_restore(plan: RestorePlan, storage: Storage, pool: Optional[Executor] = None,
+                  done: Optional[Dict[int, torch.Tensor]] = None) -> AppliedRestore:
+    """Fetch every object of ``plan``, verify and decode its chunks, write them into the plan's
+    pieces; ``pool`` (``fetch_pool``) works on that many objects at once (None: one by one, here).
+    Pieces of one checkpoint never share an element between two chunks, so workers write disjoint
+    memory. ``done``: piece index -> its rows that already hold their newest value (bool, one per
+    row; cnr.restore.chain); those pieces take only the other rows, which then join them. Coverage
+    is the caller's to check (``restore_pieces`` checks a checkpoint applied on its own)."""
+    pieces = plan.pieces
+
+    def one(key: str) -> Tuple[int, _Writes]:
+        return _apply_object(storage, key, plan.objects[key], plan.sizes[key], pieces, done)
+
+    results = list(pool.map(one, plan.objects) if pool is not None else map(one, plan.objects))
+    copied = [0] * len(pieces)
+    rows: List[Tuple[int, torch.Tensor]] = []
+    for _nbytes, writes in results:
+        for i, count, ids in writes:
+            copied[i] += count
+            if ids is not None:
+                rows.append((i, ids))
+    return AppliedRestore(sum(n for n, _w in results), copied, rows)
+
+
+def _fetch_object(storage: Storage, key: str, chunks: ObjectChunks, size: int) -> memoryview:
     """The bytes of ``key`` from its first needed chunk to its last: one GET of the whole object
     (S3 then also checks the object's own checksum) or one ranged GET of that span. No read goes
     past the ``size`` bytes the manifest records for the object: an object that holds more is
@@ -245,18 +334,15 @@ def _fetch_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
 _Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
 
 
-def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]], size: int,
+def _apply_object(storage: Storage, key: str, chunks: ObjectChunks, size: int,
                   pieces: List[StatePiece], done: Optional[Dict[int, torch.Tensor]] = None) -> Tuple[int, _Writes]:
     """Fetch the needed chunks of one object, verify and decode each, write it into every piece
-    it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)]).
-    Pieces of one checkpoint never share an element between two chunks, so workers write
-    disjoint memory. ``done``: piece index -> its rows that already hold their newest value
-    (cnr.restore.chain); those pieces take only the other rows, and the rows written join them."""
+    it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)])."""
     nbytes, decoded = from_sources(storage, key, lambda source: _decode_object(source, key, chunks, size))
     out: _Writes = []
     for (ref, targets), chunk in zip(chunks, decoded):
         for i in targets:
-            span = _piece_span(pieces[i])
+            span = piece_span(pieces[i])
             if done is not None and i in done:
                 out.append((i, 0, fill_rows(pieces[i].tensor, span, chunk, done[i])))
             elif ref.row_ids:
@@ -266,8 +352,7 @@ def _apply_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[
     return nbytes, out
 
 
-def _decode_object(storage: Storage, key: str, chunks: List[Tuple[ChunkRef, List[int]]],
-                   size: int) -> Tuple[int, List[DecodedChunk]]:
+def _decode_object(storage: Storage, key: str, chunks: ObjectChunks, size: int) -> Tuple[int, List[DecodedChunk]]:
     """Bytes read and the verified chunks of ``key``, decoded (quantized rows kept as codes: they
     are dequantized block by block as they are written). Nothing is written before every chunk
     of the object verified, so a damaged copy can be passed over for another source's."""
@@ -285,38 +370,30 @@ def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece
     top of its baseline) table tensors take only the rows the increment lists; every other tensor
     must still be covered whole. Each object is fetched once (whole, or the span of the chunks
     needed from it), however many pieces its chunks overlap. ``threads`` > 1 fetches, decodes and
-    writes that many objects at once; torch's intra-op threads are then set to 1 for the
-    duration, since workers on top of them oversubscribe the cores (a 4-bit chunk decoded 14x
-    slower with 2 intra-op threads on a loaded 2-core machine).
+    writes that many objects at once (``fetch_pool``). ``plan_restore`` then ``apply_restore``,
+    and the coverage check.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
-    check_coverage(manifest.tensors, manifest.kind)  # disjoint chunks: a piece's total then means exactly once
-    plan, sizes = _plan(manifest, pieces, overlay)
-    with _intra_op_threads(1 if threads > 1 else None):
-        with ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
-            results = list(pool.map(lambda key: _apply_object(storage, key, plan[key], sizes[key], pieces), plan))
-        return _check_results(manifest, pieces, overlay, results)
+    check_threads(threads)
+    plan = plan_restore(manifest, pieces, overlay)
+    with fetch_pool(threads) as pool:
+        return _check_results(plan, apply_restore(plan, storage, pool))
 
 
-def _check_results(manifest: Manifest, pieces: List[StatePiece], overlay: bool,
-                   results: List[Tuple[int, _Writes]]) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """Sum what the chunks wrote, check every piece's coverage, collect rows applied per table."""
-    copied = [0] * len(pieces)
-    applied: Dict[str, List[torch.Tensor]] = {}
-    for _nbytes, writes in results:
-        for i, count, rows in writes:
-            copied[i] += count
-            # a table's rows are its weight's (its optimizer state holds the same rows, at other
-            # offsets where torchrec lays a column shard's row-wise state end to end)
-            if rows is not None and pieces[i].role == Role.TABLE_ROWS:
-                applied.setdefault(pieces[i].table, []).append(rows)
+def _check_results(plan: RestorePlan, applied: AppliedRestore) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """Check every piece's coverage, collect rows applied per table."""
+    manifest, pieces = plan.manifest, plan.pieces
+    # a table's rows are its weight's (its optimizer state holds the same rows, at other
+    # offsets where torchrec lays a column shard's row-wise state end to end)
+    tables: Dict[str, List[torch.Tensor]] = {}
+    for i, ids in applied.rows:
+        if pieces[i].role == Role.TABLE_ROWS:
+            tables.setdefault(pieces[i].table, []).append(ids)
     for i, piece in enumerate(pieces):
-        partial_ok = overlay and piece.role in TABLE_ROLES
-        if not partial_ok and copied[i] != max(1, piece.tensor.numel()):
-            raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
-    rows = {t: torch.unique(torch.cat(parts)) for t, parts in applied.items()}
-    return sum(n for n, _w in results), rows
+        partial_ok = plan.overlay and piece.role in TABLE_ROLES
+        if not partial_ok and applied.copied[i] != max(1, piece.tensor.numel()):
+            raise CheckpointError(f"checkpoint {manifest.id} covers {applied.copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
+    rows = {t: torch.unique(torch.cat(parts)) for t, parts in tables.items()}
+    return applied.bytes_read, rows
 
 
 def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:

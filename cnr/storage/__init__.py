@@ -1,26 +1,19 @@
-"""Storage backends behind one interface; ``open_storage`` picks one from a URI."""
+"""Storage backends behind one interface; ``open_storage`` opens one from a URI or a StorageSpec.
+
+Schemes map to factories (cnr.storage.registry): "file" (a local path or ``file://PATH``) and
+"s3" (``s3://BUCKET[/PREFIX]``) built in, others registered in code or by a ``cnr.storage`` entry
+point. A store in front of another subclasses WrapperStorage (cnr.storage.wrapper).
+"""
 
 from __future__ import annotations
 
-from cnr.errors import ConfigError
 from cnr.storage.base import Storage, validate_key
 from cnr.storage.local import LocalStorage
+from cnr.storage.registry import StorageFactory, open_storage, register_scheme, schemes, unregister_scheme
+from cnr.storage.s3_options import S3Options
+from cnr.storage.spec import StorageSpec
 from cnr.storage.tiered import TieredStorage
+from cnr.storage.wrapper import WrapperStorage
 
-__all__ = ["Storage", "LocalStorage", "TieredStorage", "open_storage", "validate_key"]
-
-
-def open_storage(uri: str) -> Storage:
-    """Open the backend for ``uri``: a local path, ``file://PATH`` or ``s3://bucket/prefix``."""
-    if not isinstance(uri, str) or not uri:
-        raise ConfigError(f"storage URI {uri!r} is not allowed: give a path, file://PATH or s3://BUCKET/PREFIX")
-    if uri.startswith("s3://"):
-        from cnr.storage.s3 import S3Storage  # boto3 is imported only when S3 is used
-
-        return S3Storage.from_uri(uri)
-    if uri.startswith("file://"):
-        return LocalStorage(uri[len("file://"):])
-    if "://" in uri:
-        scheme = uri.split("://", 1)[0]
-        raise ConfigError(f"storage URI scheme {scheme!r} in {uri!r} is not allowed: use a path, file:// or s3://")
-    return LocalStorage(uri)
+__all__ = ["Storage", "LocalStorage", "TieredStorage", "WrapperStorage", "StorageSpec", "StorageFactory",
+           "S3Options", "open_storage", "register_scheme", "unregister_scheme", "schemes", "validate_key"]

@@ -10,6 +10,7 @@ import abc
 import hashlib
 import logging
 import re
+import uuid
 from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
 from cnr.errors import CheckpointError, InvalidKeyError, KeyNotFoundError, StorageError
@@ -83,8 +84,25 @@ def read_document(storage: "Storage", key: str) -> bytes:
         raise CheckpointError(f"{storage.uri}/{key} is not a checkpoint document: {e}") from e
 
 
+def not_writable(where: str, why: object, advice: str) -> StorageError:
+    """The error of a ``check_writable`` that failed: ``where`` is not writable, ``why``, ``advice``."""
+    return StorageError(f"{where} is not writable: {why}; {advice}")
+
+
+def probe_writable(storage: "Storage", where: str, advice: str) -> None:
+    """``check_writable`` by writing and removing a probe object; StorageError naming ``where``
+    with ``advice`` when either fails."""
+    probe = f".cnr-write-probe-{uuid.uuid4().hex}"
+    try:
+        storage.put(probe, b"probe")
+        storage.delete(probe)
+    except StorageError as e:
+        raise not_writable(where, e, advice) from e
+
+
 class Storage(abc.ABC):
-    """A flat key -> bytes store. Implementations must pass tests/test_storage_contract.py."""
+    """A flat key -> bytes store. Implementations must pass the storage contract
+    (cnr.testing.storage_contract); a store in front of another subclasses cnr.storage.wrapper.WrapperStorage."""
 
     @property
     @abc.abstractmethod

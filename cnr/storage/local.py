@@ -15,7 +15,8 @@ import uuid
 from typing import List, Optional
 
 from cnr.errors import KeyNotFoundError, StorageError
-from cnr.storage.base import Buffer, Storage, check_limit, check_range, validate_key, validate_prefix
+from cnr.storage.base import (Buffer, Storage, check_limit, check_range, not_writable, probe_writable, validate_key,
+                              validate_prefix)
 from cnr.types import ByteRange
 
 _TMP_MARK = ".tmp-"
@@ -40,36 +41,32 @@ class LocalStorage(Storage):
         return os.path.join(self._root, *validate_key(key).split("/"))
 
     def put(self, key: str, data: Buffer) -> None:
-        path = self._path(key)
-        directory = os.path.dirname(path)
-        try:
-            tmp = _write_temp(path, data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                _remove_quietly(tmp)
-                raise
-            _fsync_dir(directory)
-        except OSError as e:
-            raise StorageError(f"cannot write {key!r} under {self._root}: {e.strerror or e}") from e
+        self._store(key, data, create=False)
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         # A hard link of a complete temp file onto the final name fails if the name exists:
         # atomic (no reader sees a partial object) and exclusive (one of racing callers wins).
+        return self._store(key, data, create=True)
+
+    def _store(self, key: str, data: Buffer, create: bool) -> bool:
+        """Write ``data`` to a durable temp file, then rename it onto ``key``'s path (``create``:
+        hard-link it there, which fails when an object is stored: False)."""
         path = self._path(key)
-        directory = os.path.dirname(path)
         try:
             tmp = _write_temp(path, data)
             try:
-                os.link(tmp, path)
+                (os.link if create else os.replace)(tmp, path)
             except FileExistsError:
+                if not create:
+                    raise
                 return False
-            finally:
+            finally:  # gone after a rename; the link's source, or a rename's that failed
                 _remove_quietly(tmp)
-            _fsync_dir(directory)
+            _fsync_dir(os.path.dirname(path))
             return True
         except OSError as e:
-            raise StorageError(f"cannot create {key!r} under {self._root}: {e.strerror or e}") from e
+            verb = "create" if create else "write"
+            raise StorageError(f"cannot {verb} {key!r} under {self._root}: {e.strerror or e}") from e
 
     def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
         try:
@@ -81,20 +78,23 @@ class LocalStorage(Storage):
                 check_range(byte_range, size, key)
                 f.seek(byte_range.start)
                 return f.read(byte_range.length)
-        except FileNotFoundError as e:
-            raise KeyNotFoundError(f"no object {key!r} under {self._root}") from e
-        except (IsADirectoryError, NotADirectoryError) as e:
-            raise KeyNotFoundError(f"no object {key!r} under {self._root} (it is a directory)") from e
         except OSError as e:
-            raise StorageError(f"cannot read {key!r} under {self._root}: {e.strerror or e}") from e
+            raise self._failure("read", key, e) from e
 
     def size(self, key: str) -> int:
         try:
             return self._stat_object(key).st_size
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise KeyNotFoundError(f"no object {key!r} under {self._root}") from e
         except OSError as e:
-            raise StorageError(f"cannot stat {key!r} under {self._root}: {e.strerror or e}") from e
+            raise self._failure("stat", key, e) from e
+
+    def _failure(self, op: str, key: str, e: OSError) -> StorageError:
+        """The error of a ``read`` or ``stat`` of ``key`` that raised ``e``: KeyNotFoundError where
+        no object is there (for a read, a directory or a file on the way is none)."""
+        if isinstance(e, FileNotFoundError) or (op == "stat" and isinstance(e, NotADirectoryError)):
+            return KeyNotFoundError(f"no object {key!r} under {self._root}")
+        if isinstance(e, (IsADirectoryError, NotADirectoryError)):
+            return KeyNotFoundError(f"no object {key!r} under {self._root} (it is a directory)")
+        return StorageError(f"cannot {op} {key!r} under {self._root}: {e.strerror or e}")
 
     def exists(self, key: str) -> bool:
         try:
@@ -163,22 +163,12 @@ class LocalStorage(Storage):
         _prune_empty_dirs(os.path.dirname(path), self._root)
 
     def check_writable(self) -> None:
-        probe = f".cnr-write-probe-{uuid.uuid4().hex}"
+        where, advice = f"storage path {self._root}", "give --storage a directory you can create and write"
         try:
             os.makedirs(self._root, exist_ok=True)
         except OSError as e:
-            raise StorageError(
-                f"storage path {self._root} is not writable: {e.strerror or e}; "
-                "give --storage a directory you can create and write"
-            ) from e
-        try:
-            self.put(probe, b"probe")
-            self.delete(probe)
-        except StorageError as e:
-            raise StorageError(
-                f"storage path {self._root} is not writable: {e}; "
-                "give --storage a directory you can create and write"
-            ) from e
+            raise not_writable(where, e.strerror or e, advice) from e
+        probe_writable(self, where, advice)
 
 
 def _write_temp(path: str, data: Buffer) -> str:

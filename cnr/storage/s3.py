@@ -25,14 +25,15 @@ reader, body reads and multipart-upload tracking in ``s3_transfer``.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 import time
-import uuid
 import zlib
 from typing import Callable, Dict, List, Optional, TypeVar
 
 from cnr.errors import ConfigError, CorruptChunkError, InvalidKeyError, KeyNotFoundError, StorageError
-from cnr.storage.base import Buffer, Storage, check_limit, check_range, validate_key, validate_prefix
+from cnr.storage.base import (Buffer, Storage, check_limit, check_range, probe_writable, validate_key,
+                              validate_prefix)
 from cnr.types import ByteRange
 
 try:
@@ -55,26 +56,11 @@ from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to 
     status,
 )
 from cnr.storage.s3_transfer import BufferReader, MultipartUploads, read_body  # noqa: E402
+from cnr.storage.s3_options import S3Options  # noqa: E402
 
 T = TypeVar("T")
 
-MiB = 1024 * 1024
-MIN_PART_SIZE = 5 * MiB  # S3's minimum size of every part but the last
-MAX_PART_SIZE = 5 * 1024 * MiB
-
-DEFAULT_PART_SIZE = 16 * MiB
-DEFAULT_MAX_CONCURRENCY = 8
-DEFAULT_RETRY_MODE = "standard"
-DEFAULT_REQUEST_ATTEMPTS = 5
-DEFAULT_OP_ATTEMPTS = 4
-DEFAULT_BACKOFF_BASE = 0.5
-DEFAULT_BACKOFF_MAX = 8.0
-DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_READ_TIMEOUT = 60.0
-DEFAULT_CHECKSUM = "CRC32"
 _CONFLICT_ATTEMPTS = 5  # 409 ConditionalRequestConflict answers to one put_if_absent
-
-_RETRY_MODES = ("standard", "adaptive", "legacy")
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
@@ -94,82 +80,36 @@ def validate_bucket(bucket: str) -> str:
 class S3Storage(Storage):
     """Objects are S3 objects named ``prefix/key`` in ``bucket``.
 
-    Knobs (defaults in parentheses):
-      part_size (16 MiB): multipart threshold and part size; at least 5 MiB (S3's minimum).
-      max_concurrency (8): parallel part uploads per put (also sizes the connection pool).
-      endpoint_url, region, profile (None): override boto3's standard chain.
-      retry_mode ("standard"), request_attempts (5): botocore's per-request retries
-        (``request_attempts`` counts the first try; passed as ``total_max_attempts``).
-      op_attempts (4), backoff_base (0.5 s), backoff_max (8 s): our retries of a whole
-        operation after botocore gave up on a transient error; delay before retry n is
-        ``min(backoff_max, backoff_base * 2**(n-1))`` times a jitter in [0.5, 1].
-      connect_timeout (10 s), read_timeout (60 s): per request.
-      checksum ("CRC32"): send the object's CRC32 with every put (S3 verifies it; multipart
-        uploads also carry per-part CRC32s and a FULL_OBJECT CRC32) and validate whole-object
-        reads against it. None turns S3 checksums off for stores that do not support them.
-      list_page_size (None: server default, 1000): keys per ListObjectsV2 page.
-      client (None): an existing boto3 S3 client to use instead of creating one; it is not
-        closed by ``close()``.
+    ``options``: how it talks to the endpoint (S3Options: part size, concurrency, endpoint,
+    retries, timeouts, checksums; the defaults when None). Keyword arguments named after
+    S3Options fields override single ones (``S3Storage(bucket, prefix, part_size=5 * MiB)``).
+    ``client``: an existing boto3 S3 client to use instead of creating one; it is not closed by
+    ``close()``, and the options' endpoint_url, region and profile must then be unset.
     """
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        client=None,
-        part_size: int = DEFAULT_PART_SIZE,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-        endpoint_url: Optional[str] = None,
-        region: Optional[str] = None,
-        profile: Optional[str] = None,
-        retry_mode: str = DEFAULT_RETRY_MODE,
-        request_attempts: int = DEFAULT_REQUEST_ATTEMPTS,
-        op_attempts: int = DEFAULT_OP_ATTEMPTS,
-        backoff_base: float = DEFAULT_BACKOFF_BASE,
-        backoff_max: float = DEFAULT_BACKOFF_MAX,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        read_timeout: float = DEFAULT_READ_TIMEOUT,
-        checksum: Optional[str] = DEFAULT_CHECKSUM,
-        list_page_size: Optional[int] = None,
-    ) -> None:
+    def __init__(self, bucket: str, prefix: str = "", options: Optional[S3Options] = None, *, client=None,
+                 **overrides) -> None:
         self._bucket = validate_bucket(bucket)
         self._prefix = validate_prefix(prefix)
-        _check_int("part_size", part_size, MIN_PART_SIZE, MAX_PART_SIZE)
-        _check_int("max_concurrency", max_concurrency, 1, 1024)
-        _check_int("request_attempts", request_attempts, 1, 100)
-        _check_int("op_attempts", op_attempts, 1, 100)
-        if list_page_size is not None:
-            _check_int("list_page_size", list_page_size, 1, 1000)
-        if retry_mode not in _RETRY_MODES:
-            raise ConfigError(f"retry_mode {retry_mode!r} is not allowed: use one of {_RETRY_MODES}")
-        for name, value in (("backoff_base", backoff_base), ("backoff_max", backoff_max),
-                            ("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{name} {value!r} is not allowed: give a number of seconds >= 0")
-        if checksum is not None and checksum != "CRC32":
-            raise ConfigError(f"checksum {checksum!r} is not allowed: use 'CRC32' or None")
-        self._part_size = part_size
-        self._op_attempts = op_attempts
-        self._backoff_base = float(backoff_base)
-        self._backoff_max = float(backoff_max)
-        self._checksum = checksum
-        self._list_page_size = list_page_size
+        options = options if options is not None else S3Options()
+        if overrides:
+            options = dataclasses.replace(options, **overrides)
+        self.options = options
         self._closed = False
 
         if client is None:
             config = Config(
-                retries={"total_max_attempts": request_attempts, "mode": retry_mode},
-                max_pool_connections=max(10, max_concurrency + 2),
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                request_checksum_calculation="when_supported" if checksum else "when_required",
-                response_checksum_validation="when_supported" if checksum else "when_required",
+                retries={"total_max_attempts": options.request_attempts, "mode": options.retry_mode},
+                max_pool_connections=max(10, options.max_concurrency + 2),
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
+                request_checksum_calculation="when_supported" if options.checksum else "when_required",
+                response_checksum_validation="when_supported" if options.checksum else "when_required",
             )
             try:
-                session = boto3.session.Session(profile_name=profile)
+                session = boto3.session.Session(profile_name=options.profile)
                 self._client = session.client(
-                    "s3", endpoint_url=endpoint_url, region_name=region, config=config
+                    "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
                 )
             except bexc.BotoCoreError as e:
                 raise ConfigError(
@@ -178,7 +118,7 @@ class S3Storage(Storage):
                 ) from None
             self._owns_client = True
         else:
-            if endpoint_url is not None or region is not None or profile is not None:
+            if options.endpoint_url is not None or options.region is not None or options.profile is not None:
                 raise ConfigError(
                     "endpoint_url, region and profile are not allowed together with client: "
                     "configure the client you pass instead"
@@ -189,16 +129,17 @@ class S3Storage(Storage):
         self._transfer = TransferManager(
             self._client,
             TransferConfig(
-                multipart_threshold=part_size,
-                multipart_chunksize=part_size,
-                max_request_concurrency=max_concurrency,
+                multipart_threshold=options.part_size,
+                multipart_chunksize=options.part_size,
+                max_request_concurrency=options.max_concurrency,
             ),
         )
         self._uploads = MultipartUploads(self._client, self._bucket)
 
     @classmethod
-    def from_uri(cls, uri: str, **kwargs) -> "S3Storage":
-        """Open ``s3://bucket[/prefix]``; keyword arguments are passed to the constructor."""
+    def from_uri(cls, uri: str, options: Optional[S3Options] = None, **kwargs) -> "S3Storage":
+        """Open ``s3://bucket[/prefix]`` with ``options``; keyword arguments are passed to the
+        constructor (``client``, or S3Options fields)."""
         if not isinstance(uri, str) or not uri.startswith("s3://"):
             raise ConfigError(f"S3 URI {uri!r} is not allowed: use s3://BUCKET[/PREFIX]")
         rest = uri[len("s3://"):]
@@ -212,7 +153,7 @@ class S3Storage(Storage):
             )
         if "?" in rest or "#" in rest:
             raise ConfigError(f"S3 URI {uri!r} is not allowed: query strings and fragments are rejected")
-        return cls(bucket, prefix, **kwargs)
+        return cls(bucket, prefix, options, **kwargs)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -254,7 +195,7 @@ class S3Storage(Storage):
             view = memoryview(view.tobytes())
         view = view.cast("B")
         extra: Dict[str, str] = {}
-        if self._checksum:
+        if self.options.checksum:
             crc = zlib.crc32(view) & 0xFFFFFFFF
             # ChecksumCRC32 makes S3 verify the whole object (FULL_OBJECT for multipart);
             # ChecksumAlgorithm makes botocore add per-part CRC32s and is what moto records.
@@ -284,7 +225,7 @@ class S3Storage(Storage):
         full = self._full_key(key)
         body = bytes(memoryview(data).cast("B"))
         extra: Dict[str, str] = {}
-        if self._checksum:
+        if self.options.checksum:
             crc = zlib.crc32(body) & 0xFFFFFFFF
             extra = {"ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")}
 
@@ -298,7 +239,7 @@ class S3Storage(Storage):
                         return False
                     if status(e) != 409:
                         raise
-                time.sleep(self._backoff_base)
+                time.sleep(float(self.options.backoff_base))
             raise StorageError(f"cannot create {self._where(key)}: concurrent conditional writes kept conflicting")
 
         return self._retrying("write", key, attempt)
@@ -323,7 +264,7 @@ class S3Storage(Storage):
             raise CorruptChunkError(f"{self._where(key)} does not match its stored checksum: {e}") from e
 
     def _get_whole(self, full: str, key: str, limit: Optional[int]) -> bytes:
-        kwargs = {"ChecksumMode": "ENABLED"} if self._checksum else {}
+        kwargs = {"ChecksumMode": "ENABLED"} if self.options.checksum else {}
         response = self._client.get_object(Bucket=self._bucket, Key=full, **kwargs)
         length = response.get("ContentLength")
         if limit is not None and isinstance(length, int):
@@ -411,7 +352,7 @@ class S3Storage(Storage):
 
         def listing() -> List[str]:
             paginator = self._client.get_paginator("list_objects_v2")
-            config = {"PageSize": self._list_page_size} if self._list_page_size else {}
+            config = {"PageSize": self.options.list_page_size} if self.options.list_page_size else {}
             keys = []
             for page in paginator.paginate(Bucket=self._bucket, Prefix=s3_prefix, PaginationConfig=config):
                 for obj in page.get("Contents", ()):
@@ -435,15 +376,8 @@ class S3Storage(Storage):
         self._retrying("delete", key, remove)
 
     def check_writable(self) -> None:
-        probe = f".cnr-write-probe-{uuid.uuid4().hex}"
-        try:
-            self.put(probe, b"probe")
-            self.delete(probe)
-        except StorageError as e:
-            raise StorageError(
-                f"storage {self.uri} is not writable: {e}; check that the bucket exists, the "
-                "endpoint and region are right and the credentials may put and delete objects"
-            ) from e
+        probe_writable(self, f"storage {self.uri}", "check that the bucket exists, the endpoint and region are right "
+                       "and the credentials may put and delete objects")
 
     def close(self) -> None:
         if self._closed:
@@ -461,9 +395,9 @@ class S3Storage(Storage):
             op=op,
             where=self._where(key),
             client=self._client,
-            attempts=self._op_attempts,
-            backoff_base=self._backoff_base,
-            backoff_max=self._backoff_max,
+            attempts=self.options.op_attempts,
+            backoff_base=float(self.options.backoff_base),
+            backoff_max=float(self.options.backoff_max),
             fail=lambda e, attempts: self._error(op, key, e, attempts),
         )
 
@@ -474,9 +408,4 @@ class S3Storage(Storage):
             return KeyNotFoundError(f"no object {key!r} in {self.uri}")
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return StorageError(f"cannot {op} {where}{tries}: {describe(e, self._client)}")
-
-
-def _check_int(name: str, value, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{name} {value!r} is not allowed: give an integer from {low} to {high}")
 

@@ -10,7 +10,9 @@ lacks.
 
 Reads take the local copy, else the remote one; ``read_sources`` lists both for a caller that
 verifies what it read (a restore) and goes on to the next source when the local copy is damaged.
-The lease (``put_if_absent``) is the remote store's: it decides which job owns the location.
+The lease (``put_if_absent``) is the remote store's: it decides which job owns the location. The
+remote store is this wrapper's ``inner`` (cnr.storage.wrapper): what is not overridden here (the
+URI, ``put_if_absent``) is the remote store's.
 
 Failures stay in their tier. A local write that fails (a full disk) sends that object, and every
 later object of its group, straight to the remote store, and the group is not committed locally.
@@ -46,6 +48,7 @@ from typing import Callable, Deque, List, Optional, Sequence, Set, Tuple, Union
 
 from cnr.errors import CnrError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.storage.base import Buffer, Storage
+from cnr.storage.wrapper import WrapperStorage
 from cnr.types import ByteRange
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class _Flush:
     fence: Optional[Fence] = None
 
 
-class TieredStorage(Storage):
+class TieredStorage(WrapperStorage):
     """``local`` first, ``remote`` in the background (see the module docstring).
 
     ``commit_timeout_s``: how long a remote commit waits for the objects it requires;
@@ -88,12 +91,10 @@ class TieredStorage(Storage):
     def __init__(self, local: Storage, remote: Storage, commit_timeout_s: float = 600.0, group_depth: int = 2,
                  flush_threads: int = 2, before_remote_commit: Optional[CommitHook] = None,
                  on_remote_commit: Optional[CommitHook] = None, outage_wait_s: Optional[float] = None) -> None:
+        super().__init__(remote)  # the remote store answers what this class leaves to it: uri, put_if_absent
         self.local = local
-        self.remote = remote
-        self._commit_timeout_s = commit_timeout_s
-        self._group_depth = group_depth
-        self._before_remote_commit = before_remote_commit
-        self._on_remote_commit = on_remote_commit
+        self._commit_timeout_s, self._group_depth = commit_timeout_s, group_depth
+        self._before_remote_commit, self._on_remote_commit = before_remote_commit, on_remote_commit
         self._queue: Deque[_Flush] = deque()
         self._in_flight: List[str] = []  # keys taken off the queue and not yet stored (or failed)
         self._flush_threads = flush_threads
@@ -113,8 +114,9 @@ class TieredStorage(Storage):
         self._remote_commits: Set[str] = set()  # those stored on the remote
 
     @property
-    def uri(self) -> str:
-        return self.remote.uri
+    def remote(self) -> Storage:
+        """The remote store (this wrapper's ``inner``)."""
+        return self.inner
 
     def group(self, key: str) -> str:
         """The group ``key`` belongs to: its first ``group_depth`` segments."""
@@ -160,9 +162,6 @@ class TieredStorage(Storage):
         """Queue ``key``, already on the local tier, for the remote store (a flush resumed after
         a crash, cnr.write.local_tier.resume_flush)."""
         self._enqueue(_Flush(key))
-
-    def put_if_absent(self, key: str, data: Buffer) -> bool:
-        return self.remote.put_if_absent(key, data)
 
     def delete(self, key: str) -> None:
         """Delete ``key`` from both tiers; a flush of it still queued is dropped, and one under way

@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
+from cnr.track.modules import embedding_modules, is_managed_collision
 from cnr.track.state import StatePiece, pieces_of, whole_piece
 from cnr.types import Role
 
@@ -65,33 +67,6 @@ def check_app_state(app_state: Mapping[str, Any]) -> Dict[str, str]:
 
 
 # ---- embedding tables of a module -----------------------------------------------------------------
-
-def is_managed_collision(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is torchrec's sharded MC-EC / MC-EBC: a wrapper whose tables live in its
-    ``_embedding_module`` (cnr.track.managed_collision)."""
-    return hasattr(module, "_managed_collision_collection") and hasattr(module, "_embedding_module") \
-        and hasattr(module, "register_post_lookup_tracker_fn")
-
-
-def embedding_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """(path as in ``module.state_dict()`` keys, module) for every torchrec sharded embedding
-    module inside ``module``, managed-collision wrappers as they are. DMP's and DDP's wrapper
-    levels are not part of the state_dict keys, so they are left out of the path."""
-    out: List[Tuple[str, torch.nn.Module]] = []
-
-    def walk(parent: torch.nn.Module, prefix: str) -> None:
-        for name, child in parent.named_children():
-            wrapper = (name == "_dmp_wrapped_module" and hasattr(parent, "_dmp_wrapped_module")) or \
-                (name == "module" and isinstance(parent, torch.nn.parallel.DistributedDataParallel))
-            path = prefix if wrapper else (f"{prefix}.{name}" if prefix else name)
-            if hasattr(child, "register_post_lookup_tracker_fn"):
-                out.append((path, child))
-            else:
-                walk(child, path)
-
-    walk(module, "")
-    return out
-
 
 # wrappers of a sharded EC/EBC: torchrec's managed-collision modules (cnr.track.managed_collision) and
 # its feature-processed EBC, whose compute_and_output_dist is the wrapped EBC's (so its hook runs)
@@ -253,8 +228,6 @@ class AppState:
         """Add a Stateful entry ``<key>.managed_collision`` per module holding managed-collision
         modules: their runtime state outside the state_dict (cnr.track.managed_collision). ValueError
         for managed-collision modules cnr cannot checkpoint."""
-        from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
-
         added = []
         for key, kind in list(self.kinds.items()):
             runtime = adapt(key, self.objects[key]) if kind == MODULE else None

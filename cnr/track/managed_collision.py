@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.track.app_state import embedding_modules, is_managed_collision
+from cnr.track.modules import embedding_modules, is_managed_collision
 from cnr.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

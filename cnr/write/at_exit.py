@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from cnr.types import WriteStatus
-from cnr.write.writer import WriteResult
+from cnr.write.job import WriteResult
 
 logger = logging.getLogger("cnr.api")
 

@@ -37,15 +37,25 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SaveStats:
-    """Totals over this process's checkpoints: seconds are wall time, bytes are stored bytes."""
+class WriteTotals:
+    """What a process writing in the background totals (checkpoints here, publishes in
+    cnr.publish.publisher): seconds are wall time, bytes are stored bytes. ``stall_seconds``: training
+    blocked at boundaries; ``snapshot_seconds``: of it, copying into host buffers;
+    ``drain_seconds``: waiting for the last write at the end."""
 
-    checkpoints: int = 0
-    failed: int = 0
     stall_seconds: float = 0.0
     snapshot_seconds: float = 0.0
     drain_seconds: float = 0.0
     bytes_written: int = 0
+
+
+@dataclass
+class SaveStats(WriteTotals):
+    """Totals over this process's checkpoints (WriteTotals), with each checkpoint's id, kind,
+    background seconds and snapshot bytes, in the order taken."""
+
+    checkpoints: int = 0
+    failed: int = 0
     full_fp32_bytes: int = 0
     ids: List[str] = field(default_factory=list)
     kinds: List[str] = field(default_factory=list)
@@ -81,16 +91,19 @@ class ChainState:
 class CheckpointEngine:
     """Takes checkpoints of one rank's state; collective on ``save``, ``wait`` and ``finish``.
 
-    ``bit_width``: the bit-width decision in force (cnr.policy.kinds); the owner may replace it between
-    checkpoints, and every rank must hold the same one. ``writer``: this rank's background
-    writer if already started (so that its process imports while the model is built); the
-    engine owns it from then on. The snapshot, hand-off and settling are cnr.write.handoff's, shared
-    with the publisher.
+    ``bits``: the bit-width decision in force (cnr.policy.kinds; ``save`` may be given the next
+    one), the same on every rank. ``writer``: this rank's background writer if already started
+    (so that its process imports while the model is built); the engine owns it from then on.
+    ``lease``: the job's lease on the storage (cnr.write.lease), which rank 0 checks at commit;
+    ``exchange``: the writers' exchange (cnr.write.peer_exchange), if any; ``table_bits``:
+    options.table_bits keyed by table id (cnr.write.plan.resolve_table_bits). The snapshot,
+    hand-off and settling are cnr.write.handoff's, shared with the publisher.
     """
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, rank: int, world_size: int,
                  tracker: Optional[RowTracker] = None, chain: Optional[ChainState] = None,
-                 bits: Optional[BitDecision] = None, writer: Optional[Writer] = None) -> None:
+                 bits: Optional[BitDecision] = None, writer: Optional[Writer] = None, lease: Optional[LeaseRef] = None,
+                 exchange: Optional[ExchangeAddress] = None, table_bits: Optional[Dict[str, int]] = None) -> None:
         self.options = options
         self.rank = rank
         self.world_size = world_size
@@ -105,18 +118,20 @@ class CheckpointEngine:
                        if c.merge_every and rank == 0 else None)
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
-        self.lease: Optional[LeaseRef] = None  # the job's lease on the storage (cnr.write.lease): rank 0 checks it at commit
+        self.lease = lease
         self.flush_report = None  # rank 0 with a local tier, after finish: cnr.write.writer.FlushReport
         # rank 0's lineage and pinned checkpoints for the commit and retention (cnr.policy.retention); None: lineage ""
         self.retention: Optional[RetentionScope] = None
-        self.exchange: Optional[ExchangeAddress] = None  # the writers' exchange (cnr.write.peer_exchange), if any
-        # options.table_bits keyed by table id (cnr.write.plan.resolve_table_bits; the
-        # Checkpointer knows the tables and sets it)
-        self.table_bits: Dict[str, int] = {}
+        self.exchange = exchange
+        self.table_bits: Dict[str, int] = dict(table_bits or {})
 
     @property
     def writer(self) -> Writer:
         return self.handoff.writer
+
+    def resume(self, chain: ChainState) -> None:
+        """Continue ``chain`` (a restored checkpoint's): the next checkpoints build on it."""
+        self.chain = chain
 
     @property
     def buffers(self) -> HostBuffers:
@@ -124,7 +139,7 @@ class CheckpointEngine:
 
     @buffers.setter
     def buffers(self, buffers: HostBuffers) -> None:
-        self.handoff.buffers = buffers  # engines that take turns may share one set (cnr.bench.policies)
+        self.handoff.buffers = buffers  # engines that take turns may share one set (a benchmark's cells)
 
     def prepare(self, pieces: List[StatePiece]) -> None:
         """Allocate the host buffers of a full snapshot of ``pieces`` ahead, in the background, so
@@ -134,13 +149,20 @@ class CheckpointEngine:
     # ---- the boundary --------------------------------------------------------------------
 
     def save(self, step: int, pieces: List[StatePiece], fields: Optional[Dict[str, Any]] = None,
-             app: Optional[Dict[str, Any]] = None) -> str:
+             app: Optional[Dict[str, Any]] = None, bits: Optional[BitDecision] = None,
+             retention: Optional[RetentionScope] = None) -> str:
         """Snapshot and hand off a checkpoint of ``pieces`` at ``step``; return its id.
 
         ``fields``: the manifest's tables, metadata and counters (used on rank 0); ``app``: this
-        rank's JSON state of the application's objects (cnr.track.app_state).
+        rank's JSON state of the application's objects (cnr.track.app_state). ``bits``: the
+        bit-width decision from this checkpoint on (None: the one in force); ``retention``: the
+        lineage and pinned checkpoints its commit and retention keep to (None: as before).
         """
         start = time.perf_counter()
+        if bits is not None:
+            self.bit_width = bits
+        if retention is not None:
+            self.retention = retention
         self._settle(abandon=self.options.on_overlap == "abandon")
         # rank 0 decides (it alone saw the stored sizes) and every rank follows
         nonce, kind, base = rank0_decides(lambda: (uuid.uuid4().hex[:8],) + self._decide(), self.rank)

@@ -21,7 +21,8 @@ from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece
 from cnr.track.tracker import Captured, RowTracker
 from cnr.types import WriteStatus
-from cnr.write.writer import STATUSES, WriteJob, WriteResult, Writer
+from cnr.write.job import STATUSES, WriteJob, WriteResult
+from cnr.write.writer import Writer
 
 _NONE = -1  # nothing was in flight
 _RUNNING = -2  # rank 0's writer is still busy (SettleMode.POLL only)

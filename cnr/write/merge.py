@@ -25,24 +25,23 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from cnr.codec import array_codec, codec_for_encoding, exact_codec
+from cnr.codec.base import ArrayCodec, DecodedValues, MergeRows
+from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
-from cnr.codec.log8 import log8_codes, log8_values
-from cnr.codec.chunk_format import DTYPES, Compression, DecodedChunk, encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id
 from cnr.format.catalog import read_manifest, resolve_chain
-from cnr.codec.quant.quantize import QuantizedRows
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
 from cnr.policy.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding, RetentionScope
-from cnr.write.writer import row_blocks
+from cnr.write.job import row_blocks
 from cnr.write.puts import Packer, Uploader
 from cnr.write.proc import MERGER, die_with_spawner, name_this_process
 
@@ -51,28 +50,13 @@ logger = logging.getLogger(__name__)
 _Columns = Tuple[int, int]  # (col_offset, cols) of a column slice of a 2-D tensor; (0, 0) whole
 
 
-@dataclass
-class _Rows:
-    """One column slice of a tensor, every row in its stored form: raw ``data``, or ``codes``,
-    ``scale`` and ``bias`` of a uniform quantizer with ``bits``/``method``. Scales and biases are
-    held as float32 (float16 ones widen exactly); ``half`` says they were all float16, so they
-    are stored narrowed back as they were."""
-
-    data: Optional[torch.Tensor] = None
-    codes: Optional[torch.Tensor] = None
-    scale: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    bits: int = 32
-    method: str = ""
-    half: Tuple[bool, bool] = (True, True)
-    encoding: Encoding = Encoding.RAW
-
-
 def _encoding_of(refs: List[ChunkRef], name: str) -> Tuple[Encoding, int, str]:
     kinds = sorted({(r.encoding.value, r.bits, r.method) for r in refs})
-    values = {(Encoding.LOG8.value, 8, "log8"), (Encoding.RAW.value, 32, "")}
-    if len(kinds) == 2 and set(kinds) == values:  # log8 rows a merge stored raw: both decode to exact values
-        return Encoding.LOG8, 8, "log8"
+    raw = (Encoding.RAW.value, 32, "")
+    if len(kinds) == 2 and raw in kinds:
+        other = kinds[0] if kinds[1] == raw else kinds[1]
+        if _codec_of(refs, other).plain:  # e.g. log8 rows a merge stored raw: both decode to exact values
+            return Encoding(other[0]), other[1], other[2]
     if len(kinds) != 1:
         raise CheckpointError(f"tensor {name!r} is stored as {kinds} along the chain; merging it would mean "
                               "re-quantizing, so the chain is left as it is")
@@ -80,81 +64,62 @@ def _encoding_of(refs: List[ChunkRef], name: str) -> Tuple[Encoding, int, str]:
     return Encoding(encoding), bits, method
 
 
-def _new_rows(chunk: DecodedChunk, n: int, dtype: str, kind: Tuple[Encoding, int, str]) -> _Rows:
-    """Room for ``n`` rows shaped like the (first baseline) ``chunk``'s."""
-    encoding, bits, method = kind
-    if chunk.quantized is None:
-        return _Rows(data=torch.empty((n,) + tuple(chunk.data.shape[1:]), dtype=DTYPES[dtype]), bits=bits,
-                     encoding=encoding)
-    width = chunk.quantized.codes.shape[1]
-    return _Rows(codes=torch.empty((n, width), dtype=torch.uint8), scale=torch.empty(n), bias=torch.empty(n),
-                 bits=bits, method=method)
+def _codec_of(refs: List[ChunkRef], kind: Tuple[str, int, str]) -> ArrayCodec:
+    """The array codec of the chunks of ``kind`` (encoding, bits, method): the one their chain
+    names, or for chunks recorded before codec chains the one of their encoding."""
+    for r in refs:
+        if (r.encoding.value, r.bits, r.method) == tuple(kind) and r.codecs:
+            return array_codec(r.codecs[0].name)
+    return codec_for_encoding(Encoding(kind[0]))
 
 
-def _place(rows: _Rows, chunk: DecodedChunk, at) -> None:
-    """Write ``chunk``'s rows at ``at`` (a slice for a contiguous chunk, ids for a listed one)."""
-    if chunk.quantized is None:
-        rows.data[at] = chunk.data
-        return
-    q = chunk.quantized
-    rows.codes[at] = q.codes
-    rows.scale[at] = q.scale.float()
-    rows.bias[at] = q.bias.float()
-    rows.half = (rows.half[0] and q.scale.dtype == torch.float16, rows.half[1] and q.bias.dtype == torch.float16)
+def _decoded(chunk) -> DecodedValues:
+    return DecodedValues(data=chunk.data, stored=chunk.quantized)
 
 
-def _merged_rows(storage: Storage, name: str, entry: TensorEntry, links: List[List[ChunkRef]]) -> _Rows:
-    """Every row of one column slice: the baseline's, overwritten by each increment in order.
-    Chunks are fetched and placed one at a time, so only the merged rows stay in memory."""
-    kind = _encoding_of([r for chunks in links for r in chunks], name)
+def _merged_rows(storage: Storage, name: str, entry: TensorEntry,
+                 links: List[List[ChunkRef]]) -> Tuple[ArrayCodec, MergeRows]:
+    """Every row of one column slice: the baseline's, overwritten by each increment in order, and
+    the codec to store them with. Chunks are fetched and placed one at a time, so only the merged
+    rows stay in memory, in their decoded form (cnr.codec.base.ArrayCodec.merge_rows)."""
+    refs = [r for chunks in links for r in chunks]
+    encoding, bits, method = _encoding_of(refs, name)
+    codec = _codec_of(refs, (encoding.value, bits, method))
     n = entry.shape[0]
-    rows: Optional[_Rows] = None
+    rows: Optional[MergeRows] = None
     covered = torch.zeros(n, dtype=torch.bool)
     for ref in links[0]:
-        chunk = fetch_chunk(storage, ref, dequantize=False)
-        rows = rows or _new_rows(chunk, n, entry.dtype, kind)
+        chunk = _decoded(fetch_chunk(storage, ref, dequantize=False))
+        rows = rows or codec.merge_rows(chunk, n, entry.dtype)
         at = slice(ref.row_start, ref.row_start + ref.rows)
-        _place(rows, chunk, at)
+        rows.place(at, chunk)
         covered[at] = True
     if rows is None or not bool(covered.all()):
         raise CheckpointError(f"the baseline covers {int(covered.sum())} of {n} rows of {name!r}")
     for chunks in links[1:]:
         for ref in chunks:
             chunk = fetch_chunk(storage, ref, dequantize=False)
-            _place(rows, chunk, chunk.row_ids)
-    return rows
+            rows.place(chunk.row_ids, _decoded(chunk))
+    return codec, rows
 
 
-def _log8_or_raw(name: str, values: torch.Tensor, row_start: int, compression: Compression) -> Tuple[bytes, ChunkRef]:
-    """``values`` (decoded from log8 chunks) log8-coded again when that reproduces them bit for
-    bit (the grid depends on each chunk's range, so it may not), else stored raw: exact either way."""
-    codes, lo, hi = log8_codes(values)
-    if torch.equal(log8_values(codes, lo, hi), values):  # the codec's own kernels: no chunk round trip
-        return encode_log8_chunk("", name, values, row_start, 0, compression=compression)
-    return encode_raw_chunk("", name, values, row_start, 0)  # raw chunks are not compressed (cnr.write.plan.encode_block)
-
-
-def _write_rows(packer: Packer, name: str, rows: _Rows, columns: _Columns, chunk_bytes: int,
+def _write_rows(packer: Packer, name: str, codec: ArrayCodec, rows: MergeRows, columns: _Columns, chunk_bytes: int,
                 compression: Compression) -> List[ChunkRef]:
-    """Encode ``rows`` as contiguous chunks of at most about ``chunk_bytes`` and store them."""
-    col0, cols = columns
-    if rows.data is not None:
-        n, row_bytes = rows.data.shape[0], rows.data[:1].numel() * rows.data.element_size()
-    else:
-        scale = rows.scale.half() if rows.half[0] else rows.scale
-        bias = rows.bias.half() if rows.half[1] else rows.bias
-        n, row_bytes = rows.codes.shape[0], rows.codes.shape[1] + scale.element_size() + bias.element_size()
+    """Encode ``rows`` as contiguous chunks of at most about ``chunk_bytes`` and store them: each
+    block re-encoded by ``codec`` so that it decodes to the same values (codes, scales and biases
+    copied as stored), else stored exactly (cnr.codec.exact_codec); through ``compression`` when
+    the codec storing it is compressible, as the writer stores chunks (cnr.write.plan.encode_block)."""
+    col0, _cols = columns
     refs = []
-    for lo, hi in row_blocks(n, row_bytes, chunk_bytes):
+    for lo, hi in row_blocks(rows.rows, rows.row_bytes(), chunk_bytes):
         start = time.time()
-        if rows.encoding == Encoding.LOG8:
-            blob, ref = _log8_or_raw(name, rows.data[lo:hi], lo, compression)
-        elif rows.data is not None:
-            blob, ref = encode_raw_chunk("", name, rows.data[lo:hi], lo, col0)  # uncompressed, as the writer stores raw rows
-        else:
-            q = QuantizedRows(bits=rows.bits, method=rows.method, rows=hi - lo, dim=cols,
-                              codes=rows.codes[lo:hi], scale=scale[lo:hi], bias=bias[lo:hi])
-            blob, ref = encode_quantized_chunk("", name, q, lo, col0, compression=compression)
+        block = rows.block(lo, hi)
+        used, encoded = codec, codec.reencode(block)
+        if encoded is None:
+            used = exact_codec()
+            encoded = used.encode(block.data)
+        blob, ref = encode_chunk("", name, encoded, lo, col0,
+                                 compression=compression if used.compressible else ())
         refs.append(packer.add(blob, ref, start, time.time()))  # the packer names its object
     return refs
 
@@ -190,8 +155,8 @@ def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manife
     refs: List[ChunkRef] = []
     for columns, base_chunks in sorted(per_link[0].items()):
         links = [base_chunks] + [link.get(columns, []) for link in per_link[1:]]
-        rows = _merged_rows(storage, name, entries[0], links)
-        refs += _write_rows(packer, name, rows, columns, chunk_bytes, compression)
+        codec, rows = _merged_rows(storage, name, entries[0], links)
+        refs += _write_rows(packer, name, codec, rows, columns, chunk_bytes, compression)
     return dataclasses.replace(entries[-1], chunks=tuple(refs))
 
 

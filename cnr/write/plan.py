@@ -1,23 +1,25 @@
 """How the writer stores each piece of a checkpoint: its bit-width, its codec chain, and the
-finiteness check every block passes first. Pure functions of the job and the piece (the job is
-a cnr.write.writer.WriteJob), run in the writer process, never in the stall."""
+finiteness check every block passes first. Pure functions of the job (a cnr.write.job.WriteJob)
+and the piece, run in the writer process, never in the stall.
+
+The plan picks the bits; the codecs decide whether they store a block at those bits: it asks the
+array codecs of cnr.codec.plan_codecs in order and takes the first that encodes the block (raw,
+last, takes anything). It knows no codec by name.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
-from cnr.codec.log8 import log8_applies
-from cnr.codec.chunk_format import encode_log8_chunk, encode_quantized_chunk, encode_raw_chunk
+from cnr.codec import plan_codecs
+from cnr.codec.base import Target
+from cnr.codec.chunk_format import encode_chunk
 from cnr.errors import NONFINITE, NonFiniteStateError
-from cnr.codec.quant.quantize import quantize_rows, stored_method
-from cnr.codec.quant.range_search import Fused
 from cnr.track.snapshot import HostPiece
 from cnr.types import TABLE_ROLES, ChunkRef, Role
-
-if TYPE_CHECKING:  # cnr.write.writer imports this module
-    from cnr.write.writer import WriteJob
+from cnr.write.job import WriteJob
 
 
 def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str, str]]) -> Dict[str, int]:
@@ -35,7 +37,7 @@ def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str
     return out
 
 
-def quantized_bits(job: "WriteJob", piece: HostPiece) -> int:
+def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
     """Bit-width ``piece`` is stored at: table weights at ``job.table_bits[table]`` when the
     table has an entry, else at ``job.bits``, or at least ``job.small_table_bits`` for a table
     of at most ``job.small_table_rows`` rows; fused optimizer state (2-D row-wise quantized,
@@ -68,21 +70,24 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
                                   "last finite one")
 
 
-def searched_rows(job: "WriteJob") -> int:
+def _target(job: WriteJob, piece: HostPiece, search: Optional[Any]) -> Target:
+    return Target(bits=quantized_bits(job, piece), job_bits=job.bits, method=job.method, search=search,
+                  name=piece.name)
+
+
+def searched_rows(job: WriteJob) -> int:
     """Rows of ``job`` that the adaptive quantizer's range search will encode (cnr.codec.quant.range_search)."""
-    total = 0
-    for piece in job.pieces:
-        bits = quantized_bits(job, piece)
-        if bits != 32 and piece.data.dim() == 2 and stored_method(bits, job.bits, job.method) == "adaptive":
-            total += piece.data.shape[0]
-    return total
+    return sum(codec.searched_rows(piece.data, _target(job, piece, None))
+               for piece in job.pieces for codec in plan_codecs())
 
 
-def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, row0: int,
-                 col0: int, search: Optional[Fused] = None) -> Tuple[bytes, ChunkRef]:
-    """One chunk of rows ``lo..hi-1`` of ``piece``: row-wise quantized or log8 (see
-    quantized_bits), then through the job's compression; or raw, exact and uncompressed.
-    ``search``: the adaptive search's compiled kernels (cnr.codec.quant.range_search), or None for the eager ones.
+def encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, row0: int,
+                 col0: int, search: Optional[Any] = None) -> Tuple[bytes, ChunkRef]:
+    """One chunk of rows ``lo..hi-1`` of ``piece``: at the bits quantized_bits gives, by the first
+    codec of cnr.codec.plan_codecs that takes the block (row-wise quantized, log8, else raw: exact),
+    then through the job's compression when the codec is ``compressible`` (raw is not).
+    ``search``: the adaptive search's compiled kernels (cnr.codec.quant.range_search.Fused), or None
+    for the eager ones.
 
     Why raw chunks (fp32 tables at 32 bits, dense state, a 1-D state log8 cannot code) skip
     the compression: zstd level 3 shrinks fp32 values by 7.6% at 587 MB/s of one core (``bench
@@ -94,10 +99,10 @@ def encode_block(job: "WriteJob", piece: HostPiece, key: str, lo: int, hi: int, 
     start = row0 + lo if ids is None else 0
     block = piece.data[lo:hi]
     check_finite(piece, block, start)
-    bits = quantized_bits(job, piece)
-    if bits != 32 and block.dim() == 2:
-        q = quantize_rows(block, bits, method=stored_method(bits, job.bits, job.method), name=piece.name, search=search)
-        return encode_quantized_chunk(key, piece.name, q, start, col0, row_ids=ids, compression=job.compression)
-    if bits != 32 and log8_applies(block):  # a 1-D state with negative values stays raw, exact
-        return encode_log8_chunk(key, piece.name, block, start, col0, row_ids=ids, compression=job.compression)
-    return encode_raw_chunk(key, piece.name, block, start, col0, row_ids=ids)
+    target = _target(job, piece, search)
+    for codec in plan_codecs():
+        encoded = codec.encode(block, target)
+        if encoded is not None:
+            compression = job.compression if codec.compressible else ()
+            return encode_chunk(key, piece.name, encoded, start, col0, row_ids=ids, compression=compression)
+    raise ValueError(f"no codec stores the rows of {piece.name!r} at {target.bits} bits")

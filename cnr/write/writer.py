@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -32,6 +32,7 @@ from cnr.write.commit import commit_checkpoint
 from cnr.write.lease import check_held
 from cnr.policy.retention import retain_checkpoints, use_scope
 from cnr.options import CheckpointOptions
+from cnr.write.job import WriteJob, WriteResult, row_blocks
 from cnr.write.plan import encode_block, searched_rows
 from cnr.codec.chunk_format import dtype_name
 from cnr.write.encode_pool import EncodePool
@@ -42,11 +43,10 @@ from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_k
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, local_only_checkpoints, open_checkpoint_store, resume_flush, retain_local
 from cnr.storage import open_storage
+from cnr.storage.spec import StorageSpec
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import (
-    CheckpointKind, ChunkRef, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, SearchKernel, WriteStatus,
-)
+from cnr.types import ChunkRef, SearchKernel, WriteStatus
 from cnr.write.puts import Packer, Uploader
 from cnr.write.proc import WRITER, die_with_spawner, name_this_process
 from cnr.write.mainguard import EXIT_UNGUARDED, UNGUARDED_DEATH
@@ -55,68 +55,6 @@ from cnr.codec.quant.range_search import Fused, WriterSearch
 logger = logging.getLogger(__name__)
 
 Retain = Callable[[Storage], Dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class WriteJob:
-    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
-
-    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
-    store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stages of
-    quantized and log8 chunks (cnr.codec.zstd; raw chunks are stored as they are);
-    ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
-    cnr.write.plan decides per piece); ``table_bits``: table id -> its rows' width, over both.
-    ``lease``: the job's lease on the storage (cnr.write.lease, held by rank 0), which rank 0 checks
-    right before the commit, and every rank's local tier before it flushes to the remote store
-    after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``exchange``:
-    rank 0's store for the writers' commit objects (cnr.write.peer_exchange; with a local tier on
-    several ranks), else None. ``retention``: the job's lineage and pinned checkpoints (set by
-    cnr.Checkpointer; rank 0's manifest names the lineage, and its retention uses both,
-    cnr.policy.retention); None: lineage "", nothing pinned.
-    """
-
-    ckpt_id: str
-    step: int
-    kind: CheckpointKind
-    base: Optional[str]
-    rank: int
-    world_size: int
-    pieces: List[HostPiece]
-    manifest_fields: Optional[Dict[str, Any]] = None
-    bits: int = 32
-    method: str = ""
-    optimizer_bits: int = 32
-    app: Dict[str, Any] = field(default_factory=dict)
-    lease: Optional[LeaseRef] = None
-    compression: Tuple[CodecSpec, ...] = ()
-    small_table_rows: int = 0
-    small_table_bits: int = 8
-    table_bits: Dict[str, int] = field(default_factory=dict)
-    exchange: Optional[ExchangeAddress] = None
-    retention: Optional[RetentionScope] = None
-
-
-# What a writer reports, in the order the trainer broadcasts them by index (cnr.write.engine, cnr.publish.publisher).
-STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
-
-
-@dataclass
-class WriteResult:
-    """What the writer reports for a job."""
-
-    ckpt_id: str
-    status: WriteStatus
-    bytes_written: int = 0
-    full_fp32_bytes: int = 0
-    seconds: float = 0.0
-    error: Optional[str] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-
-def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
-    """Row ranges of at most ``chunk_bytes`` each (at least one row each); one (0, 0) when empty."""
-    step = max(1, chunk_bytes // max(1, row_bytes))
-    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
 
 
 def _blocks(piece: HostPiece, chunk_bytes: int) -> List[Tuple[int, int]]:
@@ -352,7 +290,9 @@ class Writer:
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None,
                  wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> None:
-        self._uri, self._options, self._retain, self._wrap_remote = storage_uri, options, retain, wrap_remote
+        # parsed once, here: the writer processes and the watcher open the (picklable) spec
+        self._uri = StorageSpec.parse(storage_uri)
+        self._options, self._retain, self._wrap_remote = options, retain, wrap_remote
         self._ctx = mp.get_context("spawn")
         self.deaths = 0  # writer processes that died in a row
         self.restarts = 0  # writer processes started after one died, in total

@@ -57,14 +57,32 @@ def _padded(t: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _check_matrix(label: str, t: object, form: str) -> None:
+    """ConfigError unless ``t`` is a 2-D torch.uint8 tensor (``form`` describes it in the message)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+        raise ConfigError(
+            f"{label} must be a 2-D torch.uint8 tensor{form}, got "
+            f"{getattr(t, 'dtype', type(t))} with shape {tuple(getattr(t, 'shape', ()))}"
+        )
+
+
+def _words(t: torch.Tensor, width: int, per_word: int, shift: int, dtype: torch.dtype) -> torch.Tensor:
+    """One ``dtype`` word per ``per_word`` consecutive columns of ``t`` (zero columns appended up
+    to ``width``), column ``i`` of a word shifted left by ``i * shift`` bits: packing ORs codes into
+    a group's word, unpacking a group's bytes. Position-major copy first: each of the per_word
+    positions becomes one contiguous vector, so the shift/or passes run on contiguous memory
+    (strided ones are ~10x slower)."""
+    by_pos = _padded(t, width, dtype).view(-1, per_word).t().contiguous()
+    word = by_pos[0].clone()
+    for i in range(1, per_word):
+        word |= by_pos[i] << (i * shift)
+    return word
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 ``codes [rows, dim]`` (each < 2**bits) into uint8 ``[rows, ceil(dim*bits/8)]``."""
     _check_bits(bits)
-    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
-        raise ConfigError(
-            f"codes must be a 2-D torch.uint8 tensor [rows, dim], got "
-            f"{getattr(codes, 'dtype', type(codes))} with shape {tuple(getattr(codes, 'shape', ()))}"
-        )
+    _check_matrix("codes", codes, " [rows, dim]")
     rows, dim = codes.shape
     if codes.numel() and int(codes.max()) >= (1 << bits):
         raise ConfigError(
@@ -74,12 +92,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.contiguous().clone()
     g, gbytes, wtype = _group(bits)
     groups = -(-dim // g)
-    # Position-major copy: each of the g positions becomes one contiguous vector, so the
-    # shift/or passes below run on contiguous memory (strided ones are ~10x slower).
-    by_pos = _padded(codes, groups * g, wtype).view(-1, g).t().contiguous()
-    word = by_pos[0].clone()
-    for i in range(1, g):
-        word |= by_pos[i] << (i * bits)
+    word = _words(codes, groups * g, g, bits, wtype)
     if gbytes == 1:
         out = word  # already uint8: one group is one byte
     else:
@@ -91,11 +104,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of :func:`pack`: uint8 ``[rows, ceil(dim*bits/8)]`` to uint8 codes ``[rows, dim]``."""
     nbytes = packed_bytes_per_row(dim, bits)
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise ConfigError(
-            f"packed must be a 2-D torch.uint8 tensor, got "
-            f"{getattr(packed, 'dtype', type(packed))} with shape {tuple(getattr(packed, 'shape', ()))}"
-        )
+    _check_matrix("packed", packed, "")
     if packed.shape[1] != nbytes:
         raise ConfigError(
             f"packed rows have {packed.shape[1]} bytes; {dim} codes of {bits} bits need exactly {nbytes}"
@@ -105,10 +114,7 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return packed.contiguous().clone()
     g, gbytes, wtype = _group(bits)
     groups = -(-dim // g)
-    by_byte = _padded(packed, groups * gbytes, wtype).view(-1, gbytes).t().contiguous()
-    word = by_byte[0].clone()
-    for j in range(1, gbytes):
-        word |= by_byte[j] << (8 * j)
+    word = _words(packed, groups * gbytes, gbytes, 8, wtype)
     mask = (1 << bits) - 1
     out = torch.stack([((word >> (i * bits)) & mask).to(torch.uint8) for i in range(g)], 1)
     return out.view(rows, groups * g)[:, :dim].contiguous()

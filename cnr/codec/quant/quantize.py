@@ -17,11 +17,12 @@ exactly with every method.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -154,6 +155,23 @@ class QuantizedRows:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+    def select(self, at: Union[slice, torch.Tensor]) -> "QuantizedRows":
+        """These rows at ``at``: a slice (views) or int64 local row indexes (copies). With
+        ``values`` this is the stored form a rowwise chunk decodes to (cnr.codec.base.StoredRows):
+        dequantizing the selected rows is bit-identical to the same rows of the whole (per-row ops)."""
+        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            return t[at] if isinstance(at, slice) else t.index_select(0, at)
+
+        codes = pick(self.codes)
+        return dataclasses.replace(self, rows=codes.shape[0], codes=codes, scale=pick(self.scale),
+                                   bias=pick(self.bias), codebook=pick(self.codebook))
+
+    def values(self) -> torch.Tensor:
+        """float32 ``[rows, dim]``: the rows dequantized (dequantize_rows)."""
+        return dequantize_rows(self)
 
 
 def _check_tensor(label: str, t: object, dtypes: Tuple[torch.dtype, ...], shape: Tuple[int, ...]) -> None:

@@ -1,0 +1,71 @@
+"""A store in front of another: every method of the Storage interface goes to ``inner``.
+
+A wrapper (a node-local tier, cnr.storage.tiered; a benchmark's emulated link, cnr.bench.link;
+a test's fault injector) subclasses ``WrapperStorage`` and overrides only what it changes::
+
+    class SlowReads(WrapperStorage):
+        def get(self, key, byte_range=None, *, limit=None):
+            time.sleep(0.01)
+            return self.inner.get(key, byte_range, limit=limit)
+
+``read_sources`` is the wrapper itself while ``inner`` has one source (itself), so a verified read
+(cnr.storage.base.from_sources) goes through the wrapper's ``get``; an inner store with several
+sources (a tiered store) hands out its own, which the wrapper cannot stand in front of one by one.
+A wrapper passes the storage contract (cnr.testing.storage_contract) whenever its inner store does
+and it changes no answer.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from cnr.storage.base import Buffer, Storage
+from cnr.types import ByteRange
+
+
+class WrapperStorage(Storage):
+    """``inner`` behind the Storage interface; subclasses override what they change."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def put(self, key: str, data: Buffer) -> None:
+        self.inner.put(key, data)
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    def commit(self, key: str, data: Buffer, requires: Sequence[str] = ()) -> None:
+        self.inner.commit(key, data, requires)
+
+    def read_sources(self) -> Sequence[Storage]:
+        sources = self.inner.read_sources()
+        return (self,) if len(sources) == 1 and sources[0] is self.inner else sources
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
+        return self.inner.get(key, byte_range, limit=limit)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> List[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def check_writable(self) -> None:
+        self.inner.check_writable()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"

@@ -1,0 +1,74 @@
+"""What the trainer hands its writer and gets back (cnr.write.writer), and how a piece's rows split
+into chunks: shared by the writer process, the per-chunk plan (cnr.write.plan) and the merge
+(cnr.write.merge), none of which needs the others for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from cnr.track.snapshot import HostPiece
+from cnr.types import CheckpointKind, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, WriteStatus
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
+
+    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
+    store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stage (empty or
+    one, cnr.codec.zstd) of the chunks of compressible codecs, quantized and log8 ones (raw chunks
+    are stored as they are);
+    ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
+    cnr.write.plan decides per piece); ``table_bits``: table id -> its rows' width, over both.
+    ``lease``: the job's lease on the storage (cnr.write.lease, held by rank 0), which rank 0 checks
+    right before the commit, and every rank's local tier before it flushes to the remote store
+    after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``exchange``:
+    rank 0's store for the writers' commit objects (cnr.write.peer_exchange; with a local tier on
+    several ranks), else None. ``retention``: the job's lineage and pinned checkpoints (set by
+    cnr.Checkpointer; rank 0's manifest names the lineage, and its retention uses both,
+    cnr.policy.retention); None: lineage "", nothing pinned.
+    """
+
+    ckpt_id: str
+    step: int
+    kind: CheckpointKind
+    base: Optional[str]
+    rank: int
+    world_size: int
+    pieces: List[HostPiece]
+    manifest_fields: Optional[Dict[str, Any]] = None
+    bits: int = 32
+    method: str = ""
+    optimizer_bits: int = 32
+    app: Dict[str, Any] = field(default_factory=dict)
+    lease: Optional[LeaseRef] = None
+    compression: Tuple[CodecSpec, ...] = ()
+    small_table_rows: int = 0
+    small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
+    exchange: Optional[ExchangeAddress] = None
+    retention: Optional[RetentionScope] = None
+
+
+# What a writer reports, in the order the trainer broadcasts them by index (cnr.write.engine, cnr.publish.publisher).
+STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
+
+
+@dataclass
+class WriteResult:
+    """What the writer reports for a job."""
+
+    ckpt_id: str
+    status: WriteStatus
+    bytes_written: int = 0
+    full_fp32_bytes: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``chunk_bytes`` each (at least one row each); one (0, 0) when empty."""
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    return [(s, min(rows, s + step)) for s in range(0, max(1, rows), step)]
