@@ -11,7 +11,16 @@ restores of one chain is compared element for element (``bit_exact``).
 
 ``chain<k>_over_baseline``: the newest-first restore of the k-link chain over the baseline's;
 ``replay_chain<k>_over_baseline`` the same for replay. The #15 target is
-``chain20_over_baseline`` <= 1.3.
+``chain20_over_baseline`` <= 1.3. ``chain<k>_s_per_byte_over_baseline``: the newest-first
+restore's seconds per stored byte of the chain over the baseline's (#27 target <= 1.3).
+
+Against the peer (unless ``--peer-steps 0``): the same model's state saved as a full fp32 cnr
+checkpoint and by ``torch.distributed.checkpoint.save`` to the same disk, then restored
+``--repeats`` times each: ``full32_over_dcp_load`` is cnr's restore over ``dcp.load``'s (#27
+target <= 1.0). ``int4_chain_over_dcp_load``: an intermittent 4-bit chain (a full baseline, then
+``--peer-steps`` training steps and one increment) restored newest-first over ``dcp.load`` of
+that model's fp32 state (#27 target <= 1.0). Each restore is checked against the state it saved
+(``peer_bit_exact``; the 4-bit chain against its own first restore).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
 from cnr.format.catalog import read_manifest, resolve_chain
@@ -36,9 +46,10 @@ from cnr.format.manifest import Manifest
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import ChainOrder
+from cnr.types import ChainOrder, CheckpointKind
 
 TARGET = 1.3  # chain20_over_baseline
+PEER_TARGET = 1.0  # full32_over_dcp_load and int4_chain_over_dcp_load (#27)
 
 
 def _write_chain(model: TrainedModel, uri: str, bits: int, links: int) -> List[str]:
@@ -76,6 +87,76 @@ def _clear(model: TrainedModel) -> None:
         piece.tensor.zero_()
 
 
+def _timed(restore) -> float:
+    start = time.perf_counter()
+    restore()
+    return time.perf_counter() - start
+
+
+def _save_chain(model: TrainedModel, uri: str, changes: Dict[str, Any], steps_between: List[int]) -> List[Manifest]:
+    """Checkpoints of ``model`` under the checkpoint section with ``changes``, one now and one
+    after each of ``steps_between``; the chain of the last one, oldest first."""
+    c = dataclasses.replace(model.config.checkpoint, keep_last=0, merge_every=0, max_chain_ratio=0.0,
+                            bit_policy="fixed", **changes)
+    ckpt = model.checkpointer(uri, CheckpointOptions.from_config(c))
+    try:
+        last = model.checkpoint(ckpt)["id"]
+        for steps in steps_between:
+            model.train(steps)
+            last = model.checkpoint(ckpt)["id"]
+    finally:
+        ckpt.close()
+    storage = open_storage(uri)
+    try:
+        return resolve_chain(storage, read_manifest(storage, last))
+    finally:
+        storage.close()
+
+
+def _against_dcp(model: TrainedModel, root: str, repeats: int, steps: int) -> Dict[str, Any]:
+    """Medians of cnr's restores of a full fp32 checkpoint and of an intermittent 4-bit chain,
+    and of ``dcp.load`` of the same model's fp32 state, all from files under ``root``."""
+    threads = model.config.checkpoint.restore_threads
+    full32 = _save_chain(model, os.path.join(root, "full32"), {"policy": "full", "bits": 32}, [])
+    saved = _snapshot(model)
+    state = {"model": model.sharded.model.state_dict(), "sparse_optim": model.sharded.model.fused_optimizer.state_dict(),
+             "dense_optim": model.sharded.dense_optimizer.state_dict()}
+    dcp_path = os.path.join(root, "dcp")
+    dcp.save(state, checkpoint_id=dcp_path)
+    int4 = _save_chain(model, os.path.join(root, "int4"), {"policy": "intermittent", "bits": 4}, [steps])
+    if [m.kind for m in int4] != [CheckpointKind.FULL, CheckpointKind.INCREMENTAL]:
+        raise RuntimeError(f"the intermittent 4-bit chain is {[m.kind.value for m in int4]}, not a baseline and an increment")
+    times: Dict[str, List[float]] = {"full32": [], "dcp_load": [], "int4_chain": []}
+    exact = True
+    stores = {name: open_storage(os.path.join(root, name)) for name in ("full32", "int4")}
+    try:
+        int4_state = None
+        for _ in range(repeats):
+            _clear(model)
+            times["full32"].append(_timed(lambda: restore_chain(stores["full32"], full32, model.state(), threads,
+                                                                ChainOrder.REPLAY)))
+            exact = exact and all(torch.equal(a, p.tensor) for a, p in zip(saved, model.state()))
+            _clear(model)
+            times["dcp_load"].append(_timed(lambda: dcp.load(state, checkpoint_id=dcp_path)))
+            exact = exact and all(torch.equal(a, p.tensor) for a, p in zip(saved, model.state()))
+            _clear(model)
+            times["int4_chain"].append(_timed(lambda: restore_chain(stores["int4"], int4, model.state(), threads,
+                                                                    ChainOrder.NEWEST_FIRST)))
+            now = _snapshot(model)
+            exact = exact and (int4_state is None or all(torch.equal(a, b) for a, b in zip(int4_state, now)))
+            int4_state = now
+    finally:
+        for store in stores.values():
+            store.close()
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"full32_restore_s": round(median["full32"], 4), "dcp_load_s": round(median["dcp_load"], 4),
+            "int4_chain_restore_s": round(median["int4_chain"], 4),
+            "full32_over_dcp_load": ratio(median["full32"], median["dcp_load"]),
+            "int4_chain_over_dcp_load": ratio(median["int4_chain"], median["dcp_load"]),
+            "int4_chain_bytes": [m.bytes for m in int4], "full32_bytes": full32[0].bytes,
+            "peer_steps": steps, "peer_bit_exact": exact}
+
+
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     model = TrainedModel(arg["config"])
     model.train(arg["config"].checkpoint.interval)  # optimizer state populated before the baseline
@@ -98,8 +179,9 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
                 del newest
     finally:
         storage.close()
+    peer = _against_dcp(model, arg["peer_root"], arg["repeats"], arg["peer_steps"]) if arg["peer_steps"] else {}
     # string keys: the result crosses a process boundary as JSON
-    return {"runs": runs, "exact": {str(k): v for k, v in exact.items()},
+    return {"runs": runs, "exact": {str(k): v for k, v in exact.items()}, "peer": peer,
             "chain_bytes": {str(k): [m.bytes for m in chains[k]] for k in chains},
             "chain_rows": {str(k): [m.rows for m in chains[k]] for k in chains}}
 
@@ -119,6 +201,9 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
         result[f"chain{k}_bytes_read"] = read[f"chain{k}"]
         result[f"replay_chain{k}_bytes_read"] = read[f"replay_chain{k}"]
         result[f"chain{k}_stored_bytes"] = sum(out["chain_bytes"][str(k)])
+        # restore seconds per stored byte of the chain over the baseline's (#27 target <= 1.3)
+        result[f"chain{k}_s_per_byte_over_baseline"] = ratio(seconds[f"chain{k}"] / result[f"chain{k}_stored_bytes"],
+                                                             base / out["chain_bytes"][str(k)][0])
         # what bounds a restore that reads each row once: the rows it needs from the increments
         # (distinct) against the rows they store (all of which a restore reads today)
         result[f"chain{k}_increment_rows"] = sum(out["chain_rows"][str(k)][1:])
@@ -127,6 +212,12 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
     longest = max(links)
     result["targets_met"] = {f"chain{longest}_over_baseline<={TARGET}": result[f"chain{longest}_over_baseline"] <= TARGET,
                              "newest_first_equals_replay": all(out["exact"].values())}
+    peer = out.get("peer") or {}
+    result.update(peer)
+    if peer:
+        for name in ("full32_over_dcp_load", "int4_chain_over_dcp_load"):
+            result["targets_met"][f"{name}<={PEER_TARGET}"] = peer[name] <= PEER_TARGET
+        result["targets_met"]["peer_bit_exact"] = peer["peer_bit_exact"]
     return result
 
 
@@ -141,6 +232,8 @@ def _check(args: Any, config: Config) -> List[int]:
         raise ConfigError(f"--bits {args.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats} is not allowed; it must be >= 1")
+    if args.peer_steps < 0:
+        raise ConfigError(f"--peer-steps {args.peer_steps} is not allowed; it must be >= 0 (0: no comparison with dcp.load)")
     if not config.checkpoint.enabled:
         raise ConfigError("bench restore needs checkpoint.enabled: true in the config")
     return links
@@ -151,13 +244,17 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--links", default="1,5,10,20", help="comma-separated chain lengths (increments after the baseline)")
     parser.add_argument("--bits", type=int, default=2, help="bit-width of every link (2, 3, 4, 8, 32)")
     parser.add_argument("--repeats", type=int, default=3, help="restores of each kind (medians reported)")
+    parser.add_argument("--peer-steps", type=int, default=100,
+                        help="training steps between the 4-bit chain's baseline and its increment in the comparison "
+                             "with dcp.load (0: no comparison)")
     args = parser.parse_args(argv_list(argv))
     config = load(args)
     links = _check(args, config)
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-restore-")
     try:
         out = launch(_bench, 1, {"config": config, "uri": os.path.join(workdir, "store"), "bits": args.bits,
-                                 "links": links, "repeats": args.repeats})
+                                 "links": links, "repeats": args.repeats, "peer_steps": args.peer_steps,
+                                 "peer_root": os.path.join(workdir, "peer")})
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
