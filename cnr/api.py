@@ -53,7 +53,7 @@ from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.types import CheckpointInfo, CheckpointStatus, LeaseRef, RetentionScope, TableSpec
-from cnr.write.writer import Writer
+from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
 
@@ -380,16 +380,29 @@ class Checkpointer:
         return self.engine.bit_width
 
     @property
+    def outcomes(self) -> List[CheckpointInfo]:
+        """Every checkpoint this Checkpointer saved and settled (committed, failed or cancelled),
+        oldest step first, the same on every rank."""
+        return sorted(self.engine.outcomes.values(), key=lambda info: info.step)
+
+    @property
+    def flush_report(self) -> Optional[FlushReport]:
+        """After ``close`` on rank 0 with ``options.local_dir``: how the node-local tier's flush to
+        the storage ended (the checkpoints left only on the node, and why writes stopped if this
+        job lost the location); None elsewhere."""
+        return getattr(self.engine, "flush_report", None)
+
+    @property
     def local_only_checkpoints(self) -> List[str]:
         """After ``close`` on rank 0 with ``options.local_dir``: the checkpoints committed only on the
         node-local tier, oldest first (the storage was unreachable until the bounded end of the
         flush, or another job took the lease); [] elsewhere. Resume from them on this node with the
         same ``local_dir``: the resumed writer flushes them to the storage first."""
-        report = getattr(self.engine, "flush_report", None)
+        report = self.flush_report
         return list(report.local_only) if report is not None else []
 
     def _warn_local_only(self) -> None:
-        report = getattr(self.engine, "flush_report", None)
+        report = self.flush_report
         if report is None or not report.local_only:
             return
         why = (f"another job holds the lease on {self.uri} now: {report.fenced_out}" if report.fenced_out else

@@ -15,7 +15,8 @@ def _saving(*outcomes):
     infos = {f"{step:010d}-beef": CheckpointInfo(f"{step:010d}-beef", step, CheckpointKind.FULL, status, 32, 1, 1, None,
                                                  None if status == OK else f"why {step}")
              for step, status in outcomes}
-    return SimpleNamespace(engine=SimpleNamespace(outcomes=infos))
+    # the Checkpointer's public read-outs commit_status uses (cnr.api.Checkpointer.outcomes, flush_report)
+    return SimpleNamespace(outcomes=sorted(infos.values(), key=lambda i: i.step), flush_report=None)
 
 
 def test_newest_committed_is_fine():
@@ -44,7 +45,7 @@ def test_nothing_committed_in_a_fresh_or_resumed_run():
 def _with_report(saving, local_only, fenced_out=None):
     from cnr.write.writer import FlushReport
 
-    saving.engine.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out)
+    saving.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out)
     saving.options, saving.uri = SimpleNamespace(local_dir="/nvme/cnr"), "s3://bucket/job"
     return saving
 

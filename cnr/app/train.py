@@ -264,7 +264,7 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     and ``last_remote_step`` the newest step the storage itself holds. When the newest committed
     checkpoint is local only, the storage lacks this run's newest state: ``commit_failure`` says so
     (exit 3 too) and how to resume from the node, and ``no_commit_since_step`` is the remote one."""
-    outcomes = sorted(saving.engine.outcomes.values(), key=lambda i: i.step) if saving is not None else []
+    outcomes = saving.outcomes if saving is not None else []
     last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
     since = last if last is not None else 0
     failed = [i for i in outcomes if i.status != CheckpointStatus.COMMITTED and (last is None or i.step > last)]
@@ -275,7 +275,7 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
         out["commit_failure"] = (f"no checkpoint committed since step {since}: the {len(failed)} checkpoint(s) taken "
                                  f"after it failed, the newest ({newest.id}, step {newest.step}) with: "
                                  f"{(newest.error or 'no reason given')[:500]}")
-    report = getattr(saving.engine, "flush_report", None) if saving is not None else None
+    report = saving.flush_report if saving is not None else None
     if report is None:
         return out
     local_only = [i for i in outcomes if i.id in set(report.local_only) and i.status == CheckpointStatus.COMMITTED]
