@@ -22,6 +22,7 @@ encodes and stores the chunks, and rank 0's commits the manifest once every rank
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -74,6 +75,20 @@ def _table_spec(table: TableRef) -> TableSpec:
     return TableSpec(table.id, int(rows), int(dim), features, table_placement(table) or "data_parallel")
 
 
+def _as_library_options(value: Any, cls: type, name: str) -> Any:
+    """``value`` (a ``cls``, maybe a subclass) as exactly ``cls``, checked on construction. A
+    subclass with settings of its own (an application's config section: ``enabled``,
+    ``interval``, ...) is refused: the Checkpointer would ignore them without a word."""
+    if type(value) is cls:
+        return value
+    own = sorted({f.name for f in dataclasses.fields(value)} - {f.name for f in dataclasses.fields(cls)})
+    if own:
+        raise TypeError(f"{name} must be a cnr.{cls.__name__}, got a {type(value).__name__} with settings the "
+                        f"Checkpointer does not take ({', '.join(own)}); pass the library's options it holds "
+                        "(e.g. its .options(...))")
+    return cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(cls)})
+
+
 class PendingCheckpoint:
     """A checkpoint whose snapshot is taken and whose data is being written in the background."""
 
@@ -120,10 +135,9 @@ class Checkpointer:
             raise TypeError(f"publish must be a cnr.PublishOptions, got {type(publish).__name__}")
         # a subclass (an application's config section) may skip the checks in its __post_init__:
         # rebuilt as the library's own type, every value is checked here, before anything starts
-        if type(self.options) is not CheckpointOptions:
-            self.options = CheckpointOptions.from_config(self.options, self.options.expected_steps)
-        if publish is not None and type(publish) is not PublishOptions:
-            publish = PublishOptions.from_config(publish, publish.uri)
+        self.options = _as_library_options(self.options, CheckpointOptions, "options")
+        if publish is not None:
+            publish = _as_library_options(publish, PublishOptions, "publish")
         if publish is not None and PUBLISH_VIEW not in views:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
@@ -390,7 +404,7 @@ class Checkpointer:
         """After ``close`` on rank 0 with ``options.local_dir``: how the node-local tier's flush to
         the storage ended (the checkpoints left only on the node, and why writes stopped if this
         job lost the location); None elsewhere."""
-        return getattr(self.engine, "flush_report", None)
+        return self.engine.flush_report
 
     @property
     def local_only_checkpoints(self) -> List[str]:

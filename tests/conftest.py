@@ -1,4 +1,5 @@
-"""Shared fixtures. ``storage_factory`` yields backends for the storage contract suite."""
+"""Shared fixtures: ``STORAGE_BACKENDS`` (local, S3 on the test server, tiered) for the tests that
+run a case against every store (test_lease, test_reads, test_local_tier)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _tiered(tmp_path):
                          commit_timeout_s=10)
 
 
-# Backends register here; tests/test_storage_contract.py runs every case against each.
+# The stores tests run a case against (the storage contract has its own list, with a test-only wrapper).
 STORAGE_BACKENDS = {"local": _local, "s3": _s3, "tiered": _tiered}
 
 

@@ -134,19 +134,27 @@ def test_chain_cap_needs_a_policy_that_takes_new_baselines():
     assert load_config(TINY, ["checkpoint.policy=consecutive", "checkpoint.max_chain_ratio=1.5"]).checkpoint.max_chain_ratio == 1.5
 
 
-def test_an_application_section_handed_to_the_checkpointer_is_checked_as_library_options(tmp_path):
-    # cnr train's checkpoint section subclasses CheckpointOptions and leaves its checks to the
-    # whole-config validation; handed straight to a Checkpointer it must still be refused
+def test_an_application_section_handed_to_the_checkpointer_is_refused_or_checked(tmp_path):
+    # cnr train's sections subclass the library's options and leave their checks to the whole-config
+    # validation, and carry settings the Checkpointer does not take (enabled, interval, storage):
+    # handed straight to a Checkpointer they are refused, naming those settings; a subclass with no
+    # settings of its own is checked as the library's type
     import dataclasses
 
     from cnr.api import Checkpointer
     from cnr.app.config import CheckpointConfig, PublishConfig
-    from cnr.options import OptionsError
+    from cnr.options import CheckpointOptions, OptionsError
 
-    bad = dataclasses.replace(CheckpointConfig(), bits=5)
+    with pytest.raises(TypeError, match=r"got a CheckpointConfig with settings .*\(enabled, interval\)"):
+        Checkpointer(str(tmp_path / "store"), {}, dataclasses.replace(CheckpointConfig(), bits=5))
+    with pytest.raises(TypeError, match=r"got a PublishConfig with settings .*interval, storage"):
+        Checkpointer(str(tmp_path / "store"), {}, None, publish=PublishConfig(enabled=True, storage="s3://b/p"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Unchecked(CheckpointOptions):
+        def __post_init__(self) -> None:
+            """skips the library's checks"""
+
     with pytest.raises(OptionsError, match="bits = 5 is not allowed"):
-        Checkpointer(str(tmp_path / "store"), {}, bad)
-    bad_publish = dataclasses.replace(PublishConfig(), uri=str(tmp_path / "pub"), keep_bases=-1)
-    with pytest.raises(ValueError, match="keep_bases"):
-        Checkpointer(str(tmp_path / "store"), {}, None, publish=bad_publish)
+        Checkpointer(str(tmp_path / "store"), {}, Unchecked(bits=5))
     assert not (tmp_path / "store").exists()

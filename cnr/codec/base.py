@@ -104,8 +104,7 @@ class DecodedValues:
 
 class StoredRows(abc.ABC):
     """Rows an array codec decoded without computing their values (``dequantize=False``). The
-    quantized rows of cnr.codec.quant.quantize.QuantizedRows are one; any class with these
-    members serves (it need not derive from this one)."""
+    quantized rows of cnr.codec.quant.quantize.QuantizedRows are one."""
 
     rows: int
 

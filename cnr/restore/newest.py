@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from cnr.restore.into_app import RestoredChain, restore_app
 from cnr.track.app_state import AppState
+from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.track.collectives import rank0_decides
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
@@ -145,7 +146,7 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
     """Restore the newest committed checkpoint that verifies (see the module docstring); return
     it (None when nothing is committed) and the newer ones passed over. ``partial``:
     cnr.restore.into_app.check_keys (a key mismatch under strict matching raises, never falls back)."""
-    allowed = [m.value for m in OnDamage]
+    allowed = values_of(OnDamage)
     if on_damage not in allowed:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(allowed)}")
     skipped: List[Skipped] = []

@@ -10,7 +10,8 @@ point in the ``cnr.storage`` group named after the scheme::
     gs = "mypackage.gcs:open_gcs"        # open_gcs(spec: StorageSpec) -> Storage
 
 An entry point is loaded the first time its scheme is opened; a scheme registered in code wins
-over an entry point of the same name. Third-party stores check themselves against
+over an entry point of the same name. A background writer is a spawned process, which has only
+the built-ins and the entry points: a scheme a checkpoint writes to must be an entry point. Third-party stores check themselves against
 cnr.testing.storage_contract.
 """
 
@@ -108,6 +109,9 @@ def open_storage(target: StorageTarget) -> Storage:
 def _open_local(spec: StorageSpec) -> Storage:
     from cnr.storage.local import LocalStorage
 
+    if spec.options is not None:
+        raise ConfigError(f"a local directory takes no storage options; got {type(spec.options).__name__} for "
+                          f"{spec.location!r}")
     return LocalStorage(spec.location)
 
 

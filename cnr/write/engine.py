@@ -172,11 +172,11 @@ class CheckpointEngine:
         if self.rank == 0:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
                                "bit_width": self.bit_width.to_dict()}
-        c, bits = self.options, self.bit_width.bits
+        c, width = self.options, self.bit_width.bits
 
         def make_job(host: List[HostPiece]) -> WriteJob:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
-            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=bits,
+            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=width,
                             method=c.quant_method, app=dict(app or {}),
                             optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
                             lease=self.lease, compression=c.compression_chain(), exchange=self.exchange,
@@ -186,7 +186,7 @@ class CheckpointEngine:
 
         chosen = pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)]
         snap_seconds = self.handoff.submit(chosen, row_ids, captured,
-                                           make_job, (ckpt_id, step, kind, bits, base))
+                                           make_job, (ckpt_id, step, kind, width, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)

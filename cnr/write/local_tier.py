@@ -49,6 +49,7 @@ from cnr.write.peer_exchange import PeerExchange
 from cnr.policy.retention import plan_retention, remove_checkpoint, retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
+from cnr.storage.spec import StorageTarget
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointInfo, CheckpointStatus, ExchangeAddress
@@ -56,7 +57,7 @@ from cnr.types import CheckpointInfo, CheckpointStatus, ExchangeAddress
 logger = logging.getLogger(__name__)
 
 
-def open_checkpoint_store(uri: str, options: CheckpointOptions, rank: Optional[int] = None,
+def open_checkpoint_store(uri: StorageTarget, options: CheckpointOptions, rank: Optional[int] = None,
                           wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> Storage:
     """The checkpoint store at ``uri``, behind ``options.local_dir`` when one is set.
 

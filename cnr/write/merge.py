@@ -116,6 +116,9 @@ def _write_rows(packer: Packer, name: str, codec: ArrayCodec, rows: MergeRows, c
         block = rows.block(lo, hi)
         used, encoded = codec, codec.reencode(block)
         if encoded is None:
+            if block.data is None:  # a stored form its own codec cannot re-encode: no exact copy possible
+                raise CheckpointError(f"merging {name!r}: codec {codec.name!r} cannot re-encode rows {lo}-{hi} "
+                                      "it decoded, and they have no plain values to store exactly")
             used = exact_codec()
             encoded = used.encode(block.data)
         blob, ref = encode_chunk("", name, encoded, lo, col0,

@@ -43,7 +43,7 @@ from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_k
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, local_only_checkpoints, open_checkpoint_store, resume_flush, retain_local
 from cnr.storage import open_storage
-from cnr.storage.spec import StorageSpec
+from cnr.storage.spec import StorageSpec, StorageTarget
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.types import ChunkRef, SearchKernel, WriteStatus
@@ -180,7 +180,7 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
     return result
 
 
-def writer_main(storage_uri: str, options: CheckpointOptions, jobs, results, cancel,
+def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, results, cancel,
                 retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None,
                 ready=None) -> None:
     """Entry point of the writer process: one storage client, jobs until a None sentinel.

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from cnr.codec.base import StoredRows
 from cnr.codec.quant.bitpack import pack, packed_bytes_per_row, unpack
 from cnr.errors import ConfigError
 from cnr.codec.quant.range_search import Fused, greedy_range, rounded
@@ -112,7 +113,7 @@ def stored_method(width: int, bits: int, method: str) -> str:
 
 
 @dataclass(frozen=True)
-class QuantizedRows:
+class QuantizedRows(StoredRows):
     """``rows`` quantized rows of ``dim`` values each.
 
     ``codes``: uint8 ``[rows, packed_bytes_per_row(dim, bits)]``, bit-packed per row (cnr.codec.quant.bitpack).
