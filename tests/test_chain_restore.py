@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
+from cnr.errors import CheckpointError
 from cnr.restore.chain import newest_first_applies, restore_chain
 from cnr.format.manifest import Manifest
 from cnr.track.snapshot import HostPiece
@@ -160,13 +161,14 @@ def test_bad_arguments_are_refused(tmp_path, threads, order):
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("with_ids", [False, True])
 @pytest.mark.parametrize("done_rows", [[], [0, 1, 2], list(range(10, 30)), list(range(40))])
-def test_fill_rows_writes_exactly_the_rows_not_done_and_marks_them(quantized, with_ids, done_rows):
+def test_held_rows_are_exactly_the_rows_not_done_and_land_over_the_blocks(quantized, with_ids, done_rows):
     """A piece of rows 10..49 (of a 60-row tensor) and a chunk of rows 5..54 (contiguous, or
-    listed by id): the rows already done keep their values, every other row inside the piece
-    takes the chunk's (its dequantized values, bit for bit), and all of them end up done."""
+    listed by id): holding marks every row inside the piece done and writes nothing; written
+    over two blocks, the rows done before keep their values, every other row takes the chunk's
+    (its dequantized values, bit for bit), and the check finds every held row written."""
     from cnr.codec.chunk_format import decode_chunk, encode_quantized_chunk, encode_raw_chunk
     from cnr.codec.quant.quantize import quantize_rows
-    from cnr.restore.pieces import fill_rows
+    from cnr.restore.overlay import HeldRows
 
     values = torch.randn(50, 4, generator=torch.Generator().manual_seed(3))
     ids = torch.arange(5, 55) if with_ids else None
@@ -177,12 +179,36 @@ def test_fill_rows_writes_exactly_the_rows_not_done_and_marks_them(quantized, wi
     chunk = decode_chunk(blob, ref, dequantize=False)
     expected_values = decode_chunk(blob, ref).data  # rows 5..54, dequantized
     target = torch.full((40, 4), -7.0)
-    done = torch.zeros(40, dtype=torch.bool)
-    done[done_rows] = True
-    before = done.clone()
-    held = fill_rows(target, (10, 50, 0, 4), chunk, done)
+    held = HeldRows({0: 40})
+    held.done[0][done_rows] = True
+    before = held.done[0].clone()
+    inside = held.hold(0, (10, 50, 0, 4), chunk)
+    assert bool(held.done[0].all()) and bool((target == -7.0).all())
+    assert (inside is not None) == with_ids and (inside is None or torch.equal(inside, torch.arange(10, 50)))
+    for lo, hi in ((0, 17), (17, 40)):
+        held.write_over(0, target, lo, hi, (10, 50, 0, 4))
     for r in range(40):
         want = torch.full((4,), -7.0) if before[r] else expected_values[r + 5]
         assert torch.equal(target[r], want), r
-    assert bool(done.all())
-    assert (held is not None) == with_ids and (held is None or torch.equal(held, torch.arange(10, 50)))
+    held.check_written("base", ["w"])
+
+
+def test_held_rows_a_baseline_block_missed_is_named_and_a_row_listed_twice_refused():
+    from cnr.codec.chunk_format import decode_chunk, encode_raw_chunk
+    from cnr.restore.overlay import HeldRows, put_rows
+
+    values = torch.arange(12.0).reshape(6, 2).to(torch.bfloat16)
+    blob, ref = encode_raw_chunk("k", "w", values, 0, 0, row_ids=torch.tensor([9, 3, 5, 0, 1, 7]))
+    held = HeldRows({0: 10})
+    held.hold(0, (0, 10, 0, 2), decode_chunk(blob, ref, dequantize=False))  # ids out of order: sorted
+    target = torch.zeros(10, 2, dtype=torch.bfloat16)  # no numpy dtype: index_copy_
+    held.write_over(0, target, 0, 6, (0, 10, 0, 2))
+    assert [int(v) for v in target[:, 0]] == [6, 8, 0, 2, 0, 4, 0, 0, 0, 0]
+    with pytest.raises(CheckpointError, match=r"baseline b0 took 4 of the 6 rows the increments hold for 'w'"):
+        held.check_written("b0", ["w"])
+    blob, ref = encode_raw_chunk("k", "w", values, 0, 0, row_ids=torch.tensor([2, 3, 3, 4, 5, 6]))
+    with pytest.raises(CheckpointError, match="lists a row id twice"):
+        HeldRows({0: 10}).hold(0, (0, 10, 0, 2), decode_chunk(blob, ref, dequantize=False))
+    host = torch.zeros(4, 2)
+    put_rows(host, torch.tensor([3, 0]), torch.ones(2, 2))
+    assert host[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]

@@ -2,7 +2,7 @@
 
 The public interface of reading chunks into live state pieces (cnr.restore.pieces):
 ``plan_restore(manifest, pieces, overlay=False, wanted=None) -> RestorePlan`` and
-``apply_restore(plan, storage, pool=None, done=None) -> AppliedRestore``; ``restore_pieces`` (one
+``apply_restore(plan, storage, pool=None, held=None) -> AppliedRestore``; ``restore_pieces`` (one
 checkpoint, coverage checked) and ``restore_chain`` (a baseline and its increments, cnr.restore.chain)
 are built on them.
 """

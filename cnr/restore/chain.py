@@ -4,11 +4,14 @@ Replaying a chain writes a row once per link that holds it, and on a skewed work
 rows are in every link: a 20-link chain decodes and writes them 21 times. Newest-first
 (``ChainOrder.NEWEST_FIRST``, the default) writes each increment row once:
 
-- the baseline is copied whole first, in blocks, as a replay does (skipping its superseded
-  rows one by one cost more than copying them: a 1-link chain restored 20% slower);
-- then the increments are read newest first; each table piece keeps a flag per row that an
-  increment wrote, and older copies of those rows are skipped before they are dequantized (an
-  increment's row ids are in its chunks, so its objects are still fetched and verified);
+- the increments are read first, newest first; each table piece keeps a flag per row that an
+  increment holds, and older copies of those rows are passed over before they are dequantized
+  (an increment's row ids are in its chunks, so its objects are still fetched and verified);
+  the rows an increment is the newest holder of are held back, decoded but not yet written;
+- then the baseline is copied whole, in blocks, as a replay does, and each block's held rows
+  are written over it as it lands, while it is in cache (cnr.restore.overlay: scattered over the
+  whole table after the baseline, an increment row cost about 4x a copied one; skipping the
+  baseline's superseded rows one by one cost more than copying them);
 - every other tensor (dense state, RNG, Stateful) is stored whole in every link, so only the
   newest link's copy is read.
 
@@ -26,7 +29,8 @@ import torch
 
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
-from cnr.restore.pieces import (Span, apply_restore, check_threads, chunk_overlaps, chunk_span, fetch_pool, piece_span,
+from cnr.restore.overlay import HeldRows, Span
+from cnr.restore.pieces import (apply_restore, check_threads, chunk_overlaps, chunk_span, fetch_pool, piece_span,
                                 plan_restore, restore_pieces)
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage
@@ -72,18 +76,16 @@ def _replay(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], t
 
 class _NewestFirst:
     """Where one newest-first restore stands: the link being read (``position`` in the chain),
-    each table piece's rows an increment already wrote, and the link each other piece is read from."""
+    the rows the increments hold for each table piece, and the link each other piece is read from."""
 
     def __init__(self, chain: List[Manifest], pieces: List[StatePiece]) -> None:
         self.pieces = pieces
         self.position = 0
-        # table piece index -> its rows written from an increment (bool, one per row)
-        self.done: Dict[int, torch.Tensor] = {i: torch.zeros(p.tensor.shape[0], dtype=torch.bool)
-                                              for i, p in enumerate(pieces) if p.role in TABLE_ROLES}
+        self.held = HeldRows({i: p.tensor.shape[0] for i, p in enumerate(pieces) if p.role in TABLE_ROLES})
         # other pieces are stored whole in every link: read from the newest one that holds them
         self.source: Dict[int, int] = {
             i: max((pos for pos, m in enumerate(chain) if p.name in m.tensors), default=0)
-            for i, p in enumerate(pieces) if i not in self.done}
+            for i, p in enumerate(pieces) if i not in self.held.done}
 
     def wanted(self, i: int, ref: ChunkRef) -> bool:
         """Whether piece ``i`` needs anything from chunk ``ref`` of the link being read."""
@@ -93,41 +95,46 @@ class _NewestFirst:
             return True
         p0, p1, _q0, _q1 = piece_span(self.pieces[i])
         lo, hi = max(p0, ref.row_start), min(p1, ref.row_start + ref.rows)
-        return not bool(self.done[i][lo - p0:hi - p0].all())
+        return not bool(self.held.done[i][lo - p0:hi - p0].all())
 
     def check(self, manifest: Manifest, copied: List[int]) -> None:
         """After a link: every piece it had to fill whole (the baseline's table pieces, the
-        pieces read from this link) is covered, element for element."""
+        pieces read from this link) is covered, element for element; after the baseline, every
+        row the increments hold was written over it."""
         for i, piece in enumerate(self.pieces):
             whole = self.source.get(i) == self.position if i in self.source else self.position == 0
             if whole and copied[i] != max(1, piece.tensor.numel()):
                 raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} "
                                       f"elements of {piece.name!r} held here")
+        if self.position == 0:
+            self.held.check_written(manifest.id, [p.name for p in self.pieces])
 
 
 def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePiece],
                   threads: int) -> Tuple[int, RowIds]:
-    """The baseline first, copied whole in blocks as a replay does (cheaper than skipping its
-    superseded rows one by one), then the increments newest first, each row once."""
+    """The increments newest first, each holding back the rows no newer one holds (decoded, not
+    yet written), then the baseline copied whole in blocks, each block's held rows written over
+    it as it lands (cnr.restore.overlay)."""
     state = _NewestFirst(chain, pieces)
     total = 0
-    # per table, a flag per global row: held by an increment (a sorted union of 20 links' ids
-    # took 40% of a 20-link restore of bench.yaml; setting flags costs one scatter per chunk)
-    # (the weights' rows: a table's optimizer state holds the same rows, in its own coordinates)
-    held = {p.table: torch.zeros(p.global_shape[0], dtype=torch.bool) for p in pieces if p.role == Role.TABLE_ROWS}
     seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
     with fetch_pool(threads) as pool:
-        for position in [0] + list(range(len(chain) - 1, 0, -1)):
+        for position in list(range(len(chain) - 1, 0, -1)) + [0]:
             state.position, manifest = position, chain[position]
             plan = plan_restore(manifest, pieces, position > 0, state.wanted)
-            applied = apply_restore(plan, storage, pool, state.done if position > 0 else None)
+            applied = apply_restore(plan, storage, pool, state.held)
             total += applied.bytes_read
-            for i, rows in applied.rows:
-                if pieces[i].role == Role.TABLE_ROWS:
-                    held[pieces[i].table][rows] = True
-                    seen.add(pieces[i].table)
+            seen.update(pieces[i].table for i, _rows in applied.rows if pieces[i].role == Role.TABLE_ROWS)
             state.check(manifest, applied.copied)
-    return total, {table: held[table].nonzero().flatten() for table in sorted(seen)}
+    # a table's rows the increments hold: its weight pieces' held rows (its optimizer state holds
+    # the same rows, in its own coordinates; column shards of one table hold the same rows)
+    held: Dict[str, List[torch.Tensor]] = {}
+    for i, piece in enumerate(pieces):
+        if piece.role == Role.TABLE_ROWS and piece.table in seen:
+            held.setdefault(piece.table, []).append(state.held.done[i].nonzero().flatten() + piece_span(piece)[0])
+    # one piece per table: its nonzero rows ascend already; column shards repeat them: unique
+    return total, {table: parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
+                   for table, parts in sorted(held.items())}
 
 
 def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], threads: int = 1,

@@ -16,6 +16,7 @@ does both for one checkpoint and checks coverage. cnr.restore.chain applies a ch
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from cnr.format.chunks import fetch_chunk, read_range
 from cnr.codec.chunk_format import DTYPES, DecodedChunk, decode_chunk
 from cnr.errors import CheckpointError, InvalidKeyError
 from cnr.format.manifest import Manifest, TensorEntry
+from cnr.restore.overlay import HeldRows, Span, put_rows
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage, from_sources
 from cnr.types import RNG_PREFIX, TABLE_ROLES, ByteRange, ChunkRef, Role
@@ -37,9 +39,6 @@ logger = logging.getLogger(__name__)
 # A block of dequantized rows stays in cache on its way into the model (1, 4 and 16 MiB were
 # measured on bench.yaml's 4-bit chain: 4 MiB was fastest).
 _BLOCK_BYTES = 4 << 20
-
-
-Span = Tuple[int, int, int, int]  # (row_lo, row_hi, col_lo, col_hi); cols (0, 0): not column-split
 
 
 def chunk_span(ref: ChunkRef) -> Span:
@@ -82,8 +81,10 @@ def _block_rows(chunk: DecodedChunk) -> int:
     return max(1, _BLOCK_BYTES // width)
 
 
-def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> int:
-    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied."""
+def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk,
+                  after_block: Optional[Callable[[int, int], None]] = None) -> int:
+    """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied.
+    ``after_block(lo, hi)`` runs after each block lands in the piece's rows ``lo..hi-1``."""
     p0, p1, q0, q1 = span
     r0, r1, c0, c1 = chunk_span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
@@ -102,6 +103,8 @@ def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> int:
             src = src[:, clo - c0:chi - c0]
         dst.copy_(src)
         copied += dst.numel()
+        if after_block is not None:
+            after_block(b0 - p0, b1 - p0)
     return copied
 
 
@@ -149,59 +152,16 @@ def _scatter_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> torc
     for b0 in range(0, ids.numel(), step):
         b1 = min(ids.numel(), b0 + step)
         keep = slice(None) if every else inside[b0:b1]
-        # the decoded rows are on the host; a table on the GPU takes its ids and values there
-        local = (ids[b0:b1][keep] - p0).to(target.device)
-        data = chunk.values(b0, b1)[keep].to(target.device)
+        local = ids[b0:b1][keep] - p0
+        data = chunk.values(b0, b1)[keep]
         if q1 == q0 == 0:
-            target.index_copy_(0, local, data)
+            put_rows(target, local, data)
         else:
+            # the decoded rows are on the host; a table on the GPU takes its ids and values there
             c0, c1 = chunk.ref.col_offset, chunk.ref.col_offset + chunk.ref.cols
             clo, chi = max(q0, c0), min(q1, c1)
-            target[local, clo - q0:chi - q0] = data[:, clo - c0:chi - c0]
+            target[local.to(target.device), clo - q0:chi - q0] = data[:, clo - c0:chi - c0].to(target.device)
     return ids if every else ids[inside]
-
-
-def _write_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk, local: torch.Tensor,
-                dest: torch.Tensor) -> None:
-    """Write the chunk's rows ``local`` (its own row indexes) into ``target``'s rows ``dest``,
-    a block of rows at a time; only those rows are dequantized."""
-    _p0, _p1, q0, q1 = span
-    c0 = chunk.ref.col_offset
-    step = _block_rows(chunk)
-    for b0 in range(0, local.numel(), step):
-        values = chunk.take(local[b0:b0 + step])
-        if q1 > q0:  # the chunk holds whole rows of the piece (chain_restore checks), maybe wider ones
-            values = values[:, q0 - c0:q1 - c0]
-        target.index_copy_(0, dest[b0:b0 + step].to(target.device), values.to(target.device))
-
-
-def fill_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk,
-              done: torch.Tensor) -> Optional[torch.Tensor]:
-    """Write the chunk's rows inside ``span`` that ``done`` (bool, one per row of the piece) does
-    not mark yet, and mark them. Every chunk must hold whole rows of the piece. Returns the
-    global ids of the rows a row-id chunk holds inside the span (written or not), else None."""
-    p0, p1, _q0, _q1 = span
-    if chunk.row_ids is not None:
-        ids = chunk.row_ids
-        local = ((ids >= p0) & (ids < p1)).nonzero().flatten()
-        inside = ids.index_select(0, local)
-        rows = inside - p0
-        need = ~done.index_select(0, rows)
-        if bool(need.all()):  # the newest link: every row, by the usual block scatter
-            _scatter_rows(target, span, chunk)
-        else:
-            _write_rows(target, span, chunk, local[need], rows[need])
-        done[rows] = True
-        return inside
-    r0, r1, _c0, _c1 = chunk_span(chunk.ref)
-    lo, hi = max(p0, r0), min(p1, r1)
-    if not bool(done[lo - p0:hi - p0].any()):  # plain block copies
-        _copy_overlap(target, span, chunk)
-    else:
-        rows = (~done[lo - p0:hi - p0]).nonzero().flatten() + (lo - p0)
-        _write_rows(target, span, chunk, rows + (p0 - r0), rows)
-    done[lo - p0:hi - p0] = True
-    return None
 
 
 @contextlib.contextmanager
@@ -293,17 +253,19 @@ def plan_restore(manifest: Manifest, pieces: List[StatePiece], overlay: bool = F
 
 
 def apply_restore(plan: RestorePlan, storage: Storage, pool: Optional[Executor] = None,
-                  done: Optional[Dict[int, torch.Tensor]] = None) -> AppliedRestore:
+                  held: Optional[HeldRows] = None) -> AppliedRestore:
     """Fetch every object of ``plan``, verify and decode its chunks, write them into the plan's
     pieces; ``pool`` (``fetch_pool``) works on that many objects at once (None: one by one, here).
     Pieces of one checkpoint never share an element between two chunks, so workers write disjoint
-    memory. ``done``: piece index -> its rows that already hold their newest value (bool, one per
-    row; cnr.restore.chain); those pieces take only the other rows, which then join them. Coverage
-    is the caller's to check (``restore_pieces`` checks a checkpoint applied on its own)."""
+    memory. ``held`` (cnr.restore.chain's newest-first order): for an increment's plan, the rows
+    of the table pieces in ``held.done`` are held there, not written (those an increment read
+    before already holds are passed over); for a full checkpoint's, the held rows are written over
+    each block of those pieces as it lands. Coverage is the caller's to check (``restore_pieces``
+    checks a checkpoint applied on its own)."""
     pieces = plan.pieces
 
     def one(key: str) -> Tuple[int, _Writes]:
-        return _apply_object(storage, key, plan.objects[key], plan.sizes[key], pieces, done)
+        return _apply_object(storage, key, plan, held)
 
     results = list(pool.map(one, plan.objects) if pool is not None else map(one, plan.objects))
     copied = [0] * len(pieces)
@@ -334,21 +296,28 @@ def _fetch_object(storage: Storage, key: str, chunks: ObjectChunks, size: int) -
 _Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
 
 
-def _apply_object(storage: Storage, key: str, chunks: ObjectChunks, size: int,
-                  pieces: List[StatePiece], done: Optional[Dict[int, torch.Tensor]] = None) -> Tuple[int, _Writes]:
-    """Fetch the needed chunks of one object, verify and decode each, write it into every piece
-    it overlaps. Returns (bytes read, [(piece index, elements copied, row ids scattered or None)])."""
-    nbytes, decoded = from_sources(storage, key, lambda source: _decode_object(source, key, chunks, size))
+def _apply_object(storage: Storage, key: str, plan: RestorePlan,
+                  held: Optional[HeldRows] = None) -> Tuple[int, _Writes]:
+    """Fetch the needed chunks of one object, verify and decode each, write (or hold, see
+    ``apply_restore``) it into every piece it overlaps. Returns (bytes read, [(piece index,
+    elements copied, row ids scattered or held, or None)])."""
+    chunks, pieces = plan.objects[key], plan.pieces
+    nbytes, decoded = from_sources(storage, key,
+                                   lambda source: _decode_object(source, key, chunks, plan.sizes[key]))
     out: _Writes = []
     for (ref, targets), chunk in zip(chunks, decoded):
         for i in targets:
-            span = piece_span(pieces[i])
-            if done is not None and i in done:
-                out.append((i, 0, fill_rows(pieces[i].tensor, span, chunk, done[i])))
+            span, target = piece_span(pieces[i]), pieces[i].tensor
+            if held is not None and i in held.done:
+                if plan.overlay:
+                    out.append((i, 0, held.hold(i, span, chunk)))
+                else:
+                    over = functools.partial(held.write_over, i, target, span=span)
+                    out.append((i, _copy_overlap(target, span, chunk, over), None))
             elif ref.row_ids:
-                out.append((i, 0, _scatter_rows(pieces[i].tensor, span, chunk)))
+                out.append((i, 0, _scatter_rows(target, span, chunk)))
             else:
-                out.append((i, _copy_overlap(pieces[i].tensor, span, chunk), None))
+                out.append((i, _copy_overlap(target, span, chunk), None))
     return nbytes, out
 
 

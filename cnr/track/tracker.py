@@ -136,10 +136,11 @@ def _rows_of(bits: np.ndarray, table: TrackedTable) -> torch.Tensor:
     """Global row ids (int64, ascending) whose bit is set for ``table``."""
     start = table.bit_start // 8
     chunk = bits[start:start + (table.rows + 7) // 8]
-    flags = torch.from_numpy(np.unpackbits(chunk, bitorder="little")[: table.rows])
-    # torch's nonzero runs on the intra-op threads: 4.4 ms for 3 M rows at 25% density on 2
-    # cores, against 9.1 ms for numpy's single-threaded flatnonzero (this runs in the stall)
-    rows = torch.nonzero(flags).view(-1)
+    flags = np.unpackbits(chunk, bitorder="little")[: table.rows]
+    # this runs in the stall: numpy's nonzero on a bool view is vectorised, 1.3 ms for 3M rows at
+    # 25% density on one core, against 4.4 ms for torch's nonzero on 2 cores (and 11 ms per save
+    # on 16 of an H100 host's) and 9-15 ms for numpy's on the uint8 flags
+    rows = torch.from_numpy(np.flatnonzero(flags.view(np.bool_)))
     return rows.add_(table.row_offset) if table.row_offset else rows
 
 
