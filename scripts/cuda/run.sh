@@ -3,6 +3,9 @@ set -u
 T0=$SECONDS
 bash .dev/setup.sh > "$OUT/setup.log" 2>&1; echo "setup rc=$? s=$((SECONDS - T0))"; tail -3 "$OUT/setup.log"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# cnr.models and cnr.readers are top-level folders that pyproject's package-dir maps into cnr; the
+# tree here is not installed, so map them by links (this copy of the tree is thrown away)
+for d in models readers; do [ -e cnr/$d ] || ln -s ../$d cnr/$d; done
 # `cnr train` subprocesses of the tests set PYTHONPATH to the repo alone: give them /tmp/site too
 echo /tmp/site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/cnr-device.pth"
 step() { local n=$1 t=$2; shift 2; local a=$SECONDS; timeout -k 5 "$t" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? s=$((SECONDS - a))"; tail -3 "$OUT/$n.log"; }
