@@ -22,6 +22,14 @@ from cnr.types import CAPPED_POLICIES, POLICIES, STORED_QUANT_METHODS, BitPolicy
 MAX_SHOWN = 200  # characters of a bad value quoted in an error message
 TABLE_WIDTHS = (2, 3, 4, 8, 32)  # what a table's rows may be stored at
 PUBLISH_BITS = (4, 8, 32)
+COMPACTION_MODES = ("job", "external")  # who merges a consecutive chain: the job's own merge process, or `cnr compact`
+# The chain-bytes trigger's default (CheckpointOptions.compact_at_chain_ratio): merge once the increments since the
+# newest baseline hold a quarter of its bytes. A restore of the newest checkpoint reads about 1 + r + s * (1 + M)
+# baselines' bytes (s: one increment's bytes over the baseline's, M: intervals a merge takes while increments
+# land); with s = 0.25 (bench.yaml: a quarter of the rows touched per interval) and s = 0.30 (tiny.yaml at
+# interval 10) this fires at the first increment after a merge, keeping the chain at about 0.5-0.6 baselines
+# while merges finish within an interval: under the ~0.7 that restores within 2x of a baseline.
+DEFAULT_COMPACT_RATIO = 0.25
 
 
 class OptionsError(ConfigError, ValueError):
@@ -149,6 +157,30 @@ def check_failures(f: FailureBudget, bit_policy: str, names: Naming) -> None:
                       "allowed with a failure log; it must be the number of nodes (>= 1) the log covers")
 
 
+def check_compaction(c: Any, names: Naming) -> None:
+    """The rules of ``compaction``, ``compact_at_chain_ratio`` and ``merge_every``. The ratio's default
+    (DEFAULT_COMPACT_RATIO) stands with every policy, as it applies to consecutive chains only; a
+    value set to something else needs ``policy: consecutive``."""
+    names.one_of("compaction", c.compaction, COMPACTION_MODES)
+    ratio = c.compact_at_chain_ratio
+    names.require(math.isfinite(ratio) and ratio >= 0, f"{names.subject('compact_at_chain_ratio')} = {ratio!r} is not "
+                  "allowed; it must be >= 0 (0: no bytes trigger), e.g. 0.25")
+    names.require(ratio in (0, DEFAULT_COMPACT_RATIO) or c.policy == "consecutive",
+                  f"{names.subject('compact_at_chain_ratio')} = {ratio!r} needs {names.ref('policy')} 'consecutive', "
+                  f"not {c.policy!r}: only consecutive increments form chains to merge")
+    names.require(c.compaction == "job" or c.policy == "consecutive",
+                  f"{names.subject('compaction')} = {c.compaction!r} needs {names.ref('policy')} 'consecutive', not "
+                  f"{c.policy!r}: only consecutive increments form chains to compact")
+    names.require(c.merge_every >= 0, f"{names.subject('merge_every')} = {c.merge_every} is not allowed; it must be "
+                  ">= 0 (0 never merges)")
+    names.require(c.merge_every == 0 or c.policy == "consecutive",
+                  f"{names.subject('merge_every')} = {c.merge_every} needs {names.ref('policy')} 'consecutive', not "
+                  f"{c.policy!r}: only consecutive increments form chains to merge")
+    names.require(c.merge_every == 0 or c.compaction == "job",
+                  f"{names.subject('merge_every')} = {c.merge_every} is not allowed with {names.ref('compaction')} "
+                  "'external': that job runs no merges (`cnr compact` does); set it to 0")
+
+
 def check_checkpoint(c: Any, names: Naming) -> None:
     """The rules of CheckpointOptions' fields, on ``c`` (CheckpointOptions, or an application's
     section holding the same fields); raises ``names.error`` naming the setting, its value and
@@ -180,11 +212,7 @@ def check_checkpoint(c: Any, names: Naming) -> None:
     names.one_of("bit_policy", c.bit_policy, values_of(BitPolicy))
     names.require(c.keep_last >= 0, f"{names.subject('keep_last')} = {c.keep_last} is not allowed; it must be >= 0 "
                   "(0 keeps everything)")
-    names.require(c.merge_every >= 0, f"{names.subject('merge_every')} = {c.merge_every} is not allowed; it must be "
-                  ">= 0 (0 never merges)")
-    names.require(c.merge_every == 0 or c.policy == "consecutive",
-                  f"{names.subject('merge_every')} = {c.merge_every} needs {names.ref('policy')} 'consecutive', not "
-                  f"{c.policy!r}: only consecutive increments form chains to merge")
+    check_compaction(c, names)
     names.require(c.max_chain_ratio == 0 or c.max_chain_ratio > 1, f"{names.subject('max_chain_ratio')} = "
                   f"{c.max_chain_ratio} is not allowed; it must be 0 (no cap) or > 1 (a chain reads its baseline at least)")
     names.require(c.max_chain_ratio == 0 or c.policy in CAPPED_POLICIES,
@@ -245,6 +273,12 @@ class CheckpointOptions:
       that history (cnr.policy.retention; 0: keep everything). ``merge_every``: with the
       consecutive policy, merge the chain into a new full baseline in the background once this
       many increments followed the newest one (cnr.write.merge; 0: never).
+      ``compact_at_chain_ratio``: with the consecutive policy, merge it once the increments since
+      the newest baseline (full or merged) store at least this many times its bytes (default
+      0.25, see DEFAULT_COMPACT_RATIO; 0: no bytes trigger). Either trigger starts a merge; one
+      runs at a time, off the training thread. ``compaction``: "job" (this job's rank 0 merges)
+      or "external" (it merges nothing; ``python -m cnr compact URI`` run elsewhere does, for
+      nodes with no spare CPU or uplink: cnr.write.compact).
     - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
       chain (what a restore reads) is predicted to exceed this many times its baseline's bytes
       (0: no cap; else > 1; cnr.policy.kinds.predicted_chain_ratio).
@@ -290,6 +324,8 @@ class CheckpointOptions:
     expected_steps: int = 0
     keep_last: int = 2
     merge_every: int = 0
+    compact_at_chain_ratio: float = DEFAULT_COMPACT_RATIO
+    compaction: str = "job"
     max_chain_ratio: float = 0.0
     chunk_bytes: int = 16 * 1024 * 1024
     upload_threads: int = 2

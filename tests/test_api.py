@@ -49,7 +49,8 @@ def _run(rank, world_size, arg):
     app_state = {"model": dmp, "optim": adam, "sched": sched, "shapes": Shapes()}
     if arg.get("loader", True):
         app_state["loader"] = loader
-    options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0, max_chain_ratio=arg.get("max_chain_ratio", 0.0))
+    options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0, max_chain_ratio=arg.get("max_chain_ratio", 0.0),
+                                    compact_at_chain_ratio=0)
     result = {}
     with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
         info = ckpt.restore()

@@ -133,7 +133,7 @@ def test_tracker_reports_exactly_the_looked_up_rows(device, device_bitmap, tmp_p
     config = _config(device)
     sharded = _model(config, device)
     reader = make_reader(config, 0, 1, None, "train")
-    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0)
+    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0, compact_at_chain_ratio=0)  # chains, not merges
     with cnr.Checkpointer(str(tmp_path / "ck"), _app(sharded), options) as ckpt:
         tracker = ckpt.tracker
         assert sorted(_short(t) for t in tracker.tables) == sorted(t.name for t in config.model.tables)
@@ -303,7 +303,7 @@ def test_resume_from_an_incremental_chain_is_exact_and_trains_on_identically(dev
     trained = _model(config, device)
     reader = make_reader(config, 0, 1, None, "train")
     uri = str(tmp_path / "ck")
-    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0)
+    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0, compact_at_chain_ratio=0)  # chains, not merges
     kinds = []
     with cnr.Checkpointer(uri, _app(trained), options) as ckpt:
         for step in range(1, 7):

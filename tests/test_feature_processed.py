@@ -55,7 +55,8 @@ def run(rank: int, ws: int, arg: dict) -> dict:
     dmp, opt = build(ws)
     app = {"model": dmp, "optim": opt}
     out = {}
-    with cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="consecutive", keep_last=0)) as ck:
+    with cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="consecutive", keep_last=0,
+                                                                  compact_at_chain_ratio=0)) as ck:
         info = ck.restore()
         start = info.step if info else 0
         if info:

@@ -28,7 +28,8 @@ def store(tmp_path_factory):
     """A consecutive chain of four checkpoints written by cnr train (steps 10..40)."""
     root = tmp_path_factory.mktemp("integrity")
     train(str(root), "ck", "--set", "train.steps=40", "--set", "checkpoint.interval=10",
-          "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0")
+          "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0",
+          "--set", "checkpoint.compact_at_chain_ratio=0")
     return root / "ck"
 
 

@@ -69,7 +69,8 @@ def test_lost_or_damaged_local_tier_resumes_from_remote(tmp_path, baseline_ws1, 
 
 def test_inspect_shows_the_tiers_and_local_retention_keeps_fewer(tmp_path):
     cwd = str(tmp_path)
-    train(cwd, "ck", *LOCAL, "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0")
+    train(cwd, "ck", *LOCAL, "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0",
+          "--set", "checkpoint.compact_at_chain_ratio=0")
     # consecutive: the newest chain is every checkpoint, so the local tier keeps them all
     assert _tiers(cwd) == {20: ["local", "remote"], 40: ["local", "remote"], 60: ["local", "remote"]}
     cwd2 = str(tmp_path / "full")

@@ -42,7 +42,8 @@ def _run(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     dmp, adam = build(world_size)
     app_state = {"model": dmp, "optim": adam}
     start, kinds = 0, {}
-    ckpt = cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy=arg["policy"], keep_last=0)) \
+    ckpt = cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy=arg["policy"], keep_last=0,
+                                                                    compact_at_chain_ratio=0)) \
         if arg.get("uri") else None
     try:
         if ckpt is not None and arg.get("restore"):

@@ -3,16 +3,22 @@ refused when it would re-quantize (rows stored two ways), and retention then dro
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import time
 from typing import Dict, List
 
 import pytest
 import torch
 
-from cli_helpers import MIXED_SHARDING, inspect, train
+from cli_helpers import MIXED_SHARDING, inspect, run_cnr, train
 from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest, manifest_key, merged_id
+from cnr.format.manifest import Manifest, checkpoint_prefix, manifest_key, merged_id
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
+from cnr.write.compact import Merger, MergeSettings, compact_location, merge_and_retain
+from cnr.write.lease import Lease, check_held
 from cnr.write.merge import _encoding_of, merge_chain
 from cnr.restore.chain import restore_chain
 from cnr.track.state import StatePiece
@@ -21,7 +27,7 @@ from cli_helpers import table_of
 from cnr.types import ChunkRef, Encoding, ShardRegion
 
 CONSECUTIVE = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=10",
-               "--set", "checkpoint.keep_last=0"]
+               "--set", "checkpoint.keep_last=0", "--set", "checkpoint.compact_at_chain_ratio=0"]  # the chain stays
 
 
 def _whole_pieces(manifest: Manifest) -> List[StatePiece]:
@@ -82,7 +88,8 @@ def test_merged_baseline_restores_exactly_what_the_chain_restores(quantized_chai
     chunks = [c for e in target.tensors.values() for c in e.chunks]
     assert all([s.name for s in c.codecs] == ([c.codecs[0].name, "zstd"] if c.encoding != Encoding.RAW else ["raw"])
                for c in chunks)  # quantized and log8 chunks compressed, raw ones stored as they are
-    merged = merge_chain(storage, target.id, chunk_bytes=4096, compression=(zstd_spec(),))  # many chunks per tensor
+    merged, fresh = merge_chain(storage, target.id, chunk_bytes=4096, compression=(zstd_spec(),))  # many chunks per tensor
+    assert fresh and merge_chain(storage, target.id, chunk_bytes=4096) == (merged, False)  # a re-run finds it
     assert merged.id == merged_id(target.id) and merged.kind.value == "full" and merged.base is None
     assert (merged.step, merged.app_ranks, merged.counters) == (target.step, target.app_ranks, target.counters)
     assert (merged.metadata, merged.tables) == (target.metadata, target.tables)
@@ -120,13 +127,14 @@ def test_a_chain_stored_two_ways_is_not_merged(refs, ok):
 
 
 def test_training_merges_in_the_background_and_resumes_bit_exact(tmp_path, baseline_ws1):
-    opts = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=5",
-            "--set", "checkpoint.merge_every=3", "--set", "checkpoint.keep_last=1"]
+    """The default bytes trigger (compact_at_chain_ratio 0.25; each tiny.yaml increment at interval 5
+    holds ~0.2 of the baseline's bytes): merges run in the job's worker while it trains."""
+    opts = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=1"]
     first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
     assert first["checkpoints"] == 11
     listed = inspect(str(tmp_path), "ck")
-    # the first merge starts when the third increment (step 20) commits; how many follow depends
-    # on how fast each one runs, and retention may have dropped the older merged baselines since
+    # the first merge starts once the increments since the baseline hold a quarter of its bytes; how
+    # many follow depends on how fast each one runs, and retention may have dropped the older merged baselines since
     assert any(c["id"].endswith(".merged") and c["committed"] for c in listed)
     storage = LocalStorage(f"{tmp_path}/ck")
     chain = resolve_chain(storage, newest_committed(storage))
@@ -134,3 +142,100 @@ def test_training_merges_in_the_background_and_resumes_bit_exact(tmp_path, basel
     assert all(not c["id"].startswith("0000000005-") for c in listed)  # the old chain was deleted
     resumed = train(str(tmp_path), "ck", *opts, "--resume")
     assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]
+
+
+# ---- kill safety: a merge killed at any point (cnr.write.merge's and cnr.write.compact's fault points) ----
+
+KILL_POINTS = ["merge_before_data", "merge_mid_data", "merge_before_commit", "merge_after_commit"]
+
+
+def _copy_store(src: str, dst: str) -> LocalStorage:
+    """A copy of the fixture's store without its merged baseline (the first test merges there)."""
+    shutil.copytree(src, dst, ignore=lambda _d, names: [n for n in names if n.endswith(".merged")])
+    for key in [k for k in LocalStorage(dst).list("lease")]:
+        os.remove(os.path.join(dst, key))  # the training job's lease record: no job holds this copy
+    return LocalStorage(dst)
+
+
+def _objects(storage: LocalStorage, ckpt_id: str) -> List[str]:
+    return storage.list(checkpoint_prefix(ckpt_id))
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_merge_killed_anywhere_leaves_a_chain_that_restores_exactly(quantized_chain, tmp_path, point):
+    """SIGKILL of a real `cnr compact` process at each point: the newest committed checkpoint restores
+    bit for bit what replaying its chain gives, a half-written merged baseline is never resolved,
+    the chain is deleted only after the commit, and a re-run merge succeeds."""
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    chain = resolve_chain(storage, target)
+    expected = _restored(storage, chain)
+    merged = merged_id(target.id)
+    rc, out, err = run_cnr(["compact", storage.root, "--keep-last", "1", "--chunk-bytes", "4096"], str(tmp_path),
+                           env={"CNR_FAULT_INJECT": f"kill:{point}@{target.step}"})
+    assert rc == -signal.SIGKILL, f"rc {rc}: {err[-2000:]}"
+    committed = storage.exists(manifest_key(merged))
+    assert committed == (point == "merge_after_commit")
+    if point == "merge_before_commit":
+        assert _objects(storage, merged), "the kill came before any chunk was stored"
+    assert all(_objects(storage, m.id) for m in chain), "a link was deleted before the merge committed"
+    resolved = resolve_chain(storage, newest_committed(storage))
+    assert [m.id for m in resolved] == ([merged] if committed else [m.id for m in chain])
+    got = _restored(storage, resolved)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    # the re-run (its claim taken over at once: the killed process is gone) commits, then retention
+    # keeps only the merged chain
+    summary = compact_location(storage, None, MergeSettings(4096, keep_last=1))
+    assert summary["merged"] == merged and summary["committed_now"] == (not committed)
+    assert summary["lease"] == "held by this process" and not storage.list("compact")
+    assert [m.id for m in resolve_chain(storage, newest_committed(storage))] == [merged]
+    got = _restored(storage, [read_manifest(storage, merged)])
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    assert not any(_objects(storage, m.id) for m in chain[:-1])  # the old links went, after the commit
+
+
+def test_a_merge_commits_and_deletes_only_while_the_lease_is_held(quantized_chain, tmp_path):
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    chain_ids = [m.id for m in resolve_chain(storage, target)]
+    lost = Lease.acquire(storage, ttl_s=30)
+    lost.release()
+    Lease.acquire(storage, ttl_s=30)  # another job took the location
+    with pytest.raises(CheckpointError, match="lost the lease"):
+        merge_and_retain(storage, target.id, MergeSettings(4096, keep_last=1), lambda: check_held(storage, lost.ref),
+                         retain=True)
+    assert not storage.exists(manifest_key(merged_id(target.id))) and not storage.list("compact")
+    # the lease lost between the commit and retention: committed, nothing deleted
+    calls = []
+
+    def fence() -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            raise CheckpointError("this job lost the lease (injected)")
+
+    with pytest.raises(CheckpointError, match="injected"):
+        merge_and_retain(storage, target.id, MergeSettings(4096, keep_last=1), fence, retain=True)
+    assert storage.exists(manifest_key(merged_id(target.id))) and len(calls) == 2
+    assert all(_objects(storage, i) for i in chain_ids)
+
+
+def test_the_job_merger_hands_over_without_a_stall_and_survives_a_killed_worker(quantized_chain, tmp_path, monkeypatch):
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    merger = Merger(storage.uri, MergeSettings(4096, keep_last=0))
+    monkeypatch.setenv("CNR_FAULT_INJECT", f"kill:merge_before_commit@{target.step}")  # the worker inherits it
+    began = time.perf_counter()
+    assert merger.start(target.id)
+    assert time.perf_counter() - began < 0.05  # the spawn is the thread's, not the caller's
+    deadline = time.time() + 120
+    while not merger.reports and time.time() < deadline:
+        time.sleep(0.05)
+    assert "merge worker died" in merger.reports[-1]["error"]
+    assert not storage.exists(manifest_key(merged_id(target.id)))
+    monkeypatch.delenv("CNR_FAULT_INJECT")
+    merger.start(target.id)  # a fresh worker
+    merger.wait()
+    merger.start(target.id)  # a new thread and worker after wait(); the merge is found committed
+    merger.wait()
+    assert [r.get("committed_now") for r in merger.reports[1:]] == [True, False], merger.reports
+    assert storage.exists(manifest_key(merged_id(target.id))) and not merger.running

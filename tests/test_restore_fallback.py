@@ -38,7 +38,8 @@ def _save(rank, world_size, arg):
     dmp, adam, sched = build(world_size)
     loader = make_loader(rank, 8)
     app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": loader}
-    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive", keep_last=0)) as ckpt:
+    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0, compact_at_chain_ratio=0)
+    with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
         batches = iter(loader)
         for step in range(1, 7):
             train_step(dmp, adam, sched, next(batches))
@@ -55,7 +56,7 @@ def _restore(rank, world_size, arg):
     dmp, adam, sched = build(world_size)
     loader = make_loader(rank, 8)
     app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": loader}
-    options = cnr.CheckpointOptions(policy="consecutive", on_damage=arg["on_damage"])
+    options = cnr.CheckpointOptions(policy="consecutive", on_damage=arg["on_damage"], compact_at_chain_ratio=0)
     with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
         try:
             info = ckpt.restore(arg.get("id"))
@@ -177,6 +178,7 @@ def test_cnr_train_resumes_past_a_damaged_middle_link_exactly_once(tmp_path):
     state. (A restore of 30 reads 20's rows, newest first, but not 20's dense state, which 30
     holds too: damage confined to that would not stop it, test_chain_restore.)"""
     opts = ["--set", "train.steps=30", "--set", "checkpoint.interval=10", "--set", "checkpoint.policy=consecutive",
+            "--set", "checkpoint.compact_at_chain_ratio=0",
             "--set", "checkpoint.keep_last=0", "--set", "data.trace_dir=trace"]
     first = train(str(tmp_path), "ck", *opts)
     reference = load_trace(str(tmp_path / "trace"))

@@ -41,7 +41,8 @@ def test_retention_after_a_fallback_keeps_the_fallback_and_the_resumed_chain(tmp
     damaged chain 30..40 for the newest one and delete 20' (before: it did, and 30' then named
     a deleted base, so the resumed job's work was lost)."""
     cwd = str(tmp_path)
-    opts = ["--set", "checkpoint.interval=10", "--set", "checkpoint.policy=consecutive"]
+    opts = ["--set", "checkpoint.interval=10", "--set", "checkpoint.policy=consecutive",
+            "--set", "checkpoint.compact_at_chain_ratio=0"]
     train(cwd, "ck", *opts, "--set", "train.steps=40")
     store = LocalStorage(str(tmp_path / "ck"))
     ids = _committed(store)

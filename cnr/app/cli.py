@@ -1,4 +1,4 @@
-"""Command line: ``python -m cnr {train,inspect,report,subscribe,export,bench} ...``. Errors exit 2 with one clear line."""
+"""Command line: ``python -m cnr {train,inspect,report,subscribe,export,compact,bench} ...``. Errors exit 2 with one clear line."""
 
 from __future__ import annotations
 
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--key", action="append", default=None, metavar="KEY",
                    help="app_state key of a module to export (repeatable; default: every module)")
     e.set_defaults(func=_export)
+    from cnr.app.compact import add_parser as add_compact  # cnr/app/compact.py
+
+    add_compact(sub)
     b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")

@@ -63,7 +63,8 @@ def _write_chain(args, workdir: str) -> str:
            "--set", f"train.steps={2 * args.interval}", "--set", f"checkpoint.interval={args.interval}",
            "--set", "checkpoint.policy=consecutive", "--set", f"checkpoint.bits={args.bits}",
            "--set", "checkpoint.optimizer_bits=8", "--set", "checkpoint.compression=none",
-           "--set", "checkpoint.keep_last=0", "--set", "publish.enabled=false"]
+           "--set", "checkpoint.keep_last=0", "--set", "checkpoint.compact_at_chain_ratio=0",  # the writer's chunks
+           "--set", "publish.enabled=false"]
     for extra in args.set:
         cmd += ["--set", extra]
     done = subprocess.run(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -90,6 +90,26 @@ def next_kind(policy: str, chain_bytes: Sequence[int], have_base: bool,
     return CheckpointKind.INCREMENTAL
 
 
+def compaction_due(chain_bytes: Sequence[int], increments: int, at_ratio: float, every: int = 0) -> bool:
+    """Whether a consecutive chain should be merged into a new baseline now (cnr.write.merge).
+
+    ``chain_bytes``: stored bytes of the newest full checkpoint, then of each committed one since
+    (as recorded in manifests); ``increments``: committed increments since the newest full *or
+    merged* baseline, the newest of ``chain_bytes``. Due when ``at_ratio`` > 0 and those increments
+    store at least ``at_ratio`` times the full checkpoint's bytes (a merged baseline stores the
+    same rows in the same forms, so about as many bytes), or when ``every`` > 0 and at least
+    ``every`` increments followed. Never with no increment.
+    """
+    if increments <= 0:
+        return False
+    if every > 0 and increments >= every:
+        return True
+    if at_ratio <= 0 or not chain_bytes or chain_bytes[0] <= 0:
+        return False
+    since = chain_bytes[1:][-increments:]
+    return sum(since) >= at_ratio * chain_bytes[0]
+
+
 # ---- bit-width from expected failures --------------------------------------------------------
 
 def expected_failures(rate_per_node_hour: float, nodes: int, hours: float) -> float:

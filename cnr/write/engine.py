@@ -22,9 +22,11 @@ from cnr.track.collectives import rank0_decides
 from cnr.write.handoff import HandOff, SettleMode
 from cnr.format.manifest import make_id
 from cnr.options import CheckpointOptions
-from cnr.write.merge import Merger
+from cnr.write.compact import Merger, MergeSettings
 from cnr.track.shares import replicated_share
-from cnr.policy.kinds import BitDecision, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force
+from cnr.policy.kinds import (
+    BitDecision, compaction_due, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force,
+)
 from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track.tracker import Captured, RowTracker
@@ -112,18 +114,29 @@ class CheckpointEngine:
         self.bit_width = bits or fixed_bits(options.bits)
         self.handoff = HandOff(writer or Writer(storage_uri, options), tracker, rank)
         self.stats = SaveStats()
-        c = options
-        # rank 0 alone learns of commits first-hand, so it starts the merges (cnr.write.merge)
-        self.merger = (Merger(storage_uri, c.chunk_bytes, c.upload_threads, c.keep_last, c.compression_chain())
-                       if c.merge_every and rank == 0 else None)
+        self.lease = lease
+        self.merger = self._merger(storage_uri)
+        self._merges_begun: Dict[str, Tuple[int, Optional[str]]] = {}  # id -> (commits, last full) when merged
+        self._merges_seen = 0  # merger reports already absorbed (_absorb_merges)
         self.outcomes: Dict[str, CheckpointInfo] = {}  # every settled checkpoint's outcome, on every rank
         self.last_result: Optional[WriteResult] = None  # this rank's writer's last report
-        self.lease = lease
         self.flush_report = None  # rank 0 with a local tier, after finish: cnr.write.writer.FlushReport
         # rank 0's lineage and pinned checkpoints for the commit and retention (cnr.policy.retention); None: lineage ""
         self.retention: Optional[RetentionScope] = None
         self.exchange = exchange
         self.table_bits: Dict[str, int] = dict(table_bits or {})
+
+    def _merger(self, storage_uri: str) -> Optional[Merger]:
+        """Rank 0's merges (cnr.write.compact), when this job compacts its own consecutive chains:
+        rank 0 alone learns of commits first-hand. Its worker fences on the job's lease."""
+        c = self.options
+        if self.rank != 0 or c.policy != "consecutive" or c.compaction != "job" \
+                or not (c.merge_every or c.compact_at_chain_ratio):
+            return None
+        settings = MergeSettings(c.chunk_bytes, c.upload_threads, c.keep_last, c.compression_chain(), c.lease_ttl_s)
+        merger = Merger(storage_uri, settings, self.lease)
+        merger.warm()  # its worker imports while the model is built, so the first merge starts at once
+        return merger
 
     @property
     def writer(self) -> Writer:
@@ -239,11 +252,16 @@ class CheckpointEngine:
         return self.tracker.capture_row_ids(stored.bitmap), [since_last, since_base]
 
     def _maybe_merge(self, ckpt_id: str) -> None:
-        """Rank 0: once ``merge_every`` increments follow the newest baseline, merge their chain in
-        the background; the merged baseline is the chain's new start. If a merge still runs, the
-        next commit tries again."""
-        if self.merger is not None and self.chain.increments >= self.options.merge_every \
-                and self.merger.start(ckpt_id, self.retention):
+        """Rank 0: once the increments since the newest baseline store ``compact_at_chain_ratio``
+        times its bytes, or ``merge_every`` of them followed it (cnr.policy.kinds.compaction_due),
+        merge their chain in the background; the merged baseline is the chain's new start. While a
+        merge runs, this one waits and starts when it ends (cnr.write.compact.Merger). Only a hand-over
+        to the merge thread: no stall."""
+        c = self.options
+        if self.merger is not None and compaction_due(self.chain.chain_bytes, self.chain.increments,
+                                                      c.compact_at_chain_ratio, c.merge_every):
+            self.merger.start(ckpt_id, self.retention)  # runs now, or the moment the running merge ends
+            self._merges_begun[ckpt_id] = (self.stats.checkpoints, self.chain.last_full)
             self.chain.increments = 0
 
     def _settle(self, abandon: bool) -> None:
@@ -281,4 +299,20 @@ class CheckpointEngine:
         if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
             self.chain.chain_bytes = list(result.extra["chain_bytes"])
         logger.info("checkpoint %s committed", ckpt_id)
+        self._absorb_merges()
         self._maybe_merge(ckpt_id)
+
+    def _absorb_merges(self) -> None:
+        """Rank 0: start the chain's byte history at each merged baseline committed since the last
+        look, so the next manifests record (and the triggers and the chain cap read) the chain a
+        restore reads, not every increment of the run. Skipped when a full checkpoint committed
+        after the merge began: that one starts the history already."""
+        reports = self.merger.reports if self.merger is not None else []
+        for report in reports[self._merges_seen:]:
+            began = self._merges_begun.pop(report.get("checkpoint", ""), None)
+            if began is None or "error" in report or began[1] != self.chain.last_full:
+                continue
+            after = self.stats.checkpoints - began[0]  # commits since the merged increment, in order
+            tail = self.chain.chain_bytes[max(1, len(self.chain.chain_bytes) - after):] if after else []
+            self.chain.chain_bytes = [int(report["merged_bytes"])] + tail
+        self._merges_seen = len(reports)

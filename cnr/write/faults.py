@@ -7,7 +7,9 @@ of ``step`` (``before_data`` ... ``after_commit``, in the background writer; wit
 ``before_remote_commit``: between the local and the remote commit, in the writer's flusher); ``after_step``: the
 trainer, right after training step ``step`` (and recording it in the sample trace); ``read_batch``:
 the reader process that reads the batch for training step ``step``; ``writer_start``: a background
-writer process once started, before it takes its first job (step 0, any rank: ``sleep=5:writer_start@0``).
+writer process once started, before it takes its first job (step 0, any rank: ``sleep=5:writer_start@0``);
+``merge_before_data``, ``merge_mid_data``, ``merge_before_commit``, ``merge_after_commit``: a merge
+(cnr.write.merge, cnr.write.compact) of the chain ending at the increment of ``step``, in the process merging it.
 Actions:
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
                       background writer the trainer is killed too (it is the same machine).

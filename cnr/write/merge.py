@@ -1,17 +1,20 @@
-"""Merging a chain of consecutive increments into a new full baseline, in the background.
+"""Merging a chain of consecutive increments into a new full baseline (compaction).
 
 With the consecutive policy a restore replays the baseline and every increment since it, and
-retention has to keep them all. ``checkpoint.merge_every: N`` makes rank 0 start a merge once N
-increments followed the newest baseline: a separate process reads that chain once and writes one
-full checkpoint holding, for every row, its newest stored form. Codes, scales and biases are
-copied as stored, never re-quantized, so restoring the merged checkpoint gives bit for bit what
-replaying the chain gives. Training does not wait for it; only the end of training does
+retention has to keep them all. ``merge_chain`` reads such a chain once and writes one full
+checkpoint holding, for every row, its newest stored form. Codes, scales and biases are copied as
+stored, never re-quantized, so restoring the merged checkpoint gives bit for bit what replaying the
+chain gives. When and where it runs (the job's background worker on ``compact_at_chain_ratio`` or
+``merge_every``, or ``python -m cnr compact``), its claim, lease fence and retention are
+cnr.write.compact's; training does not wait for it, only the end of training does
 (``Checkpointer.finish``).
 
 The merged checkpoint's id is the id of the increment it stands for plus ``MERGED_SUFFIX`` (see
 cnr.format.manifest.merged_id): it sorts right after that increment, chain resolution takes it in place
 of that increment and everything before it, and retention can then drop the old chain. Its
-manifest is written last, so a merge cut off leaves nothing a restore would read.
+manifest is written last, after every chunk is stored and only while the increment's chain still
+resolves, so a merge cut off at any point leaves nothing a restore would read, and a re-run merges
+again (or finds the merge committed).
 
 Limits: one tensor is merged at a time, held in its stored form (quantized, not fp32; scales and
 biases as float32) beside one fetched chunk. A chain whose rows of one tensor were stored at
@@ -23,9 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,17 +35,17 @@ from cnr.codec import array_codec, codec_for_encoding, exact_codec
 from cnr.codec.base import ArrayCodec, DecodedValues, MergeRows
 from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
-from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest, TensorEntry, manifest_key, manifest_to_bytes, merged_id
+from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.format.manifest import (
+    Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
+)
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
-from cnr.policy.retention import retain_checkpoints
-from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding, RetentionScope
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding
+from cnr.write.faults import maybe_crash
 from cnr.write.job import row_blocks
 from cnr.write.puts import Packer, Uploader
-from cnr.write.proc import MERGER, die_with_spawner, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -163,27 +165,56 @@ def _merge_table(storage: Storage, packer: Packer, name: str, chain: List[Manife
     return dataclasses.replace(entries[-1], chunks=tuple(refs))
 
 
+def _merge_tensors(storage: Storage, packer: Packer, target: Manifest, chain: List[Manifest], chunk_bytes: int,
+                   compression: Compression) -> Dict[str, TensorEntry]:
+    tensors: Dict[str, TensorEntry] = {}
+    for name, entry in target.tensors.items():
+        if entry.role not in TABLE_ROLES:
+            tensors[name] = dataclasses.replace(entry, chunks=tuple(_copy_whole(storage, packer, entry)))
+        else:
+            tensors[name] = _merge_table(storage, packer, name, chain, chunk_bytes, compression)
+            # a kill here leaves some chunks of the merged baseline stored (or in flight), no manifest
+            maybe_crash("merge_mid_data", target.step, 0)
+    return tensors
+
+
+def _check_durable(storage: Storage, merged: Manifest) -> None:
+    """Every object the just-committed ``merged`` names is in the store, else uncommit it and raise.
+    A retention that took the uncommitted merged baseline for dead (cnr.policy.retention: a newer
+    full checkpoint committed meanwhile) may have deleted objects before the commit."""
+    stored = set(storage.list(checkpoint_prefix(merged.id)))
+    missing = sorted({c.key for e in merged.tensors.values() for c in e.chunks} - stored)
+    if missing:
+        storage.delete(manifest_key(merged.id))
+        raise CheckpointError(f"{len(missing)} objects of merged baseline {merged.id} (e.g. {missing[0]}) were "
+                              "deleted while it was written (a retention took it for dead); it is not committed")
+
+
 def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int = 2,
-                compression: Compression = ()) -> Manifest:
+                compression: Compression = (), fence: Optional[Callable[[], None]] = None) -> Tuple[Manifest, bool]:
     """Write and commit the merged full checkpoint standing for committed increment ``ckpt_id``.
 
     Chunks are stored as the writer stores them (cnr.write.writer: small ones packed, ``threads``
-    concurrent puts, re-encoded ones through ``compression``). Returns its manifest. Raises CheckpointError when ``ckpt_id`` has no chain
-    to merge or its chain cannot be merged without re-quantizing; nothing is committed then.
+    concurrent puts, re-encoded ones through ``compression``). ``fence`` is called right before the
+    manifest is written and raises to stop the commit (the job's lease, a compactor's claim:
+    cnr.write.compact). The commit also needs ``ckpt_id``'s chain to still resolve. Returns the
+    merged manifest and whether this call committed it (False: it was committed already, a re-run).
+    Raises CheckpointError when ``ckpt_id`` has no chain to merge or it cannot be merged without
+    re-quantizing; nothing is committed then. Fault points (cnr.write.faults, at ``ckpt_id``'s step):
+    ``merge_before_data``, ``merge_mid_data`` (after each tensor), ``merge_before_commit``.
     """
+    done = _committed_or_none(storage, merged_id(ckpt_id))
+    if done is not None:
+        return done, False
     target = read_manifest(storage, ckpt_id)
     chain = resolve_chain(storage, target)
     if len(chain) < 2:
         raise CheckpointError(f"checkpoint {ckpt_id} restores from one full checkpoint; there is nothing to merge")
+    maybe_crash("merge_before_data", target.step, 0)
     uploader = Uploader(storage, threads)
     try:
         packer = Packer(uploader, merged_id(ckpt_id), 0, chunk_bytes)
-        tensors: Dict[str, TensorEntry] = {}
-        for name, entry in target.tensors.items():
-            if entry.role not in TABLE_ROLES:
-                tensors[name] = dataclasses.replace(entry, chunks=tuple(_copy_whole(storage, packer, entry)))
-            else:
-                tensors[name] = _merge_table(storage, packer, name, chain, chunk_bytes, compression)
+        tensors = _merge_tensors(storage, packer, target, chain, chunk_bytes, compression)
         packer.flush()
         uploader.wait()
     finally:
@@ -192,68 +223,17 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     merged = dataclasses.replace(target, id=merged_id(ckpt_id), kind=CheckpointKind.FULL, base=None,
                                  tensors=tensors, created_unix=time.time())
     merged = dataclasses.replace(merged, chain_bytes=(merged.bytes,))
+    maybe_crash("merge_before_commit", target.step, 0)
+    if fence is not None:
+        fence()
+    resolve_chain(storage, read_manifest(storage, ckpt_id))  # raises if the chain was deleted meanwhile
     storage.put(manifest_key(merged.id), manifest_to_bytes(merged))  # the commit: last
-    return merged
+    _check_durable(storage, merged)
+    return merged, True
 
 
-def merge_main(storage_uri: str, ckpt_id: str, chunk_bytes: int, threads: int, keep_last: int,
-               compression: Compression = (), scope: Optional[RetentionScope] = None) -> None:
-    """The merge process: merge, commit, run retention (``scope``: the job's, cnr.policy.retention; its
-    lineage is the merged chain's); exit 1 with the error logged on failure."""
-    die_with_spawner()
-    name_this_process(MERGER)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    storage = open_storage(storage_uri)
+def _committed_or_none(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
     try:
-        start = time.perf_counter()
-        merged = merge_chain(storage, ckpt_id, chunk_bytes, threads, compression)
-        logger.info("merged the chain of %s into full checkpoint %s (%d bytes) in %.1f s",
-                    ckpt_id, merged.id, merged.bytes, time.perf_counter() - start)
-        retain_checkpoints(storage, keep_last, scope or RetentionScope(merged.lineage))
-    except Exception as e:  # noqa: BLE001 - reported to the log; the chain stays valid
-        logger.error("merging the chain of %s failed; it stays as it is: %s: %s", ckpt_id, type(e).__name__, e)
-        raise SystemExit(1) from None
-    finally:
-        storage.close()
-
-
-class Merger:
-    """Rank 0's background merges: at most one process at a time. A failed merge is logged (the
-    merge process names its error, this its exit code); its chain stays valid."""
-
-    def __init__(self, storage_uri: str, chunk_bytes: int, threads: int, keep_last: int,
-                 compression: Compression = ()) -> None:
-        self._args = (storage_uri, chunk_bytes, threads, keep_last, tuple(compression))
-        self._process: Optional[mp.process.BaseProcess] = None
-        self._ckpt_id = ""
-
-    def _reap(self) -> None:
-        """Forget a finished merge, logging a failure."""
-        if self._process is None or self._process.is_alive():
-            return
-        self._process.join()
-        if self._process.exitcode != 0:
-            logger.error("the merge of %s ended with exit code %s; its chain stays valid", self._ckpt_id,
-                         self._process.exitcode)
-        self._process = None
-
-    def start(self, ckpt_id: str, scope: Optional[RetentionScope] = None) -> bool:
-        """Start merging the chain of committed ``ckpt_id`` (``scope``: the job's retention scope);
-        False if a merge is still running."""
-        self._reap()
-        if self._process is not None:
-            return False
-        uri, chunk_bytes, threads, keep_last, compression = self._args
-        self._process = mp.get_context("spawn").Process(
-            target=merge_main, name="cnr-merge", daemon=True,
-            args=(uri, ckpt_id, chunk_bytes, threads, keep_last, compression, scope))
-        self._process.start()
-        self._ckpt_id = ckpt_id
-        logger.info("merging the chain of %s into a new baseline in the background", ckpt_id)
-        return True
-
-    def wait(self) -> None:
-        """Block until the running merge (if any) ends."""
-        if self._process is not None:
-            self._process.join()
-        self._reap()
+        return read_manifest(storage, ckpt_id)
+    except KeyNotFoundError:
+        return None
