@@ -55,8 +55,19 @@ def test_bench_policies_runs_real_training(tmp_path):
         assert r["checkpoints"] == 3 and r["kinds"] == "Fii" and r["bits"] == 2 and r["failed"] == 0
         # the report, from manifests, agrees with what the writers counted
         assert abs(r["avg_bytes_per_interval"] * 3 - r["bytes_written_by_writer"]) < 3
-    # consecutive keeps its whole chain; one-shot only the baseline and the newest increment
-    assert rows["consecutive"]["peak_storage_bytes"] == rows["consecutive"]["bytes_written_by_writer"]
+    # compaction's traffic beside the trainer's writes, as the catalog says: consecutive chains are merged by
+    # default (checkpoint.compact_at_chain_ratio: tiny's increments hold about 0.3 of a baseline), the others never
+    for name, r in rows.items():
+        catalog = _catalog_traffic(str(tmp_path / "w" / f"{name}-2"))
+        assert (r["merges"], r["compaction_read_bytes"], r["compaction_write_bytes"]) == \
+            (catalog["merges"], catalog["read"], catalog["write"])
+        assert r["total_storage_bytes"] == catalog["trainer"] + catalog["read"] + catalog["write"]
+        assert r["bw_reduction"] >= r["total_traffic_reduction"] > 0
+    assert rows["consecutive"]["merges"] >= 1 and rows["consecutive"]["compaction_read_bytes"] > 0
+    assert rows["one_shot"]["merges"] == rows["intermittent"]["merges"] == 0
+    assert rows["one_shot"]["total_traffic_reduction"] == rows["one_shot"]["bw_reduction"]
+    # a merged chain needs less than the whole chain; one-shot keeps only the baseline and the newest increment
+    assert rows["consecutive"]["peak_storage_bytes"] < rows["consecutive"]["bytes_written_by_writer"]
     assert rows["one_shot"]["peak_storage_bytes"] < rows["one_shot"]["bytes_written_by_writer"]
     # the one-shot increments hold every row since the baseline, so more than the consecutive ones
     assert rows["one_shot"]["avg_data_bytes_per_interval"] > rows["consecutive"]["avg_data_bytes_per_interval"]
@@ -73,6 +84,39 @@ def test_bench_policies_runs_real_training(tmp_path):
     widths = {t.table.split(".")[-2]: {c.bits for c in t.chunks} for t in first.tensors.values()
               if t.role.value == "table_rows"}
     assert widths == {"t0": {8}, "t1": {2}, "t2": {2}, "t3": {2}}
+
+
+def _entry(ckpt_id, base, written, fp32=1000):
+    from cnr.app.report_points import Entry
+
+    kind = "incremental" if base else "full"
+    fp32 = 0 if ckpt_id.endswith(".merged") else fp32
+    return Entry(ckpt_id, int(ckpt_id[:2]), kind, 2, "", base, written - 1, 1, fp32)
+
+
+def test_storage_traffic_counts_each_merge_against_the_chain_it_replaced():
+    from cnr.bench.common import storage_traffic
+
+    entries = [_entry("01", None, 100), _entry("02", "01", 20), _entry("03", "02", 30), _entry("03.merged", None, 90),
+               _entry("04", "03", 10), _entry("05", "04", 40), _entry("05.merged", None, 95), _entry("06", "05", 5)]
+    t = storage_traffic(entries)
+    # 03.merged read 01, 02, 03; 05.merged read 03.merged (its baseline by then), 04, 05
+    assert (t["merges"], t["compaction_read_bytes"], t["compaction_write_bytes"]) == (2, 150 + 140, 185)
+    assert (t["checkpoints"], t["trainer_written_bytes"], t["full_fp32_bytes"]) == (6, 205, 6000)
+    assert t["total_storage_bytes"] == 205 + 290 + 185
+    assert t["bw_reduction"] == round(6000 / 205, 3) and t["total_traffic_reduction"] == round(6000 / 680, 3)
+    no_merge = storage_traffic(entries[:3])
+    assert no_merge["compaction_read_bytes"] == no_merge["compaction_write_bytes"] == 0
+    assert no_merge["total_traffic_reduction"] == no_merge["bw_reduction"]
+    with pytest.raises(ValueError, match="03.merged"):  # its chain deleted before it was counted
+        storage_traffic([e for e in entries if e.id != "02"])
+
+
+def _catalog_traffic(uri):
+    """Compaction traffic as the catalog says it, apart from the bench's code (tests/test_bench_restore)."""
+    from test_bench_restore import _catalog_traffic as catalog
+
+    return catalog(uri)
 
 
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch):

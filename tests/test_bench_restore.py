@@ -36,6 +36,9 @@ def test_tiny_run(tmp_path):
     assert rc == 0, err[-3000:]
     got = json.loads(out)
     assert got["bit_exact"] == {"1": True, "3": True}
+    # the chains are measured as written: every compaction trigger off (cnr.bench.restore.no_compaction)
+    assert (got["merges"], got["compaction_read_bytes"], got["compaction_write_bytes"]) == (0, 0, 0)
+    assert got["total_storage_bytes"] >= got["chain3_stored_bytes"]
     # the 3-link chain: newest-first reads less than replay (older dense copies, superseded baseline chunks)
     assert got["chain3_bytes_read"] < got["replay_chain3_bytes_read"]
     assert got["chain3_stored_bytes"] > got["chain1_stored_bytes"] > 0
@@ -63,3 +66,91 @@ def test_tiny_run(tmp_path):
 def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
     rc, _out, err = run_cnr(["bench", "restore", "--config", TINY, *args], str(tmp_path))
     assert rc != 0 and message in err
+
+
+def _catalog_traffic(uri):
+    """Compaction traffic as the catalog says it, apart from the bench's code: each merged baseline
+    writes its stored bytes and reads the chain resolve_chain gives for the increment it stands for
+    before it existed (that increment's base's chain, then the increment)."""
+    from cnr.app.report import collect
+    from cnr.format.catalog import read_manifest, resolve_chain
+    from cnr.format.manifest import MERGED_SUFFIX
+    from cnr.storage import open_storage
+
+    store = open_storage(uri)
+    try:
+        written = {p.entry.id: p.entry.written for p in collect(store).points}
+        merged = [i for i in written if i.endswith(MERGED_SUFFIX)]
+        read = 0
+        for m in merged:
+            increment = read_manifest(store, m[: -len(MERGED_SUFFIX)])
+            chain = resolve_chain(store, read_manifest(store, increment.base)) + [increment]
+            read += sum(written[link.id] for link in chain)
+        trainer = sum(n for i, n in written.items() if i not in merged)
+        return {"merges": len(merged), "read": read, "write": sum(written[m] for m in merged), "trainer": trainer}
+    finally:
+        store.close()
+
+
+def test_a_run_restores_after_every_interval_and_counts_compaction_from_the_store(tmp_path):
+    # keep_last 0: everything stays in the store, for the catalog's count; merge_every 2: merges
+    rc, out, err = run_cnr(["bench", "restore", "--config", TINY, "--run", "4", "--workdir", str(tmp_path / "w"),
+                            "--set", "checkpoint.interval=5", "--set", "checkpoint.policy=consecutive",
+                            "--set", "checkpoint.merge_every=2", "--set", "checkpoint.keep_last=0"], str(tmp_path))
+    assert rc == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["policy"] == "consecutive" and got["run_intervals"] == 4 and got["run_checkpoints"] == 4
+    assert len(got["run_restore_s"]) == 4 and all(s > 0 for s in got["run_restore_s"])
+    assert got["run_chain_links"][0] == 1  # the first interval's checkpoint is the baseline
+    worst = got["run_worst_over_baseline"]
+    assert 0 < worst < float("inf") and worst == pytest.approx(
+        max(got["run_restore_s"]) / got["run_baseline_restore_s"], rel=0.01)
+    assert got["run_median_over_baseline"] <= worst
+    # every restore checked: 3 baseline restores and one per interval; the replay on the first increment and the last
+    assert got["run_restores_checked"] == 4 + 3 and got["targets_met"]["every_restore_checked"] is True
+    assert got["run_replay_checked_intervals"] == [2, 4] and got["run_fallbacks"] == 0
+    assert 0 < got["run_max_row_rel_l2"] <= 0.7
+    # compaction: at least one merge, and its bytes as the catalog says
+    catalog = _catalog_traffic(str(tmp_path / "w" / "run"))
+    assert got["run_merges"] == catalog["merges"] >= 1
+    assert got["run_compaction_read_bytes"] == catalog["read"] > 0
+    assert got["run_compaction_write_bytes"] == catalog["write"] > 0
+    assert got["run_trainer_written_bytes"] == catalog["trainer"]
+    assert got["run_total_storage_bytes"] == catalog["trainer"] + catalog["read"] + catalog["write"]
+    assert got["run_bw_reduction"] == pytest.approx(got["run_full_fp32_bytes"] / catalog["trainer"], abs=1e-3)
+    assert got["run_total_traffic_reduction"] < got["run_bw_reduction"]
+
+
+def test_the_run_summary_reads_every_interval_against_the_baseline_median():
+    from cnr.bench.restore_run import summarize_run
+
+    traffic = {"bw_reduction": 42.0, "total_traffic_reduction": 20.0, "trainer_written_bytes": 10,
+               "full_fp32_bytes": 420, "compaction_read_bytes": 7, "compaction_write_bytes": 4,
+               "total_storage_bytes": 21, "merges": 2, "checkpoints": 4}
+    out = {"baseline_s": [1.0, 3.0, 2.0], "restore_s": [2.0, 5.0, 3.0, 2.2], "links": [1, 2, 1, 2],
+           "merged": [False, False, True, True], "merging": [False, True, False, False], "fallbacks": 0,
+           "replay_checked": [2, 4], "check_s": 1.0, "max_row_l2": 0.3, "train_s": 9.0, "wall_s": 12.0,
+           "traffic": traffic}
+    got = summarize_run(out, 4)
+    assert (got["run_baseline_restore_s"], got["run_worst_over_baseline"], got["run_worst_interval"]) == (2.0, 2.5, 2)
+    assert got["run_median_over_baseline"] == pytest.approx((1.1 + 1.5) / 2)
+    assert got["run_restores_during_merge"] == [2] and got["run_worst_over_baseline_no_merge_running"] == 1.5
+    assert (got["run_restores_from_merged"], got["run_restores_checked"], got["run_merges"]) == (2, 7, 2)
+    assert (got["run_bw_reduction"], got["run_compaction_read_bytes"], got["run_total_storage_bytes"]) == (42.0, 7, 21)
+    assert got["targets_met"] == {"run_worst_over_baseline<=2.0": False, "run_bw_reduction>=40": True,
+                                  "every_restore_checked": True}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "x"])
+def test_bad_run_values_are_refused_before_any_work(tmp_path, monkeypatch, value):
+    from cnr.bench import restore as restore_bench
+    from cnr.bench import restore_run
+    from cnr.errors import ConfigError
+
+    started = []  # in-process: the refusal comes before any rank is started
+    monkeypatch.setattr(restore_bench, "launch", lambda *a, **k: started.append("launch"))
+    monkeypatch.setattr(restore_run, "launch", lambda *a, **k: started.append("launch"))
+    with pytest.raises(ConfigError, match=f"--run '{value}' is not allowed; give a number of checkpoint intervals, "
+                                          "an integer >= 1"):
+        restore_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--run", value])
+    assert started == [] and not (tmp_path / "w").exists()

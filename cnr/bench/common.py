@@ -7,19 +7,23 @@ import math
 import os
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List
 
 import numpy as np
 import torch
 
 import cnr
 from cnr.track.app_state import collect_state
+from cnr.app.report import collect
+from cnr.app.report_points import Entry
 from cnr.app.config import Config, load_config
 from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
+from cnr.format.manifest import MERGED_SUFFIX, chain_links
 from cnr.options import CheckpointOptions
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
+from cnr.storage.base import Storage
 from cnr.write.local_paths import check_creatable_dir
 from cnr.track.state import StatePiece
 from cnr.types import WriteStatus
@@ -156,3 +160,48 @@ class TrainedModel:
             raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
         return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end, "snapshot_end": snapshot_end,
                 "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}
+
+
+def scan_entries(storage: Storage, seen: Dict[str, Entry]) -> None:
+    """Add every committed checkpoint now in ``storage`` to ``seen`` (id -> its
+    cnr.app.report_points.Entry, sizes as ``cnr report`` counts them). Scanned after every commit,
+    ``seen`` keeps the checkpoints that retention deletes later."""
+    for point in collect(storage).points:
+        seen.setdefault(point.entry.id, point.entry)
+
+
+def _replaced_chain(merged: Entry, by_id: Dict[str, Entry]) -> List[str]:
+    """Ids of the chain a merged baseline replaced: the increment it stands for and every link
+    back to the baseline before it (full, or merged earlier), as its merge resolved it."""
+    increment = merged.id[: -len(MERGED_SUFFIX)]
+    bases = {i: e.base for i, e in by_id.items() if i != merged.id}
+    links, complete = chain_links(increment, bases)
+    if not complete:
+        raise ValueError(f"the chain that {merged.id} replaced was deleted before it was counted ({links} "
+                         "found); scan the store after every commit (scan_entries)")
+    return links
+
+
+def storage_traffic(entries: Iterable[Entry]) -> Dict[str, Any]:
+    """Storage traffic of a store's committed checkpoints (each once), in stored bytes (chunks plus
+    manifest and rank indexes, cnr.app.report_points.Entry.written).
+
+    The trainer wrote the checkpoints taken at an interval; compaction (cnr.write.merge) wrote each
+    merged baseline and read the chain it replaced (``_replaced_chain``): an upper bound of what a
+    merge reads, which skips older links' dense chunks and the rank indexes. ``bw_reduction``: full
+    fp32 bytes of every interval over the trainer's writes (``cnr report``'s bandwidth reduction
+    without the merged baselines); ``total_traffic_reduction``: the same fp32 bytes over the trainer's
+    writes plus compaction's reads and writes.
+    """
+    by_id = {e.id: e for e in entries}
+    trainer = [e for e in by_id.values() if e.interval]
+    merged = [e for e in by_id.values() if not e.interval]
+    written = sum(e.written for e in trainer)
+    fp32 = sum(e.full_fp32_bytes for e in trainer)
+    read = sum(by_id[i].written for m in merged for i in _replaced_chain(m, by_id))
+    wrote = sum(e.written for e in merged)
+    total = written + read + wrote
+    return {"checkpoints": len(trainer), "merges": len(merged), "trainer_written_bytes": written,
+            "full_fp32_bytes": fp32, "compaction_read_bytes": read, "compaction_write_bytes": wrote,
+            "total_storage_bytes": total, "bw_reduction": round(fp32 / written, 3) if written else None,
+            "total_traffic_reduction": round(fp32 / total, 3) if total else None}

@@ -17,6 +17,13 @@ checkpoint and everything its restore reads) over the run, which is what retenti
 newest chain holds. The baseline writes a full fp32 checkpoint every interval and keeps the
 newest one.
 
+Compaction (cnr.write.merge: a consecutive chain merged into a new baseline in the background,
+with the defaults' triggers) is counted apart from the trainer's writes (cnr.bench.common.storage_traffic):
+``checkpoints``, ``kinds``, the bytes per interval and ``bw_reduction`` are the trainer's checkpoints
+alone; ``merges``, ``compaction_read_bytes`` (the stored bytes of each chain a merge replaced),
+``compaction_write_bytes`` (the merged baselines), ``total_storage_bytes`` (the trainer's writes plus
+both) and ``total_traffic_reduction`` (full fp32 bytes over that total) stand beside them.
+
 ``--max-chain-ratio R`` (default 1.3; 0: none) adds an intermittent cell per bit-width with the
 chain cap ``checkpoint.max_chain_ratio = R`` (its policy reads "intermittent<=R"): it trades
 write bandwidth for storage, taking a new baseline before a restore would read more than R
@@ -38,7 +45,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from cnr.bench.common import argv_list, base_parser
+from cnr.bench.common import argv_list, base_parser, storage_traffic
 from cnr.write.engine import CheckpointEngine
 from cnr.options import CheckpointOptions
 from cnr.app.config import Config, FailureConfig, load_config
@@ -158,14 +165,21 @@ def _cell_row(workdir: str, cell: Cell, stats: Dict[str, int]) -> Dict[str, Any]
     finally:
         store.close()
     totals = data.totals()
+    traffic = storage_traffic(p.entry for p in data.points)
+    trained = [p.entry for p in data.points if p.entry.interval]  # the merged baselines are compaction's
     return {
-        "policy": _label(cell), "bits": cell[1], "checkpoints": totals["checkpoints"], "failed": stats["failed"],
-        "kinds": "".join("F" if p.entry.kind == "full" else "i" for p in data.points),
-        "avg_bytes_per_interval": int(totals["avg_written_per_interval"]),
-        "avg_data_bytes_per_interval": int(sum(p.entry.data_bytes for p in data.points) / len(data.points)),
+        "policy": _label(cell), "bits": cell[1], "checkpoints": traffic["checkpoints"], "failed": stats["failed"],
+        "kinds": "".join("F" if e.kind == "full" else "i" for e in trained),
+        "avg_bytes_per_interval": int(traffic["trainer_written_bytes"] / len(trained)),
+        "avg_data_bytes_per_interval": int(sum(e.data_bytes for e in trained) / len(trained)),
         "peak_storage_bytes": int(totals["peak_needed_bytes"]),
-        "bw_reduction": round(totals["bw_reduction"], 3),
+        "bw_reduction": traffic["bw_reduction"],
         "capacity_reduction": round(totals["capacity_reduction"], 3),
+        # compaction's storage traffic beside the trainer's writes (cnr.bench.common.storage_traffic)
+        "merges": traffic["merges"], "compaction_read_bytes": traffic["compaction_read_bytes"],
+        "compaction_write_bytes": traffic["compaction_write_bytes"],
+        "total_storage_bytes": traffic["total_storage_bytes"],
+        "total_traffic_reduction": traffic["total_traffic_reduction"],
         "bytes_written_by_writer": stats["bytes_written"],
         "max_background_s": round(stats["max_background_s"], 2),
         "mean_background_s": round(stats["total_background_s"] / max(1, stats["checkpoints"]), 2),

@@ -22,6 +22,13 @@ target <= 1.0). ``int4_chain_over_dcp_load``: an intermittent 4-bit chain (a ful
 that model's fp32 state (#27 target <= 1.0). Each restore is checked against the state it saved
 (``peer_bit_exact``: exactly; the 4-bit chain's table rows within 4-bit quantization, and each
 of its restores equal to the first).
+
+Every checkpoint here is written with every compaction trigger off (``no_compaction``), so that the
+chains are the ones written; ``merges``, ``compaction_read_bytes`` and ``compaction_write_bytes``
+(cnr.bench.common.storage_traffic) show that no merge ran, ``total_storage_bytes`` the store's traffic.
+
+``--run N`` measures a run instead: N intervals with the consecutive policy at the default
+options, the newest committed checkpoint restored after each (cnr.bench.restore_run).
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
+from cnr.app.report_points import Entry
+from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio, scan_entries, storage_traffic
+from cnr.bench.restore_run import parse_run, run_mode
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.app.config import Config
@@ -55,11 +64,18 @@ PEER_TARGET = 1.0  # full32_over_dcp_load and int4_chain_over_dcp_load (#27)
 INT4_L2 = 0.2  # a 4-bit row-wise restore's relative l2 error is a few percent (bench quantize)
 
 
+def no_compaction(config: Config, changes: Dict[str, Any]) -> CheckpointOptions:
+    """The options of ``config``'s checkpoint section with ``changes``, retention off, a fixed
+    bit-width and every compaction trigger off (cnr.write.merge): the chains this bench measures
+    must stay as they were written. The one place that names the compaction triggers."""
+    c = dataclasses.replace(config.checkpoint, keep_last=0, merge_every=0, compact_at_chain_ratio=0.0,
+                            max_chain_ratio=0.0, bit_policy="fixed", **changes)
+    return CheckpointOptions.from_config(c)
+
+
 def _write_chain(model: TrainedModel, uri: str, bits: int, links: int) -> List[str]:
     """Train and checkpoint: a baseline and ``links`` consecutive increments; their ids, oldest first."""
-    c = dataclasses.replace(model.config.checkpoint, policy="consecutive", bits=bits, keep_last=0, merge_every=0,
-                            max_chain_ratio=0.0, bit_policy="fixed")
-    ckpt = model.checkpointer(uri, CheckpointOptions.from_config(c))
+    ckpt = model.checkpointer(uri, no_compaction(model.config, {"policy": "consecutive", "bits": bits}))
     ids = []
     try:
         for k in range(links + 1):
@@ -77,6 +93,18 @@ def _restore(model: TrainedModel, storage: Storage, chain: List[Manifest], order
     # rows_from_increments: distinct rows the increments hold, each written once from its newest link
     return {"seconds": time.perf_counter() - start, "bytes": nbytes,
             "rows_from_increments": sum(int(t.numel()) for t in ids.values())}
+
+
+def _traffic(storage: Storage) -> Dict[str, Any]:
+    """The store's storage traffic (cnr.bench.common.storage_traffic); raises if a merge ran: its
+    chains would not be the ones written, so no_compaction must name the trigger that ran it."""
+    seen: Dict[str, Entry] = {}
+    scan_entries(storage, seen)
+    traffic = storage_traffic(seen.values())
+    if traffic["merges"]:
+        raise RuntimeError(f"{traffic['merges']} merged baseline(s) in {storage.uri}: a compaction trigger is on "
+                           "that cnr.bench.restore.no_compaction does not turn off")
+    return traffic
 
 
 def _snapshot(model: TrainedModel) -> List[torch.Tensor]:
@@ -99,9 +127,7 @@ def _timed(restore) -> float:
 def _save_chain(model: TrainedModel, uri: str, changes: Dict[str, Any], steps_between: List[int]) -> List[Manifest]:
     """Checkpoints of ``model`` under the checkpoint section with ``changes``, one now and one
     after each of ``steps_between``; the chain of the last one, oldest first."""
-    c = dataclasses.replace(model.config.checkpoint, keep_last=0, merge_every=0, max_chain_ratio=0.0,
-                            bit_policy="fixed", **changes)
-    ckpt = model.checkpointer(uri, CheckpointOptions.from_config(c))
+    ckpt = model.checkpointer(uri, no_compaction(model.config, changes))
     try:
         last = model.checkpoint(ckpt)["id"]
         for steps in steps_between:
@@ -180,6 +206,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     ids = _write_chain(model, arg["uri"], arg["bits"], max(arg["links"]))
     storage = open_storage(arg["uri"])
     try:
+        traffic = _traffic(storage)
         chains = {k: resolve_chain(storage, read_manifest(storage, ids[k])) for k in [0] + arg["links"]}
         assert [m.id for m in chains[max(arg["links"])]] == ids, "the consecutive chain is not the checkpoints written"
         runs: Dict[str, List[Dict[str, Any]]] = {}
@@ -198,7 +225,7 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         storage.close()
     peer = _against_dcp(model, arg["peer_root"], arg["repeats"], arg["peer_steps"]) if arg["peer_steps"] else {}
     # string keys: the result crosses a process boundary as JSON
-    return {"runs": runs, "exact": {str(k): v for k, v in exact.items()}, "peer": peer,
+    return {"runs": runs, "exact": {str(k): v for k, v in exact.items()}, "peer": peer, "traffic": traffic,
             "chain_bytes": {str(k): [m.bytes for m in chains[k]] for k in chains},
             "chain_rows": {str(k): [m.rows for m in chains[k]] for k in chains}}
 
@@ -225,6 +252,9 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
         # (distinct) against the rows they store (all of which a restore reads today)
         result[f"chain{k}_increment_rows"] = sum(out["chain_rows"][str(k)][1:])
         result[f"chain{k}_rows_from_increments"] = runs[f"chain{k}"][0]["rows_from_increments"]
+    traffic = out.get("traffic") or {}
+    for name in ("merges", "compaction_read_bytes", "compaction_write_bytes", "total_storage_bytes"):
+        result[name] = traffic.get(name, 0)
     result["bit_exact"] = {str(k): bool(out["exact"][str(k)]) for k in links}
     longest = max(links)
     result["targets_met"] = {f"chain{longest}_over_baseline<={TARGET}": result[f"chain{longest}_over_baseline"] <= TARGET,
@@ -253,6 +283,8 @@ def _check(args: Any, config: Config) -> List[int]:
         raise ConfigError(f"--peer-steps {args.peer_steps} is not allowed; it must be >= 0 (0: no comparison with dcp.load)")
     if not config.checkpoint.enabled:
         raise ConfigError("bench restore needs checkpoint.enabled: true in the config")
+    if args.run is not None:
+        parse_run(args.run)
     return links
 
 
@@ -264,10 +296,21 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--peer-steps", type=int, default=100,
                         help="training steps between the 4-bit chain's baseline and its increment in the comparison "
                              "with dcp.load (0: no comparison)")
+    parser.add_argument("--run", default=None, metavar="N",
+                        help="instead: train N intervals (consecutive policy, default options) and restore the newest "
+                             "committed checkpoint after each (cnr.bench.restore_run)")
     args = parser.parse_args(argv_list(argv))
     config = load(args)
     links = _check(args, config)
+    common = {"bench": "restore", "config": os.path.basename(args.config), "bits": args.bits, "repeats": args.repeats,
+              "interval": config.checkpoint.interval, "restore_threads": config.checkpoint.restore_threads}
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-restore-")
+    if args.run is not None:
+        try:
+            return {**common, **run_mode(config, workdir, parse_run(args.run), args.bits, args.repeats)}
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
     try:
         out = launch(_bench, 1, {"config": config, "uri": os.path.join(workdir, "store"), "bits": args.bits,
                                  "links": links, "repeats": args.repeats, "peer_steps": args.peer_steps,
@@ -275,6 +318,4 @@ def run(argv: List[str]) -> Dict[str, Any]:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    return {"bench": "restore", "config": os.path.basename(args.config), "bits": args.bits, "links": links,
-            "repeats": args.repeats, "interval": config.checkpoint.interval,
-            "restore_threads": config.checkpoint.restore_threads, **_summary(out, links)}
+    return {**common, "links": links, **_summary(out, links)}
