@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from typing import Dict, List
 
@@ -224,12 +225,19 @@ def test_the_job_merger_hands_over_without_a_stall_and_survives_a_killed_worker(
     target = newest_committed(storage)
     merger = Merger(storage.uri, MergeSettings(4096, keep_last=0))
     monkeypatch.setenv("CNR_FAULT_INJECT", f"kill:merge_before_commit@{target.step}")  # the worker inherits it
-    began = time.perf_counter()
+    spawned_on = []  # the threads that spawned a worker process: never the caller's (no stall)
+    spawn = Merger._spawn
+
+    def recording_spawn(self):
+        spawned_on.append(threading.current_thread())
+        spawn(self)
+
+    monkeypatch.setattr(Merger, "_spawn", recording_spawn)
     assert merger.start(target.id)
-    assert time.perf_counter() - began < 0.05  # the spawn is the thread's, not the caller's
     deadline = time.time() + 120
     while not merger.reports and time.time() < deadline:
         time.sleep(0.05)
+    assert spawned_on and threading.current_thread() not in spawned_on
     assert "merge worker died" in merger.reports[-1]["error"]
     assert not storage.exists(manifest_key(merged_id(target.id)))
     monkeypatch.delenv("CNR_FAULT_INJECT")
