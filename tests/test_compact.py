@@ -14,14 +14,15 @@ import pytest
 
 from cli_helpers import ROOT, TINY, inspect, run_cnr, train
 from cnr.app.config import load_config
-from cnr.errors import ConfigError
+from cnr.errors import CheckpointError, ConfigError
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.format.manifest import manifest_key, merged_id
 from cnr.options import DEFAULT_COMPACT_RATIO, CheckpointOptions, OptionsError
 from cnr.policy.kinds import compaction_due
 from cnr.storage.local import LocalStorage
-from cnr.write.compact import Claim, ClaimHeldError, MergeSettings, claim_key, compact_location
-from cnr.write.lease import Lease, LeaseHeldError, LeaseRecord, machine_id
+from cnr.storage.wrapper import WrapperStorage
+from cnr.write.compact import ClaimHeldError, MergeSettings, claim_key, claim_space, compact_location, take_claim
+from cnr.write.lease import ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError, machine_id
 
 EXTERNAL = ["--set", "checkpoint.policy=consecutive", "--set", "checkpoint.compaction=external"]
 
@@ -86,25 +87,55 @@ def test_compaction_keys_load_from_yaml_and_the_default_leaves_other_policies_va
 
 def test_one_claim_per_merged_id_and_a_dead_claimer_is_taken_over(tmp_path):
     storage = LocalStorage(str(tmp_path / "store"))
-    first = Claim.take(storage, "0000000010-aa.merged", ttl_s=30)
-    with pytest.raises(ClaimHeldError, match=f"pid {os.getpid()}"):
-        Claim.take(storage, "0000000010-aa.merged", ttl_s=30)
-    Claim.take(storage, "0000000020-bb.merged", ttl_s=30).release()  # another id: its own claim
-    first.release()
+    first = take_claim(storage, "0000000010-aa.merged", ttl_s=30)
+    with pytest.raises(ClaimHeldError, match=f"another process is merging into 0000000010-aa.merged on .*pid {os.getpid()}"):
+        take_claim(storage, "0000000010-aa.merged", ttl_s=30)
+    take_claim(storage, "0000000020-bb.merged", ttl_s=30).release(delete=True)  # another id: its own claim
+    first.release(delete=True)
     assert storage.list("compact") == []
     # a claim whose process died on this machine is taken over at once; the old claimer may not commit
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     now = time.time()
     record = LeaseRecord(0, "killed", "here", machine_id(), int(dead.stdout), 1, now, now, 30.0)
     storage.put(claim_key("0000000030-cc.merged", 0), record.to_bytes())
-    taker = Claim.take(storage, "0000000030-cc.merged", ttl_s=30)
+    taker = take_claim(storage, "0000000030-cc.merged", ttl_s=30)
     assert taker.record.generation == 1
     taker.check()
-    stale = Claim(storage, "0000000030-cc.merged", record)
-    with pytest.raises(ClaimHeldError, match="taken over"):
+    stale = Lease(storage, record, space=claim_space("0000000030-cc.merged"))
+    with pytest.raises(CheckpointError, match="this merge lost the merge claim on 0000000030-cc.merged"):
         stale.check()
-    stale.release()
-    taker.release()
+    stale.release(delete=True)  # not its record any more: the taker's stays
+    assert storage.list("compact") == [claim_key("0000000030-cc.merged", 1)]
+    taker.release(delete=True)
+    assert storage.list("compact") == []
+
+
+class _IgnoresIfNoneMatch(WrapperStorage):
+    """A store that overwrites on a conditional create (as some S3-compatible stores do)."""
+
+    def put_if_absent(self, key, data):
+        self.inner.put(key, data)
+        return True
+
+
+def test_a_claim_on_a_store_that_ignores_conditional_writes_is_refused(tmp_path):
+    """Two compactors on such a store would both "win" one merged id: the claim runs the lease's
+    conditional-write probe, so the merge is refused before it writes anything."""
+    storage = _IgnoresIfNoneMatch(LocalStorage(str(tmp_path / "store")))
+    with pytest.raises(ConditionalWriteError, match="does not honour conditional writes"):
+        take_claim(storage, "0000000010-aa.merged", ttl_s=30)
+    assert storage.list("") == []
+
+
+def test_a_damaged_claim_record_is_taken_over_and_an_unknown_key_refused(tmp_path):
+    storage = LocalStorage(str(tmp_path / "store"))
+    storage.put(claim_key("0000000010-aa.merged", 0), b"not json")
+    claim = take_claim(storage, "0000000010-aa.merged", ttl_s=30)
+    assert claim.record.generation == 1
+    claim.release(delete=True)
+    storage.put("compact/0000000010-aa.merged/other.txt", b"?")
+    with pytest.raises(UnknownLeaseError, match="compact/0000000010-aa.merged/other.txt"):
+        take_claim(storage, "0000000010-aa.merged", ttl_s=30)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -16,8 +16,9 @@ in both:
   commit (a committed merged baseline ends every chain through its increment).
 
 **Claims.** Two processes never write one merged id at once: a merge first takes the claim
-``compact/<merged id>/<generation>.json`` with a conditional create, the lease's protocol
-(cnr.write.lease) on a key of its own. A claim is live while renewed within its ttl (every ttl/4
+``compact/<merged id>/<generation>.json``, a lease (cnr.write.lease) in a space of its own: the
+same conditional-write probe (a store that ignores If-None-Match is refused, as for the job's
+lease), the same conditional create and takeover rules. A claim is live while renewed within its ttl (every ttl/4
 by a thread) and, on the machine that took it, while its process runs, so a killed merge's claim
 is taken over at once there and ``ttl_s`` later elsewhere; the merge checks its claim is still the
 newest right before it commits. Claims are deleted when their merge ends.
@@ -31,15 +32,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from cnr.errors import CheckpointError, KeyNotFoundError, StorageError
+from cnr.errors import KeyNotFoundError
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.format.manifest import MERGED_SUFFIX, merged_id
 from cnr.policy.retention import retain_checkpoints
@@ -48,9 +46,7 @@ from cnr.storage.base import Buffer, Storage
 from cnr.storage.wrapper import WrapperStorage
 from cnr.types import ByteRange, LeaseRef, RetentionScope
 from cnr.write.faults import maybe_crash
-from cnr.write.lease import (
-    Lease, LeaseHeldError, LeaseRecord, check_held, decode_record, is_live, machine_id, process_start,
-)
+from cnr.write.lease import Lease, LeaseHeldError, LeaseSpace, check_held
 from cnr.write.merge import merge_chain
 from cnr.write.proc import MERGER, die_with_spawner, name_this_process
 
@@ -60,85 +56,33 @@ CLAIM_PREFIX = "compact"
 DEFAULT_CLAIM_TTL_S = 60.0
 
 
-class ClaimHeldError(CheckpointError):
+class ClaimHeldError(LeaseHeldError):
     """Another live process is merging the same checkpoint."""
 
 
+def claim_space(merged: str) -> LeaseSpace:
+    """The lease space of the claims on merging into ``merged`` (``compact/<merged>/``)."""
+    quoted = merged.replace("{", "{{").replace("}", "}}")  # the words are format strings of {uri}
+    return LeaseSpace(f"{CLAIM_PREFIX}/{merged}", what=f"the merge claim on {merged}",
+                      holder_does=f"another process is merging into {quoted} on {{uri}}",
+                      advice="Its claim ends with its merge, or ttl after its last renewal if it died on another "
+                             "machine; compact again then",
+                      me="this merge", held_error=ClaimHeldError)
+
+
 def claim_key(merged: str, generation: int) -> str:
-    return f"{CLAIM_PREFIX}/{merged}/{generation:012d}.json"
+    """The key of the claim record ``generation`` on ``merged``."""
+    return claim_space(merged).key(generation)
 
 
-def _claim_generations(storage: Storage, merged: str) -> List[int]:
-    prefix = f"{CLAIM_PREFIX}/{merged}/"
-    return sorted(int(k[len(prefix):-len(".json")]) for k in storage.list(prefix)
-                  if k.endswith(".json") and k[len(prefix):-len(".json")].isdigit())
-
-
-def _claim_record(storage: Storage, merged: str, generation: int) -> Optional[LeaseRecord]:
-    try:
-        return decode_record(storage.get(claim_key(merged, generation)), generation)[0]
-    except (StorageError, CheckpointError):
-        return None  # gone since the listing, or not a record: no live holder
-
-
-class Claim:
-    """This process's claim on merging one checkpoint (see the module docstring); renewed by a
-    thread until ``release``."""
-
-    def __init__(self, storage: Storage, merged: str, record: LeaseRecord) -> None:
-        self.storage, self.merged, self.record = storage, merged, record
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, name="cnr-claim", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def take(cls, storage: Storage, merged: str, ttl_s: float = DEFAULT_CLAIM_TTL_S) -> "Claim":
-        """Claim ``merged`` or raise ClaimHeldError naming the live holder."""
-        gens = _claim_generations(storage, merged)
-        now = time.time()
-        current = _claim_record(storage, merged, gens[-1]) if gens else None
-        if is_live(current, now):
-            raise ClaimHeldError(f"another process is merging into {merged} on {storage.uri}: {current.describe(now)}")
-        generation = gens[-1] + 1 if gens else 0
-        record = LeaseRecord(generation, uuid.uuid4().hex, socket.gethostname(), machine_id(), os.getpid(),
-                             process_start(os.getpid()), now, now, float(ttl_s))
-        if not storage.put_if_absent(claim_key(merged, generation), record.to_bytes()):
-            raise ClaimHeldError(f"another process claimed the merge into {merged} on {storage.uri} a moment ago")
-        for old in gens:
-            _delete_quietly(storage, claim_key(merged, old))
-        return cls(storage, merged, record)
-
-    def check(self) -> None:
-        """Raise ClaimHeldError unless this claim is still the newest (a stalled merge whose claim
-        was taken over must not commit)."""
-        gens = _claim_generations(self.storage, self.merged)
-        newest = _claim_record(self.storage, self.merged, gens[-1]) if gens else None
-        if newest is None or newest.generation != self.record.generation or newest.owner != self.record.owner:
-            raise ClaimHeldError(f"this merge's claim on {self.merged} was taken over; it commits nothing")
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.record.ttl_s / 4):
-            try:
-                gens = _claim_generations(self.storage, self.merged)
-                if not gens or gens[-1] != self.record.generation:
-                    return  # taken over: check() refuses the commit
-                self.record = replace(self.record, renewed_unix=time.time())
-                self.storage.put(claim_key(self.merged, self.record.generation), self.record.to_bytes())
-            except StorageError as e:
-                logger.warning("could not renew the merge claim on %s (retrying): %s", self.merged, e)
-
-    def release(self) -> None:
-        """Stop renewing and delete this claim's record."""
-        self._stop.set()
-        self._thread.join()
-        _delete_quietly(self.storage, claim_key(self.merged, self.record.generation))
-
-
-def _delete_quietly(storage: Storage, key: str) -> None:
-    try:
-        storage.delete(key)
-    except StorageError as e:
-        logger.warning("could not delete %s/%s: %s", storage.uri, key, e)
+def take_claim(storage: Storage, merged: str, ttl_s: float = DEFAULT_CLAIM_TTL_S) -> Lease:
+    """This process's claim on merging into ``merged``, renewed by a thread from now on (the job
+    lease's protocol in the claim's own space, cnr.write.lease: a conditional-write probe first,
+    damaged and unknown records handled as the lease does); raises ClaimHeldError naming a live
+    holder. Release it with ``release(delete=True)``."""
+    claim = Lease.acquire(storage, ttl_s, space=claim_space(merged))
+    claim.start_renewing()
+    return claim
 
 
 class CountingStorage(WrapperStorage):
@@ -196,12 +140,12 @@ def merge_and_retain(storage: Storage, ckpt_id: str, settings: MergeSettings, fe
     ``merge_after_commit``: after the commit, before retention."""
     counting = CountingStorage(storage)
     start = time.perf_counter()
-    claim = Claim.take(storage, merged_id(ckpt_id), settings.claim_ttl_s)
+    claim = take_claim(storage, merged_id(ckpt_id), settings.claim_ttl_s)
     try:
         merged, fresh = merge_chain(counting, ckpt_id, settings.chunk_bytes, settings.threads, settings.compression,
                                     fence=lambda: (fence(), claim.check()))
     finally:
-        claim.release()
+        claim.release(delete=True)
     seconds = time.perf_counter() - start
     if fresh:
         logger.info("merged the chain of %s into full checkpoint %s (%d bytes) in %.1f s", ckpt_id, merged.id,

@@ -4,7 +4,8 @@ Two jobs checkpointing into one location would each run retention over the other
 leave nothing restorable, so a Checkpointer takes the location's lease before it writes
 anything, and a second one is refused while the first holds it.
 
-Layout: ``lease/<generation>.json``, the generation in decimal, zero-padded to 12 digits
+Layout: ``lease/<generation>.json`` (a LeaseSpace's prefix: the job's lease is ``JOB_LEASE``;
+cnr.write.compact keeps its merge claims in spaces of their own, same protocol), the generation in decimal, zero-padded to 12 digits
 (``000000000042``) and written out in full past them (``1000000000000``): generations are
 compared as numbers, so the scheme never runs out, and the names of every record written
 before (always 12 digits) keep their meaning. The newest generation is the holder. A record
@@ -65,8 +66,6 @@ logger = logging.getLogger(__name__)
 
 LEASE_PREFIX = "lease"
 LEASE_FORMAT = "cnr.lease"
-# 12 digits (zero-padded), or more without a leading zero: exactly the names lease_key writes
-_KEY = re.compile(r"^lease/([0-9]{12}|[1-9][0-9]{12,1000})\.json$")
 PROBE_KEY = f"{LEASE_PREFIX}/conditional-write-probe"
 _PROBE = b"cnr: probe of the store's conditional writes (If-None-Match); safe to delete when no job runs\n"
 _READ_ATTEMPTS = 3  # lists of lease/ when the newest record vanishes between list and get
@@ -75,7 +74,7 @@ RENEWALS_PER_TTL = 4
 
 
 class LeaseHeldError(CheckpointError):
-    """Another live job holds the storage location's lease."""
+    """Another live job holds the storage location's lease (or another process a claim in its space)."""
 
 
 class ConditionalWriteError(CheckpointError):
@@ -86,10 +85,45 @@ class UnknownLeaseError(CheckpointError):
     """A key under lease/ that this version of cnr does not know (maybe another version's lease)."""
 
 
+_RECORD_NAME = re.compile(r"^([0-9]{12}|[1-9][0-9]{12,1000})\.json$")
+
+
+@dataclass(frozen=True)
+class LeaseSpace:
+    """Where one lease keeps its records (``<prefix>/<generation>.json``) and the words of its
+    messages: ``what`` names it, ``holder_does`` says what a live holder does there (``{uri}``: the
+    store), ``advice`` what to do meanwhile, ``me`` who holds it in this process; ``held_error`` is
+    raised when a live holder refuses an acquire (LeaseHeldError or a subclass)."""
+
+    prefix: str
+    what: str = "the lease"
+    holder_does: str = "another job is writing checkpoints to {uri}"
+    advice: str = ("Two jobs on one location would delete each other's checkpoints; wait for it to end, or give "
+                   "this job another location")
+    me: str = "this job"
+    held_error: type = LeaseHeldError
+
+    def key(self, generation: int) -> str:
+        """The record key of ``generation``: 12 digits zero-padded, written out in full past them."""
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise ValueError(f"a lease generation is an integer >= 0, not {generation!r}")
+        return f"{self.prefix}/{generation:012d}.json"
+
+    def generation_of(self, key: str) -> Optional[int]:
+        """The generation that record key ``key`` of this space names (exactly the names ``key``
+        writes), else None."""
+        if not key.startswith(self.prefix + "/"):
+            return None
+        m = _RECORD_NAME.match(key[len(self.prefix) + 1:])
+        return int(m.group(1)) if m else None
+
+
+JOB_LEASE = LeaseSpace(LEASE_PREFIX)  # the job's lease on its storage location
+
+
 def lease_key(generation: int) -> str:
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
-        raise ValueError(f"a lease generation is an integer >= 0, not {generation!r}")
-    return f"{LEASE_PREFIX}/{generation:012d}.json"
+    """The key of the job lease's record ``generation``."""
+    return JOB_LEASE.key(generation)
 
 
 @dataclass(frozen=True)
@@ -192,36 +226,36 @@ def is_live(record: Optional[LeaseRecord], now: float) -> bool:
 # ---- storage -------------------------------------------------------------------------------
 
 
-def scan(storage: Storage) -> Tuple[List[int], List[str]]:
-    """Every stored lease generation, ascending, and every key under lease/ that is neither a
-    record name nor the probe (unknown: see the module docstring)."""
+def scan(storage: Storage, space: LeaseSpace = JOB_LEASE) -> Tuple[List[int], List[str]]:
+    """Every stored generation of ``space``, ascending, and every key under its prefix that is
+    neither a record name nor the probe (unknown: see the module docstring)."""
     gens: List[int] = []
     unknown: List[str] = []
-    for key in storage.list(LEASE_PREFIX):
-        m = _KEY.match(key)
-        if m:
-            gens.append(int(m.group(1)))
+    for key in storage.list(space.prefix + "/"):
+        generation = space.generation_of(key)
+        if generation is not None:
+            gens.append(generation)
         elif key != PROBE_KEY:
             unknown.append(key)
     return sorted(gens), unknown
 
 
-def generations(storage: Storage) -> List[int]:
-    """Every stored lease generation, ascending."""
-    return scan(storage)[0]
+def generations(storage: Storage, space: LeaseSpace = JOB_LEASE) -> List[int]:
+    """Every stored generation of ``space``, ascending."""
+    return scan(storage, space)[0]
 
 
-def read_record(storage: Storage, generation: int) -> Optional[LeaseRecord]:
+def read_record(storage: Storage, generation: int, space: LeaseSpace = JOB_LEASE) -> Optional[LeaseRecord]:
     try:
-        return decode_record(storage.get(lease_key(generation)), generation)[0]
+        return decode_record(storage.get(space.key(generation)), generation)[0]
     except (StorageError, UnknownLeaseError):
         return None  # deleted between list and get, or unreadable: not a live holder
 
 
-def holder(storage: Storage) -> Optional[LeaseRecord]:
+def holder(storage: Storage, space: LeaseSpace = JOB_LEASE) -> Optional[LeaseRecord]:
     """The newest generation's record (None: no lease, or an unreadable newest record)."""
-    gens = generations(storage)
-    return read_record(storage, gens[-1]) if gens else None
+    gens = generations(storage, space)
+    return read_record(storage, gens[-1], space) if gens else None
 
 
 def check_conditional_writes(storage: Storage) -> None:
@@ -254,63 +288,67 @@ class _DamagedRecord(CheckpointError):
     """A lease record that is not well formed (its message says how)."""
 
 
-def _decoded(source: Storage, generation: int) -> LeaseRecord:
+def _decoded(source: Storage, generation: int, space: LeaseSpace) -> LeaseRecord:
     """The well-formed record of ``generation`` in ``source``, else _DamagedRecord. Read through
     ``verified_read``: a record damaged on its way from the store is read again, and only one that
     reads back damaged the same way twice is damaged (and taken over) -- never a live holder's
     record garbled in transit."""
-    record, damage = decode_record(source.get(lease_key(generation)), generation)
+    record, damage = decode_record(source.get(space.key(generation)), generation)
     if record is None:
         raise _DamagedRecord(damage)
     return record
 
 
-def _survey(storage: Storage) -> Tuple[List[int], Optional[LeaseRecord], str]:
+def _survey(storage: Storage, space: LeaseSpace) -> Tuple[List[int], Optional[LeaseRecord], str]:
     """(generations, the newest one's record, why that record is damaged ("": it is not)).
     Raises UnknownLeaseError for an unknown key or record, StorageError when a record cannot be read."""
     for _ in range(_READ_ATTEMPTS):
-        gens, unknown = scan(storage)
+        gens, unknown = scan(storage, space)
         if unknown:
             raise UnknownLeaseError(_unknown_message(storage, unknown[0], "an unknown name"))
         if not gens:
             return gens, None, ""
+        key = space.key(gens[-1])
         try:
-            record = verified_read(storage, lease_key(gens[-1]), lambda source: _decoded(source, gens[-1]))
+            record = verified_read(storage, key, lambda source: _decoded(source, gens[-1], space))
         except KeyNotFoundError:
             continue  # released and replaced between list and get: look again
         except UnknownLeaseError as e:
-            raise UnknownLeaseError(_unknown_message(storage, lease_key(gens[-1]), str(e))) from None
+            raise UnknownLeaseError(_unknown_message(storage, key, str(e))) from None
         except (_DamagedRecord, CorruptChunkError) as e:  # read back damaged the same way: damaged where stored
             return gens, None, str(e)
         return gens, record, ""
-    raise LeaseHeldError(_held_message(storage, None, 0.0))
+    raise space.held_error(_held_message(storage, None, 0.0, space))
 
 
-def check_held(storage: Storage, ref: LeaseRef) -> None:
-    """Raise CheckpointError unless ``ref`` is still the newest, unreleased lease generation."""
-    gens, unknown = scan(storage)
+def check_held(storage: Storage, ref: LeaseRef, space: LeaseSpace = JOB_LEASE) -> None:
+    """Raise CheckpointError unless ``ref`` is still the newest, unreleased generation of ``space``."""
+    gens, unknown = scan(storage, space)
     if unknown:
-        raise CheckpointError(f"this job cannot tell whether it still holds the lease on {storage.uri}: "
+        raise CheckpointError(f"{space.me} cannot tell whether it still holds {space.what} on {storage.uri}: "
                               + _unknown_message(storage, unknown[0], "an unknown name")
-                              + "; until then this job commits nothing")
-    _check_newest(storage, ref, gens)
+                              + f"; until then {space.me} commits nothing")
+    _check_newest(storage, ref, gens, space)
 
 
-def _check_newest(storage: Storage, ref: LeaseRef, gens: List[int]) -> None:
+def _check_newest(storage: Storage, ref: LeaseRef, gens: List[int], space: LeaseSpace) -> None:
     newest = gens[-1] if gens else None
-    record = read_record(storage, newest) if newest is not None else None
+    record = read_record(storage, newest, space) if newest is not None else None
     if newest != ref.generation or record is None or record.owner != ref.owner or record.released:
         taker = f"generation {newest} ({record.describe(time.time())})" if record is not None else f"generation {newest}"
-        raise CheckpointError(f"this job lost the lease on {storage.uri} (it held generation {ref.generation}; "
-                              f"the newest is {taker}): another job writes there now, so this one commits nothing")
+        raise CheckpointError(f"{space.me} lost {space.what} on {storage.uri} (it held generation {ref.generation}; "
+                              f"the newest is {taker}): {space.holder_does.format(uri=storage.uri)} now, so "
+                              f"{space.me} commits nothing")
 
 
 class Lease:
-    """A held lease on one storage location; renewed by a thread until ``release``."""
+    """A held lease of one space on one storage location; renewed by a thread until ``release``."""
 
-    def __init__(self, storage: Storage, record: LeaseRecord, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, storage: Storage, record: LeaseRecord, clock: Callable[[], float] = time.time,
+                 space: LeaseSpace = JOB_LEASE) -> None:
         self.storage = storage
         self.record = record
+        self.space = space
         self._clock = clock
         self._stop = threading.Event()
         self._lost = threading.Event()
@@ -322,34 +360,39 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """Whether renewal found a newer generation: this job must not commit any more."""
+        """Whether renewal found a newer generation: this holder must not commit any more."""
         return self._lost.is_set()
 
     @classmethod
-    def acquire(cls, storage: Storage, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> "Lease":
-        """Take the lease on ``storage`` or raise LeaseHeldError naming the live holder
-        (ConditionalWriteError, UnknownLeaseError or StorageError: see the module docstring)."""
+    def acquire(cls, storage: Storage, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time,
+                space: LeaseSpace = JOB_LEASE) -> "Lease":
+        """Take the lease of ``space`` on ``storage`` or raise ``space.held_error`` naming the live
+        holder (ConditionalWriteError, UnknownLeaseError or StorageError: see the module docstring)."""
         check_conditional_writes(storage)
-        gens, current, damage = _survey(storage)
+        gens, current, damage = _survey(storage, space)
         now = clock()
         if is_live(current, now):
-            raise LeaseHeldError(_held_message(storage, current, now))
+            raise space.held_error(_held_message(storage, current, now, space))
         generation = gens[-1] + 1 if gens else 0
         record = LeaseRecord(generation, uuid.uuid4().hex, socket.gethostname(), machine_id(), os.getpid(),
                              process_start(os.getpid()), now, now, float(ttl_s))
-        if not storage.put_if_absent(lease_key(generation), record.to_bytes()):
-            stored = read_record(storage, generation)
+        if not storage.put_if_absent(space.key(generation), record.to_bytes()):
+            stored = read_record(storage, generation, space)
             if stored is None or stored.owner != record.owner:  # else: our own create, its reply lost
-                raise LeaseHeldError(_held_message(storage, stored, clock()))
+                raise space.held_error(_held_message(storage, stored, clock(), space))
         if damage:
-            logger.warning("took over the lease on %s (generation %d): the previous record %s was damaged (%s)",
-                           storage.uri, generation, lease_key(gens[-1]), damage)
+            logger.warning("took over %s on %s (generation %d): the previous record %s was damaged (%s)",
+                           space.what, storage.uri, generation, space.key(gens[-1]), damage)
         elif current is not None:
-            logger.warning("took over the lease on %s (generation %d; the previous holder was %s)", storage.uri,
+            logger.warning("took over %s on %s (generation %d; the previous holder was %s)", space.what, storage.uri,
                            generation, current.describe(now))
         for old in gens:
-            _delete_quietly(storage, lease_key(old))
-        return cls(storage, record, clock)
+            _delete_quietly(storage, space.key(old))
+        return cls(storage, record, clock, space)
+
+    def check(self) -> None:
+        """Raise CheckpointError unless this is still the newest, unreleased generation (check_held)."""
+        check_held(self.storage, self.ref, self.space)
 
     def start_renewing(self) -> None:
         """Renew every ``ttl_s / RENEWALS_PER_TTL`` seconds on a daemon thread, until release."""
@@ -363,46 +406,50 @@ class Lease:
         if self.lost:
             return False
         try:
-            gens = generations(self.storage)
+            gens = generations(self.storage, self.space)
             if not gens or gens[-1] != self.record.generation:
                 self._lose(gens[-1] if gens else None)
                 return False
             record = replace(self.record, renewed_unix=self._clock())
-            self.storage.put(lease_key(record.generation), record.to_bytes())
+            self.storage.put(self.space.key(record.generation), record.to_bytes())
             self.record = record
         except StorageError as e:
-            logger.warning("could not renew the lease on %s (retrying in %.0f s): %s", self.storage.uri,
+            logger.warning("could not renew %s on %s (retrying in %.0f s): %s", self.space.what, self.storage.uri,
                            self.record.ttl_s / RENEWALS_PER_TTL, e)
         return True
 
     def _lose(self, newest: Optional[int]) -> None:
         self._lost.set()
-        logger.error("lost the lease on %s: generation %s is newer than this job's %d; its checkpoints will not "
-                     "commit", self.storage.uri, newest, self.record.generation)
+        logger.error("lost %s on %s: generation %s is newer than %s's %d; it will not commit", self.space.what,
+                     self.storage.uri, newest, self.space.me, self.record.generation)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.record.ttl_s / RENEWALS_PER_TTL):
             if not self.renew():
                 return
 
-    def release(self) -> None:
-        """Stop renewing and mark the record released, if this job still holds it."""
+    def release(self, delete: bool = False) -> None:
+        """Stop renewing and, if this process still holds the lease, mark its record released (or,
+        ``delete``, remove it: a claim leaves nothing behind)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         if self.lost:
             return
+        key = self.space.key(self.record.generation)
         try:
-            _check_newest(self.storage, self.ref, generations(self.storage))  # an unknown key does not keep it
-            self.storage.put(lease_key(self.record.generation), replace(self.record, released=True).to_bytes())
+            _check_newest(self.storage, self.ref, generations(self.storage, self.space), self.space)
+            if delete:
+                self.storage.delete(key)
+            else:
+                self.storage.put(key, replace(self.record, released=True).to_bytes())
         except (CheckpointError, StorageError) as e:
-            logger.warning("could not release the lease on %s (it expires by itself): %s", self.storage.uri, e)
+            logger.warning("could not release %s on %s (it expires by itself): %s", self.space.what, self.storage.uri, e)
 
 
-def _held_message(storage: Storage, record: Optional[LeaseRecord], now: float) -> str:
-    who = record.describe(now) if record is not None else "another job that took it a moment ago"
-    return (f"another job is writing checkpoints to {storage.uri}: {who}. Two jobs on one location would delete "
-            "each other's checkpoints; wait for it to end, or give this job another location")
+def _held_message(storage: Storage, record: Optional[LeaseRecord], now: float, space: LeaseSpace) -> str:
+    who = record.describe(now) if record is not None else "another one that took it a moment ago"
+    return f"{space.holder_does.format(uri=storage.uri)}: {who}. {space.advice}"
 
 
 def _delete_quietly(storage: Storage, key: str) -> None:
