@@ -158,16 +158,18 @@ def check_failures(f: FailureBudget, bit_policy: str, names: Naming) -> None:
 
 
 def check_compaction(c: Any, names: Naming) -> None:
-    """The rules of ``compaction``, ``compact_at_chain_ratio`` and ``merge_every``. The ratio's default
-    (DEFAULT_COMPACT_RATIO) stands with every policy, as it applies to consecutive chains only; a
-    value set to something else needs ``policy: consecutive``."""
+    """The rules of ``compaction``, ``compact_at_chain_ratio`` and ``merge_every``. The ratio left
+    unset (None) is the policy's default (CheckpointOptions.compaction_ratio); a ratio set to
+    anything but 0 needs ``policy: consecutive``, 0.25 included."""
     names.one_of("compaction", c.compaction, COMPACTION_MODES)
     ratio = c.compact_at_chain_ratio
-    names.require(math.isfinite(ratio) and ratio >= 0, f"{names.subject('compact_at_chain_ratio')} = {ratio!r} is not "
-                  "allowed; it must be >= 0 (0: no bytes trigger), e.g. 0.25")
-    names.require(ratio in (0, DEFAULT_COMPACT_RATIO) or c.policy == "consecutive",
-                  f"{names.subject('compact_at_chain_ratio')} = {ratio!r} needs {names.ref('policy')} 'consecutive', "
-                  f"not {c.policy!r}: only consecutive increments form chains to merge")
+    if ratio is not None:
+        names.require(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+                      and ratio >= 0, f"{names.subject('compact_at_chain_ratio')} = {shown(ratio)} is not allowed; "
+                      f"it must be >= 0 (0: no bytes trigger), e.g. {DEFAULT_COMPACT_RATIO}, or unset (the policy's default)")
+        names.require(ratio == 0 or c.policy == "consecutive",
+                      f"{names.subject('compact_at_chain_ratio')} = {ratio!r} needs {names.ref('policy')} 'consecutive', "
+                      f"not {c.policy!r}: only consecutive increments form chains to merge")
     names.require(c.compaction == "job" or c.policy == "consecutive",
                   f"{names.subject('compaction')} = {c.compaction!r} needs {names.ref('policy')} 'consecutive', not "
                   f"{c.policy!r}: only consecutive increments form chains to compact")
@@ -274,8 +276,9 @@ class CheckpointOptions:
       consecutive policy, merge the chain into a new full baseline in the background once this
       many increments followed the newest one (cnr.write.merge; 0: never).
       ``compact_at_chain_ratio``: with the consecutive policy, merge it once the increments since
-      the newest baseline (full or merged) store at least this many times its bytes (default
-      0.25, see DEFAULT_COMPACT_RATIO; 0: no bytes trigger). Either trigger starts a merge; one
+      the newest baseline (full or merged) store at least this many times its bytes (0: no bytes
+      trigger; unset: 0.25 with the consecutive policy, see DEFAULT_COMPACT_RATIO, and none
+      with the others; a value other than 0 needs the consecutive policy). Either trigger starts a merge; one
       runs at a time, off the training thread. ``compaction``: "job" (this job's rank 0 merges)
       or "external" (it merges nothing; ``python -m cnr compact URI`` run elsewhere does, for
       nodes with no spare CPU or uplink: cnr.write.compact).
@@ -324,7 +327,7 @@ class CheckpointOptions:
     expected_steps: int = 0
     keep_last: int = 2
     merge_every: int = 0
-    compact_at_chain_ratio: float = DEFAULT_COMPACT_RATIO
+    compact_at_chain_ratio: Optional[float] = None
     compaction: str = "job"
     max_chain_ratio: float = 0.0
     chunk_bytes: int = 16 * 1024 * 1024
@@ -359,6 +362,13 @@ class CheckpointOptions:
         train's checkpoint section), for a job of ``expected_steps`` steps."""
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if f.name != "expected_steps"}
         return cls(**values, expected_steps=expected_steps)
+
+    def compaction_ratio(self) -> float:
+        """The bytes trigger in force: ``compact_at_chain_ratio`` when set, else DEFAULT_COMPACT_RATIO
+        with the consecutive policy and 0 (none) with the others."""
+        if self.compact_at_chain_ratio is not None:
+            return float(self.compact_at_chain_ratio)
+        return DEFAULT_COMPACT_RATIO if self.policy == "consecutive" else 0.0
 
     def compression_chain(self) -> Tuple[CodecSpec, ...]:
         """The bytes->bytes stage (at most one) of quantized and log8 chunks' payloads (cnr.codec)."""

@@ -78,11 +78,19 @@ def test_compaction_keys_load_from_yaml_and_the_default_leaves_other_policies_va
     config = load_config(TINY, ["checkpoint.policy=consecutive", "checkpoint.compact_at_chain_ratio=0.4"])
     assert config.checkpoint.options(60).compact_at_chain_ratio == 0.4
     assert load_config(TINY, EXTERNAL[1::2]).checkpoint.compaction == "external"
-    for policy in ("full", "one_shot", "intermittent"):  # the default ratio applies to consecutive chains only
-        assert CheckpointOptions(policy=policy).compact_at_chain_ratio == DEFAULT_COMPACT_RATIO
-    assert CheckpointOptions(policy="one_shot", compact_at_chain_ratio=0).compact_at_chain_ratio == 0
-    with pytest.raises(OptionsError, match="CheckpointOptions.compact_at_chain_ratio = 0.7 needs"):
-        CheckpointOptions(policy="full", compact_at_chain_ratio=0.7)
+    assert CheckpointOptions(policy="consecutive").compaction_ratio() == DEFAULT_COMPACT_RATIO
+    for policy in ("full", "one_shot", "intermittent"):  # unset: the policy's default (none: no chains to merge)
+        assert CheckpointOptions(policy=policy).compaction_ratio() == 0.0
+    assert CheckpointOptions(policy="one_shot", compact_at_chain_ratio=0).compaction_ratio() == 0
+    assert load_config(TINY, ["checkpoint.policy=consecutive", "checkpoint.compact_at_chain_ratio=null"]
+                       ).checkpoint.options(60).compaction_ratio() == DEFAULT_COMPACT_RATIO
+    for ratio in (0.7, DEFAULT_COMPACT_RATIO):  # set explicitly, even to the consecutive default: refused
+        with pytest.raises(OptionsError, match=f"CheckpointOptions.compact_at_chain_ratio = {ratio} needs"):
+            CheckpointOptions(policy="full", compact_at_chain_ratio=ratio)
+    with pytest.raises(ConfigError, match="checkpoint.compact_at_chain_ratio' = 0.25 needs checkpoint.policy 'consecutive'"):
+        load_config(TINY, ["checkpoint.compact_at_chain_ratio=0.25"])
+    with pytest.raises(OptionsError, match="compact_at_chain_ratio = 'x' is not allowed"):
+        CheckpointOptions(policy="consecutive", compact_at_chain_ratio="x")
 
 
 def test_one_claim_per_merged_id_and_a_dead_claimer_is_taken_over(tmp_path):

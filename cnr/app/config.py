@@ -268,6 +268,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
     origin = typing.get_origin(hint)
+    if origin is typing.Union and type(None) in typing.get_args(hint):  # Optional[X]: null, or an X
+        if value is None:
+            return None
+        (inner,) = [h for h in typing.get_args(hint) if h is not type(None)]
+        return _coerce(inner, value, key)
     if origin in (list, List):
         (item_hint,) = typing.get_args(hint)
         if not isinstance(value, list):

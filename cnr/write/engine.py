@@ -131,7 +131,7 @@ class CheckpointEngine:
         rank 0 alone learns of commits first-hand. Its worker fences on the job's lease."""
         c = self.options
         if self.rank != 0 or c.policy != "consecutive" or c.compaction != "job" \
-                or not (c.merge_every or c.compact_at_chain_ratio):
+                or not (c.merge_every or c.compaction_ratio()):
             return None
         settings = MergeSettings(c.chunk_bytes, c.upload_threads, c.keep_last, c.compression_chain(), c.lease_ttl_s)
         merger = Merger(storage_uri, settings, self.lease)
@@ -252,14 +252,14 @@ class CheckpointEngine:
         return self.tracker.capture_row_ids(stored.bitmap), [since_last, since_base]
 
     def _maybe_merge(self, ckpt_id: str) -> None:
-        """Rank 0: once the increments since the newest baseline store ``compact_at_chain_ratio``
+        """Rank 0: once the increments since the newest baseline store ``compaction_ratio()``
         times its bytes, or ``merge_every`` of them followed it (cnr.policy.kinds.compaction_due),
         merge their chain in the background; the merged baseline is the chain's new start. While a
         merge runs, this one waits and starts when it ends (cnr.write.compact.Merger). Only a hand-over
         to the merge thread: no stall."""
         c = self.options
         if self.merger is not None and compaction_due(self.chain.chain_bytes, self.chain.increments,
-                                                      c.compact_at_chain_ratio, c.merge_every):
+                                                      c.compaction_ratio(), c.merge_every):
             self.merger.start(ckpt_id, self.retention)  # runs now, or the moment the running merge ends
             self._merges_begun[ckpt_id] = (self.stats.checkpoints, self.chain.last_full)
             self.chain.increments = 0
