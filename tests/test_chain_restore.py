@@ -212,3 +212,77 @@ def test_held_rows_a_baseline_block_missed_is_named_and_a_row_listed_twice_refus
     host = torch.zeros(4, 2)
     put_rows(host, torch.tensor([3, 0]), torch.ones(2, 2))
     assert host[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def _quantized(values: torch.Tensor, bits: int, params: torch.dtype):
+    """``values`` quantized at ``bits`` with scale and bias stored as ``params`` (float32 ones
+    nudged off float16's grid, so that storing them as float16 would change them)."""
+    import dataclasses
+    from cnr.codec.quant.quantize import quantize_rows
+
+    q = quantize_rows(values, bits)
+    nudge = 1 + 2.0 ** -18 if params == torch.float32 else 1.0
+    return dataclasses.replace(q, scale=q.scale.to(params) * nudge, bias=q.bias.to(params) * nudge)
+
+
+@pytest.mark.parametrize("held_bits,merged,base_params,held_params", [
+    (4, True, torch.float32, torch.float16), (4, True, torch.float16, torch.float32),
+    (4, True, torch.float16, torch.float16), (2, False, torch.float16, torch.float16),
+    (32, False, torch.float32, None)])
+def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequantized(held_bits, merged, base_params,
+                                                                                  held_params):
+    """A 4-bit baseline chunk of 60 rows and an increment chunk holding 25 of them: at the
+    baseline's width its rows replace the baseline's codes, scales and biases in the block, which
+    is dequantized once (``block_values``; ``write_over`` then has nothing left to write); at
+    another width (or raw) the block is the baseline's and ``write_over`` writes the held rows.
+    Either way every row is bit for bit what the link that holds it decodes to, whether the scales
+    and biases are float16 or float32 in either link."""
+    from cnr.codec.chunk_format import decode_chunk, encode_quantized_chunk, encode_raw_chunk
+    from cnr.restore.overlay import HeldRows, merges_into
+
+    g = torch.Generator().manual_seed(5)
+    blob, ref = encode_quantized_chunk("b", "w", _quantized(torch.randn(60, 6, generator=g), 4, base_params), 0, 0)
+    base, base_values = decode_chunk(blob, ref, dequantize=False), decode_chunk(blob, ref).data
+    ids = torch.tensor([0, 3, 4, 5, 17, 18, 29, 30, 31, 44] + list(range(45, 59)) + [59])
+    inc = torch.randn(len(ids), 6, generator=g)
+    if held_bits == 32:
+        blob, iref = encode_raw_chunk("i", "w", inc, 0, 0, row_ids=ids)
+    else:
+        blob, iref = encode_quantized_chunk("i", "w", _quantized(inc, held_bits, held_params), 0, 0, row_ids=ids)
+    held_chunk, held_values = decode_chunk(blob, iref, dequantize=False), decode_chunk(blob, iref).data
+    assert merges_into(held_chunk, base) == merged
+    held = HeldRows({0: 60})
+    held.hold(0, (0, 60, 0, 0), held_chunk)
+    target = torch.full((60, 6), -7.0)
+    for lo, hi in ((0, 30), (30, 60)):  # as _copy_overlap does: the block's values, then write_over
+        target[lo:hi] = held.block_values(0, base, (0, 60, 0, 0), lo, hi)
+        before = target.clone()
+        held.write_over(0, target, lo, hi, (0, 60, 0, 0), base=base)
+        assert torch.equal(target, before) == merged  # merged rows are in the block already
+    want = base_values.clone()
+    want[ids] = held_values
+    assert torch.equal(target, want)
+    held.check_written("base", ["w"])  # every held row counted written, either way
+
+
+@pytest.mark.parametrize("base_bits,inc_bits", [(2, 8), (8, 2), (4, 4)])
+def test_newest_first_equals_replay_when_links_change_width(tmp_path, base_bits, inc_bits):
+    """The failure budget's 8-bit fallback changes the width inside a chain: rows of another
+    width than the baseline's are written over its blocks, rows of its width go in stored."""
+    store = LocalStorage(str(tmp_path))
+    chain, _truth = _chain(store, 2, base_bits, [0, DIM])
+    more, _ = _chain(LocalStorage(str(tmp_path / "other")), 2, inc_bits, [0, DIM])
+    mixed_store = LocalStorage(str(tmp_path / "mixed"))
+    for key in store.list(""):
+        mixed_store.put(key, store.get(key))
+    other = LocalStorage(str(tmp_path / "other"))
+    for key in other.list(""):
+        if "0000000003" in key:
+            mixed_store.put(key, other.get(key))
+    mixed = [chain[0], chain[1], more[2]]  # the last increment at the other width
+    replayed, replay_pieces = _targets("rows")
+    newest, newest_pieces = _targets("rows")
+    restore_chain(mixed_store, mixed, replay_pieces, 2, ChainOrder.REPLAY)
+    restore_chain(mixed_store, mixed, newest_pieces, 2)
+    for name in replayed:
+        assert torch.equal(newest[name], replayed[name]), name

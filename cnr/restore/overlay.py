@@ -12,6 +12,13 @@ thread) ``index_copy_`` over the whole table took 0.067 s, the same rows written
 right after each block's copy 0.020 s; numpy's row assignment beats ``index_copy_`` on the host
 (0.051 against 0.067 s whole), so host tensors take that (``put_rows``).
 
+Quantized held rows stored as the baseline's rows are (same bits, dim and parameter dtypes, same
+columns) go in before the block is dequantized: their codes, scales and biases replace the
+baseline's in a copy of the block's stored rows (about 20 bytes a 2-bit row of 64 instead of
+256 bytes of values), and the block is dequantized once (``HeldRows.block_values``), so such a
+row costs no dequantization of its own and no scatter of values. Others (another width, raw
+rows) are dequantized and written over the block after it lands (``HeldRows.write_over``).
+
 Every held row is dequantized once, by the same per-row ops as a replay, so the result is bit for
 bit the replay's. Memory: the held chunks stay decoded until the baseline is written, about the
 increments' bytes uncompressed (codes, scales and biases; raw rows as stored).
@@ -19,14 +26,16 @@ increments' bytes uncompressed (codes, scales and biases; raw rows as stored).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from cnr.codec.chunk_format import DecodedChunk
+from cnr.codec.quant.quantize import QuantizedRows
 from cnr.errors import CheckpointError
 
 Span = Tuple[int, int, int, int]  # (row_lo, row_hi, col_lo, col_hi) of a piece; cols (0, 0): not column-split
@@ -45,6 +54,39 @@ def put_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
         target.detach().numpy()[rows.numpy()] = values.detach().numpy()
     else:
         target.index_copy_(0, rows.to(target.device), values.to(target.device))
+
+
+def _stored_alike(a: Any, b: Any) -> bool:
+    """Whether rows of quantized rows ``a`` may stand in for rows of ``b`` in their stored form:
+    the same bits and dim (so the same packed codes) and one per-row formula (uniform methods
+    all compute ``code * float32(scale) + float32(bias)``, so a float16 parameter read as float32
+    is the same number: float16 and float32 parameters mix, see ``_overlaid``)."""
+    return (isinstance(a, QuantizedRows) and isinstance(b, QuantizedRows) and a.bits == b.bits and a.dim == b.dim
+            and (a.method == "kmeans") == (b.method == "kmeans"))
+
+
+def merges_into(held: DecodedChunk, base: DecodedChunk) -> bool:
+    """Whether rows of increment chunk ``held`` go into baseline chunk ``base``'s blocks in their
+    stored form (same columns, rows stored alike)."""
+    same_cols = (held.ref.col_offset, held.ref.cols) == (base.ref.col_offset, base.ref.cols)
+    return same_cols and _stored_alike(held.quantized, base.quantized)
+
+
+def _overlaid(block: QuantizedRows, parts: Sequence[Tuple[torch.Tensor, QuantizedRows]]) -> QuantizedRows:
+    """A copy of ``block`` whose rows at each ``at`` (int64 indexes into the block, distinct) are
+    ``rows``' (stored alike). A scale or bias is float32 in the copy when any of them has it
+    float32 (dequantizing reads it as float32 either way, so the values do not change)."""
+    fields: Dict[str, torch.Tensor] = {}
+    for name in ("codes", "scale", "bias", "codebook"):
+        mine = getattr(block, name)
+        if mine is not None:
+            wide = any(getattr(rows, name).dtype == torch.float32 for _at, rows in parts) and mine.dtype == torch.float16
+            fields[name] = mine.to(torch.float32) if wide else mine.clone()
+    out = dataclasses.replace(block, **fields)
+    for at, rows in parts:
+        for name, tensor in fields.items():
+            put_rows(tensor, at, getattr(rows, name).to(tensor.dtype))
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,6 +123,11 @@ class RowsFrom:
         if self.run is not None:
             return self.chunk.values(self.run + a, self.run + b)
         return self.chunk.take(self.local[a:b])
+
+    def stored(self, a: int, b: int) -> QuantizedRows:
+        """This entry's rows ``a..b-1`` in their stored form (its chunk's quantized rows)."""
+        at = slice(self.run + a, self.run + b) if self.run is not None else self.local[a:b]
+        return self.chunk.quantized.select(at)
 
 
 class HeldRows:
@@ -134,12 +181,37 @@ class HeldRows:
                 self._held[i] += rows.numel()
         return result
 
-    def write_over(self, i: int, target: torch.Tensor, lo: int, hi: int, span: Span) -> None:
+    def block_values(self, i: int, base: DecodedChunk, span: Span, c_lo: int, c_hi: int) -> torch.Tensor:
+        """Rows ``c_lo..c_hi-1`` of baseline chunk ``base`` as values, with the held rows of piece
+        ``i`` (at ``span``) that merge into it (``merges_into``) put in their stored form first."""
+        rows = base.quantized
+        if not isinstance(rows, QuantizedRows) or not self._rows[i]:
+            return base.values(c_lo, c_hi)
+        shift = base.ref.row_start - span[0]  # chunk row -> piece row
+        lo, hi = c_lo + shift, c_hi + shift
+        parts: List[Tuple[torch.Tensor, QuantizedRows]] = []
+        for entry in self._rows[i]:
+            if merges_into(entry.chunk, base):
+                a, b = (int(x) for x in np.searchsorted(entry.dest_np, (lo, hi)))
+                if a < b:
+                    parts.append((entry.dest[a:b] - lo, entry.stored(a, b)))
+        block = rows.select(slice(c_lo, c_hi))
+        if not parts:
+            return block.values()
+        with self._lock:
+            self._written[i] += sum(at.numel() for at, _rows in parts)
+        return _overlaid(block, parts).values()
+
+    def write_over(self, i: int, target: torch.Tensor, lo: int, hi: int, span: Span,
+                   base: Optional[DecodedChunk] = None) -> None:
         """Write the held rows of piece ``i`` that fall in its rows ``lo..hi-1`` into ``target``
-        (the piece's tensor), over what the baseline just wrote there."""
+        (the piece's tensor), over what the baseline just wrote there; those that merged into
+        baseline chunk ``base``'s block (``block_values``) are in it already."""
         _p0, _p1, q0, q1 = span
         written = 0
         for entry in self._rows[i]:
+            if base is not None and merges_into(entry.chunk, base):
+                continue
             a, b = (int(x) for x in np.searchsorted(entry.dest_np, (lo, hi)))
             if a == b:
                 continue

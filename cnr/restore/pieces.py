@@ -82,9 +82,12 @@ def _block_rows(chunk: DecodedChunk) -> int:
 
 
 def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk,
-                  after_block: Optional[Callable[[int, int], None]] = None) -> int:
+                  after_block: Optional[Callable[[int, int], None]] = None,
+                  block_values: Optional[Callable[[int, int], torch.Tensor]] = None) -> int:
     """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied.
-    ``after_block(lo, hi)`` runs after each block lands in the piece's rows ``lo..hi-1``."""
+    ``block_values(lo, hi)`` gives the values of the chunk's rows ``lo..hi-1`` (default
+    ``chunk.values``); ``after_block(lo, hi)`` runs after each block lands in the piece's rows
+    ``lo..hi-1``."""
     p0, p1, q0, q1 = span
     r0, r1, c0, c1 = chunk_span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
@@ -93,7 +96,7 @@ def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk,
     step = _block_rows(chunk)
     for b0 in range(lo, hi, step):
         b1 = min(hi, b0 + step)
-        src = chunk.values(b0 - r0, b1 - r0)
+        src = (block_values or chunk.values)(b0 - r0, b1 - r0)
         dst_rows = slice(b0 - p0, b1 - p0)
         if q1 == q0 == 0:
             dst = view[dst_rows]
@@ -312,8 +315,9 @@ def _apply_object(storage: Storage, key: str, plan: RestorePlan,
                 if plan.overlay:
                     out.append((i, 0, held.hold(i, span, chunk)))
                 else:
-                    over = functools.partial(held.write_over, i, target, span=span)
-                    out.append((i, _copy_overlap(target, span, chunk, over), None))
+                    over = functools.partial(held.write_over, i, target, span=span, base=chunk)
+                    merged = functools.partial(held.block_values, i, chunk, span)
+                    out.append((i, _copy_overlap(target, span, chunk, over, merged), None))
             elif ref.row_ids:
                 out.append((i, 0, _scatter_rows(target, span, chunk)))
             else:
