@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Set, Tuple
 
+import numpy as np
 import torch
 
 from cnr.errors import CheckpointError
@@ -131,7 +132,8 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
     held: Dict[str, List[torch.Tensor]] = {}
     for i, piece in enumerate(pieces):
         if piece.role == Role.TABLE_ROWS and piece.table in seen:
-            held.setdefault(piece.table, []).append(state.held.done[i].nonzero().flatten() + piece_span(piece)[0])
+            rows = torch.from_numpy(np.flatnonzero(state.held.done[i].numpy()))  # numpy's is vectorised on bool
+            held.setdefault(piece.table, []).append(rows + piece_span(piece)[0])
     # one piece per table: its nonzero rows ascend already; column shards repeat them: unique
     return total, {table: parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
                    for table, parts in sorted(held.items())}

@@ -144,6 +144,8 @@ class HeldRows:
         self._rows: Dict[int, List[RowsFrom]] = {i: [] for i in table_pieces}
         self._held = dict.fromkeys(table_pieces, 0)
         self._written = dict.fromkeys(table_pieces, 0)
+        # piece -> its entries and each one's first and last row, built at the baseline's first block
+        self._index: Dict[int, Tuple[List[RowsFrom], np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def hold(self, i: int, span: Span, chunk: DecodedChunk) -> Optional[torch.Tensor]:
@@ -179,7 +181,29 @@ class HeldRows:
             with self._lock:
                 self._rows[i].append(entry)
                 self._held[i] += rows.numel()
+                self._index.pop(i, None)
         return result
+
+    def _overlapping(self, i: int, lo: int, hi: int) -> List[Tuple[RowsFrom, int, int]]:
+        """The entries of piece ``i`` holding rows in ``lo..hi-1``, each with the positions
+        ``a..b-1`` of those rows in its ``dest``. A block meets a few of a chain's entries (each
+        covers an ascending run of ids), so they are found from every entry's first and last row
+        at once rather than searched one by one."""
+        index = self._index.get(i)
+        if index is None:
+            with self._lock:
+                entries = list(self._rows[i])
+                index = (entries, np.array([e.dest_np[0] for e in entries], dtype=np.int64),
+                         np.array([e.dest_np[-1] for e in entries], dtype=np.int64))
+                self._index[i] = index
+        entries, firsts, lasts = index
+        out = []
+        for k in np.flatnonzero((firsts < hi) & (lasts >= lo)):
+            entry = entries[k]
+            a, b = (int(x) for x in np.searchsorted(entry.dest_np, (lo, hi)))
+            if a < b:
+                out.append((entry, a, b))
+        return out
 
     def block_values(self, i: int, base: DecodedChunk, span: Span, c_lo: int, c_hi: int) -> torch.Tensor:
         """Rows ``c_lo..c_hi-1`` of baseline chunk ``base`` as values, with the held rows of piece
@@ -189,12 +213,8 @@ class HeldRows:
             return base.values(c_lo, c_hi)
         shift = base.ref.row_start - span[0]  # chunk row -> piece row
         lo, hi = c_lo + shift, c_hi + shift
-        parts: List[Tuple[torch.Tensor, QuantizedRows]] = []
-        for entry in self._rows[i]:
-            if merges_into(entry.chunk, base):
-                a, b = (int(x) for x in np.searchsorted(entry.dest_np, (lo, hi)))
-                if a < b:
-                    parts.append((entry.dest[a:b] - lo, entry.stored(a, b)))
+        parts = [(entry.dest[a:b] - lo, entry.stored(a, b)) for entry, a, b in self._overlapping(i, lo, hi)
+                 if merges_into(entry.chunk, base)]
         block = rows.select(slice(c_lo, c_hi))
         if not parts:
             return block.values()
@@ -209,11 +229,8 @@ class HeldRows:
         baseline chunk ``base``'s block (``block_values``) are in it already."""
         _p0, _p1, q0, q1 = span
         written = 0
-        for entry in self._rows[i]:
+        for entry, a, b in self._overlapping(i, lo, hi):
             if base is not None and merges_into(entry.chunk, base):
-                continue
-            a, b = (int(x) for x in np.searchsorted(entry.dest_np, (lo, hi)))
-            if a == b:
                 continue
             values = entry.values(a, b)
             if q1 > q0:  # the chunk holds whole rows of the piece (chain restore checks), maybe wider ones

@@ -167,8 +167,14 @@ class QuantizedRows(StoredRows):
             return t[at] if isinstance(at, slice) else t.index_select(0, at)
 
         codes = pick(self.codes)
-        return dataclasses.replace(self, rows=codes.shape[0], codes=codes, scale=pick(self.scale),
-                                   bias=pick(self.bias), codebook=pick(self.codebook))
+        # rows of checked rows are well formed: built without __post_init__'s checks (a restore
+        # selects a block or an increment's run some thousand times)
+        picked = {"rows": codes.shape[0], "codes": codes, "scale": pick(self.scale), "bias": pick(self.bias),
+                  "codebook": pick(self.codebook)}
+        rows = object.__new__(QuantizedRows)
+        for f in dataclasses.fields(self):
+            object.__setattr__(rows, f.name, picked.get(f.name, getattr(self, f.name)))
+        return rows
 
     def values(self) -> torch.Tensor:
         """float32 ``[rows, dim]``: the rows dequantized (dequantize_rows)."""
