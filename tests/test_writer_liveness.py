@@ -58,6 +58,25 @@ def test_dead_writer_fails_its_job_at_once_and_a_new_one_commits_the_next(tmp_pa
         writer.submit(job(2))
         assert writer.wait().status == WriteStatus.COMMITTED
         assert storage.exists(manifest_key(job(2).ckpt_id)) and writer.restarts == 1
+        assert writer.search_kernel == "auto"  # killed from outside: nothing to say about its kernel
+    finally:
+        writer.close()
+
+
+def test_a_writer_that_crashed_is_followed_by_writers_on_the_eager_search(tmp_path, slow_writes, caplog):
+    """A writer that native code crashed (SIGSEGV: seen once in the compiled range search's build on
+    a GPU host with CUDA hidden) is followed by writers that search eagerly; the next commits."""
+    writer = Writer(str(tmp_path), CheckpointOptions(keep_last=0, commit_timeout_s=600, search_kernel="compiled"))
+    try:
+        writer.submit(job(1))
+        time.sleep(1.0)
+        os.kill(writer._process.pid, signal.SIGSEGV)
+        writer._process.join(10)
+        result = writer.wait()
+        assert result.status == WriteStatus.FAILED and "exit code -11" in result.error
+        assert writer.search_kernel == "eager" and "search with the eager kernel" in caplog.text
+        writer.submit(job(2))
+        assert writer.wait().status == WriteStatus.COMMITTED and writer.restarts == 1
     finally:
         writer.close()
 

@@ -268,6 +268,8 @@ def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, r
 
 
 MAX_WRITER_DEATHS = 3  # writer processes dying in a row (no job ended meanwhile) before checkpointing stops
+# Exit codes of a writer that native code crashed (a fault signal of its own, not a kill from outside)
+CRASH_EXIT_CODES = frozenset(-int(s) for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT))
 
 
 class WriterDied(CnrError):
@@ -286,6 +288,10 @@ class Writer:
     thread writes the job's failure marker at once, so rank 0's writer stops waiting for this
     rank's part, and the next ``wait`` reports the failure. A new writer process is started
     for the next job; after ``MAX_WRITER_DEATHS`` deaths in a row ``submit`` raises WriterDied.
+    A writer that native code crashed (``CRASH_EXIT_CODES``: a segmentation fault, an abort) may
+    have crashed in the range search that torch.compile built: the writers after it search with
+    the eager kernel (``search_kernel``), so that a build that crashes every writer does not stop
+    checkpointing.
     """
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None,
@@ -327,10 +333,20 @@ class Writer:
                                           name="cnr-writer", daemon=True)
         self._process.start()
 
+    @property
+    def search_kernel(self) -> str:
+        """The range search kernel the next writer process starts with (cnr.types.SearchKernel)."""
+        return self._options.search_kernel
+
     def _restart(self) -> None:
         self._jobs.close()
         self._results.close()
         self.restarts += 1
+        code = self._process.exitcode
+        if code in CRASH_EXIT_CODES and self._options.search_kernel != SearchKernel.EAGER.value:
+            logger.warning("the background writer crashed (exit code %s: native code faulted, perhaps in the range "
+                           "search torch.compile built); the writers from now on search with the eager kernel", code)
+            self._options = dataclasses.replace(self._options, search_kernel=SearchKernel.EAGER.value)
         logger.warning("starting a new background writer (the previous one died; %d restarts so far)", self.restarts)
         self._start()
 
