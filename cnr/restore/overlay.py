@@ -12,8 +12,8 @@ thread) ``index_copy_`` over the whole table took 0.067 s, the same rows written
 right after each block's copy 0.020 s; numpy's row assignment beats ``index_copy_`` on the host
 (0.051 against 0.067 s whole), so host tensors take that (``put_rows``).
 
-Quantized held rows stored as the baseline's rows are (same bits, dim and parameter dtypes, same
-columns) go in before the block is dequantized: their codes, scales and biases replace the
+Quantized held rows stored as the baseline's rows are (same bits and dim, same columns; float16
+and float32 scales and biases mix) go in before the block is dequantized: their codes, scales and biases replace the
 baseline's in a copy of the block's stored rows (about 20 bytes a 2-bit row of 64 instead of
 256 bytes of values), and the block is dequantized once (``HeldRows.block_values``), so such a
 row costs no dequantization of its own and no scatter of values. Others (another width, raw
