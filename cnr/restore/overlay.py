@@ -92,31 +92,32 @@ def _overlaid(block: QuantizedRows, parts: Sequence[Tuple[torch.Tensor, Quantize
 @dataclass(frozen=True)
 class RowsFrom:
     """Rows of one decoded chunk bound for one piece: chunk rows ``local`` go to the piece's rows
-    ``dest`` (relative to the piece), both int64, ``dest`` strictly ascending. ``run``: the first
-    of ``local`` when it is a run of consecutive rows (then sliced, not gathered), else None."""
+    ``dest`` (relative to the piece), ``dest`` strictly ascending. ``run``: the first of ``local``
+    when it is a run of consecutive rows (then sliced, not gathered; ``local`` is None)."""
 
     chunk: DecodedChunk
-    local: torch.Tensor
+    local: Optional[torch.Tensor]
     dest: torch.Tensor
     dest_np: np.ndarray
     run: Optional[int]
 
     @classmethod
-    def of(cls, chunk: DecodedChunk, local: Optional[torch.Tensor], dest: torch.Tensor) -> "RowsFrom":
-        """``local`` None: the chunk's rows ``0..len(dest)-1``, in order."""
-        if dest.numel() > 1 and not bool((dest[1:] > dest[:-1]).all()):
-            order = torch.argsort(dest)
+    def of(cls, chunk: DecodedChunk, local: Optional[np.ndarray], dest: np.ndarray) -> "RowsFrom":
+        """``local`` None: the chunk's rows ``0..len(dest)-1``, in order (int64 numpy arrays)."""
+        if dest.size > 1 and not bool((dest[1:] > dest[:-1]).all()):
+            order = np.argsort(dest, kind="stable")
             local = order if local is None else local[order]
             dest = dest[order]
             if not bool((dest[1:] > dest[:-1]).all()):
                 raise CheckpointError(f"chunk {chunk.ref.key!r} at offset {chunk.ref.offset} of "
                                       f"{chunk.ref.tensor_name!r} lists a row id twice")
+        dest_t = torch.from_numpy(dest)
         if local is None:
-            return cls(chunk, torch.arange(dest.numel()), dest, dest.numpy(), 0)
-        n = local.numel()
-        run = int(local[0]) if n and int(local[-1]) - int(local[0]) + 1 == n and (
-            n == 1 or bool((local[1:] - local[:-1] == 1).all())) else None
-        return cls(chunk, local, dest, dest.numpy(), run)
+            return cls(chunk, None, dest_t, dest, 0)
+        n = local.size
+        if n and int(local[-1]) - int(local[0]) + 1 == n and (n == 1 or bool((np.diff(local) == 1).all())):
+            return cls(chunk, None, dest_t, dest, int(local[0]))
+        return cls(chunk, torch.from_numpy(local), dest_t, dest, None)
 
     def values(self, a: int, b: int) -> torch.Tensor:
         """The values of this entry's rows ``a..b-1`` (positions in ``dest``)."""
@@ -151,36 +152,36 @@ class HeldRows:
     def hold(self, i: int, span: Span, chunk: DecodedChunk) -> Optional[torch.Tensor]:
         """Hold the rows of ``chunk`` inside piece ``i`` (at ``span``) that no newer increment
         holds, and mark them done. Every chunk must hold whole rows of the piece. Returns the
-        global ids of the rows a row-id chunk holds inside the span (held here or not), else None."""
+        global ids of the rows a row-id chunk holds inside the span (held here or not), else None.
+        (numpy throughout: a few passes over the chunk's ids, without torch's per-op overhead.)"""
         p0, p1, _q0, _q1 = span
-        done = self.done[i]
-        local: Optional[torch.Tensor]
+        done = self.done[i].numpy()
+        local: Optional[np.ndarray]
         if chunk.row_ids is not None:
-            ids = chunk.row_ids
-            inside_mask = (ids >= p0) & (ids < p1)
-            if bool(inside_mask.all()):  # the usual case: the chunk's rows are all the piece's
+            ids = chunk.row_ids.numpy()
+            if ids.size == 0 or (p0 <= ids.min() and ids.max() < p1):  # the usual case: all the piece's
                 local, inside = None, ids
             else:
-                local = inside_mask.nonzero().flatten()
-                inside = ids.index_select(0, local)
+                local = np.flatnonzero((ids >= p0) & (ids < p1))
+                inside = ids[local]
             rows = inside - p0
-            need = ~done.index_select(0, rows)
+            need = ~done[rows]
             if not bool(need.all()):
-                local = need.nonzero().flatten() if local is None else local[need]
+                local = np.flatnonzero(need) if local is None else local[need]
                 rows = rows[need]
-            result: Optional[torch.Tensor] = inside
+            result: Optional[torch.Tensor] = torch.from_numpy(inside)
         else:
             r0 = chunk.ref.row_start
             lo, hi = max(p0, r0), min(p1, r0 + chunk.ref.rows)
-            rows = (~done[lo - p0:hi - p0]).nonzero().flatten() + (lo - p0)
+            rows = np.flatnonzero(~done[lo - p0:hi - p0]) + (lo - p0)
             local = rows + (p0 - r0)
             result = None
-        if rows.numel():
+        if rows.size:
             entry = RowsFrom.of(chunk, local, rows)
-            done.numpy()[entry.dest_np] = True
+            done[entry.dest_np] = True
             with self._lock:
                 self._rows[i].append(entry)
-                self._held[i] += rows.numel()
+                self._held[i] += rows.size
                 self._index.pop(i, None)
         return result
 
