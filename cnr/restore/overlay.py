@@ -14,7 +14,7 @@ right after each block's copy 0.020 s; numpy's row assignment beats ``index_copy
 
 Quantized held rows stored as the baseline's rows are (same bits and dim, same columns; float16
 and float32 scales and biases mix) go in before the block is dequantized: their codes, scales and biases replace the
-baseline's in a copy of the block's stored rows (about 20 bytes a 2-bit row of 64 instead of
+baseline's in the block's decoded stored rows (about 20 bytes a 2-bit row of 64 instead of
 256 bytes of values), and the block is dequantized once (``HeldRows.block_values``), so such a
 row costs no dequantization of its own and no scatter of values. Others (another width, raw
 rows) are dequantized and written over the block after it lands (``HeldRows.write_over``).
@@ -73,15 +73,18 @@ def merges_into(held: DecodedChunk, base: DecodedChunk) -> bool:
 
 
 def _overlaid(block: QuantizedRows, parts: Sequence[Tuple[torch.Tensor, QuantizedRows]]) -> QuantizedRows:
-    """A copy of ``block`` whose rows at each ``at`` (int64 indexes into the block, distinct) are
-    ``rows``' (stored alike). A scale or bias is float32 in the copy when any of them has it
-    float32 (dequantizing reads it as float32 either way, so the values do not change)."""
+    """``block`` with its rows at each ``at`` (int64 indexes into the block, distinct) replaced
+    by ``rows``' (stored alike), written in place: ``block`` is a view of a baseline chunk decoded
+    for this restore alone, each of whose blocks is written once per piece (pieces that split a
+    chunk's columns hold the same rows from the same increment chunks, so they write the same).
+    A float16 scale or bias that a part has as float32 is widened first, in a copy (dequantizing
+    reads it as float32 either way, so the values do not change)."""
     fields: Dict[str, torch.Tensor] = {}
     for name in ("codes", "scale", "bias", "codebook"):
         mine = getattr(block, name)
         if mine is not None:
-            wide = any(getattr(rows, name).dtype == torch.float32 for _at, rows in parts) and mine.dtype == torch.float16
-            fields[name] = mine.to(torch.float32) if wide else mine.clone()
+            wide = mine.dtype == torch.float16 and any(getattr(rows, name).dtype == torch.float32 for _at, rows in parts)
+            fields[name] = mine.to(torch.float32) if wide else mine
     out = dataclasses.replace(block, **fields)
     for at, rows in parts:
         for name, tensor in fields.items():
