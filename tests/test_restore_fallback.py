@@ -45,7 +45,7 @@ def _save(rank, world_size, arg):
             train_step(dmp, adam, sched, next(batches))
             if step % 2 == 0:
                 ckpt.save(step).wait()
-            if step in (2, 4):  # what a restore of the checkpoint at that step must give back
+            if step in (2, 4, 6):  # what a restore of the checkpoint at that step must give back
                 state = _gathered(app_state)
                 if rank == 0:
                     torch.save(state, arg[f"at_{step}"])
@@ -74,10 +74,10 @@ def _restore(rank, world_size, arg):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Three consecutive checkpoints (steps 2, 4, 6) at world size 2, and the state at 2 and 4."""
+    """Three consecutive checkpoints (steps 2, 4, 6) at world size 2, and the state at each."""
     root = tmp_path_factory.mktemp("fallback")
     uri = str(root / "ck")
-    launch(_save, 2, {"uri": uri, "at_2": str(root / "at_2.pt"), "at_4": str(root / "at_4.pt")})
+    launch(_save, 2, {"uri": uri, **{f"at_{step}": str(root / f"at_{step}.pt") for step in (2, 4, 6)}})
     return root, uri, [i.id for i in list_checkpoints(LocalStorage(uri))]
 
 
@@ -149,6 +149,38 @@ def test_truncated_deleted_or_missing_link_falls_back(saved, tmp_path, kind):
     [(skipped_id, reason)] = out["skipped"]
     assert skipped_id == saved[2][-1] and all(n in reason for n in named), reason
     _assert_state_of(tmp_path / "got.pt", root, step)
+
+
+def _flip_last_byte(storage: LocalStorage, key: str, offset: int, nbytes: int) -> None:
+    blob = bytearray(storage.get(key))
+    blob[offset + nbytes - 1] ^= 0x40
+    storage.put(key, bytes(blob))
+
+
+@pytest.mark.parametrize("damage", ["manifest", "chunk"])
+def test_a_damaged_merged_baseline_is_passed_over_for_the_links_it_merged(saved, tmp_path, damage):
+    """Compaction merged steps 2 and 4 into a new baseline that stands for them in 6's chain. With
+    its manifest or one of its table chunks damaged, the restore goes the long way (2, 4, 6) and
+    gives back step 6 exactly, passing over nothing; named by id, step 4 restores the long way too.
+    (Before, the damaged merged baseline was the only way to 4 and 6: the restore fell back to 2.)"""
+    from cnr.format.catalog import resolve_chain
+    from cnr.write.merge import merge_chain
+
+    root, _uri, ids = saved
+    uri, storage = _copy(saved, tmp_path)
+    merged, _fresh = merge_chain(storage, ids[1], chunk_bytes=4096)
+    assert [m.id for m in resolve_chain(storage, read_manifest(storage, ids[2]))] == [merged.id, ids[2]]
+    if damage == "manifest":
+        _flip_last_byte(storage, manifest_key(merged.id), 0, storage.size(manifest_key(merged.id)) - 1)
+    else:
+        chunk = next(c for t in merged.tensors.values() if t.table is not None for c in t.chunks)
+        _flip_last_byte(storage, chunk.key, chunk.offset, chunk.nbytes)
+    out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(tmp_path / "newest.pt")})
+    assert (out["id"], out["step"], out["skipped"]) == (ids[2], 6, [])
+    _assert_state_of(tmp_path / "newest.pt", root, 6)
+    out = launch(_restore, 2, {"uri": uri, "on_damage": "fail", "id": ids[1], "out": str(tmp_path / "by_id.pt")})
+    assert (out["id"], out["step"]) == (ids[1], 4)
+    _assert_state_of(tmp_path / "by_id.pt", root, 4)
 
 
 def test_a_checkpoint_named_by_id_raises_on_every_rank_when_one_rank_finds_damage(damaged_store):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import List, Optional, Tuple
+from typing import AbstractSet, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import (
@@ -77,27 +77,29 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
     return [info for info, _ in scan_checkpoints(storage)]
 
 
-def resolve_chain(storage: Storage, manifest: Manifest) -> List[Manifest]:
+def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] = frozenset()) -> List[Manifest]:
     """The manifests to apply in order to restore ``manifest``: its full baseline first.
 
     Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
     consecutive increment the checkpoint before it. Every link must be committed and older. A link
     whose chain was merged (a committed ``merged_id(link)``, cnr.write.merge) is replaced by the merged
     full checkpoint, which holds the same state, and the walk ends there without reading that
-    link (``chain_links`` walks the same way over a listing).
+    link (``chain_links`` walks the same way over a listing). A merged baseline is a shortcut,
+    never the only way: one named in ``skip`` (its data found damaged), or whose manifest does not
+    verify, is passed over and the walk goes on through the links it merged.
     """
     if manifest.kind != CheckpointKind.FULL:
-        merged = _read_if_committed(storage, merged_id(manifest.id))
+        merged = _shortcut(storage, merged_id(manifest.id), manifest, skip)
         if merged is not None:
-            return [_checked_merged(merged, manifest)]
+            return [merged]
     chain = [manifest]
     while chain[0].kind != CheckpointKind.FULL:
         head = chain[0]
         if not head.base:
             raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
-        merged = _read_if_committed(storage, merged_id(head.base))
+        merged = _shortcut(storage, merged_id(head.base), head, skip)
         if merged is not None:
-            chain.insert(0, _checked_merged(merged, head))
+            chain.insert(0, merged)
             break
         base = _read_if_committed(storage, head.base)
         if base is None:
@@ -116,11 +118,21 @@ def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
         return None
 
 
-def _checked_merged(merged: Manifest, after: Manifest) -> Manifest:
-    """A merged baseline found while resolving ``after``'s chain: full, and no newer than it."""
-    if merged.kind != CheckpointKind.FULL or merged.step > after.step:
-        raise CheckpointError(f"{merged.id} is not a full checkpoint at or before step {after.step}")
-    return merged
+def _shortcut(storage: Storage, merged: str, after: Manifest, skip: AbstractSet[str]) -> Optional[Manifest]:
+    """The committed merged baseline ``merged`` standing for ``after``'s chain up to it: None when
+    there is none, it is in ``skip``, or it is damaged (a manifest that does not verify, or not a
+    full checkpoint at or before ``after``: then with a warning)."""
+    if merged in skip:
+        return None
+    try:
+        found = _read_if_committed(storage, merged)
+        if found is not None and (found.kind != CheckpointKind.FULL or found.step > after.step):
+            raise CheckpointError(f"{merged} is not a full checkpoint at or before step {after.step}")
+    except CheckpointError as e:  # damaged where stored (cnr.format.verify.DAMAGE); a storage error propagates
+        logger.warning("merged baseline %s is damaged (%s); %s is resolved through the links it merged", merged, e,
+                       after.id)
+        return None
+    return found
 
 
 def committed_ids(storage: Storage) -> List[str]:

@@ -8,7 +8,10 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
 
 - every rank restored it: done;
 - some rank found it *damaged* (a manifest, rank index or chunk that does not verify, a missing
-  object or chain link): with ``on_damage="fallback"`` every rank moves on to the next older
+  object or chain link): when the damage is in a merged baseline that stands for part of its
+  chain (compaction, cnr.write.merge), every rank tries the same checkpoint again through the
+  links that merge stood for (a merged manifest that does not verify is passed over when the
+  chain is resolved); else, with ``on_damage="fallback"`` every rank moves on to the next older
   checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
 - some rank failed otherwise (the checkpoint does not fit the model, app_state and the checkpoint
   hold different keys, the store cannot be read): every rank raises, as a restore without
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import AbstractSet, Callable, FrozenSet, List, Optional, Set, Tuple
 
 import torch.distributed as dist
 
@@ -57,11 +60,12 @@ class Skipped:
     reason: str
 
 
-def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> Tuple[Manifest, List[Manifest]]:
+def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str]) -> Tuple[Manifest, List[Manifest]]:
     """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
-    manifest itself); raises (as damage) unless its manifests and links read and verify."""
+    manifest itself, unless named in ``skip``); raises (as damage) unless its manifests and links
+    read and verify."""
     manifest = read_manifest(storage, ckpt_id)
-    chain = resolve_chain(storage, manifest)
+    chain = resolve_chain(storage, manifest, skip)
     if rank == 0:
         for link in chain:
             if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
@@ -69,41 +73,69 @@ def _read_chain(storage: Storage, ckpt_id: str, rank: int) -> Tuple[Manifest, Li
     return manifest, chain
 
 
+Problem = Tuple[str, str, Tuple[str, ...]]  # (DAMAGED or FAILED, why, the merged baselines the damage is in)
+
+
 def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
-             partial: bool = False
-             ) -> Tuple[Optional[RestoredChain], Optional[Tuple[str, str]], Optional[BaseException]]:
-    """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, (DAMAGED or
-    FAILED, why), the exception)."""
+             partial: bool = False, skip: AbstractSet[str] = frozenset()
+             ) -> Tuple[Optional[RestoredChain], Optional[Problem], Optional[BaseException]]:
+    """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, problem, the exception)."""
     try:
-        manifest, chain = _read_chain(storage, ckpt_id, rank)
+        manifest, chain = _read_chain(storage, ckpt_id, rank, skip)
     except DAMAGE as e:
-        return None, (DAMAGED, str(e)), e
+        return None, (DAMAGED, str(e), ()), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
-        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+        return None, (FAILED, f"{type(e).__name__}: {e}", ()), e
     try:
         return restore_app(storage, manifest, app, rank, world_size, threads, chain, partial), None, None
     except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
-        return None, (DAMAGED, str(e)), e
+        # the damaged object's key names its checkpoint: a merged baseline's damage leaves the long way
+        merges = tuple(m.id for m in chain if m.id.endswith(MERGED_SUFFIX) and m.id in str(e))
+        return None, (DAMAGED, str(e), merges), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
-        return None, (FAILED, f"{type(e).__name__}: {e}"), e
+        return None, (FAILED, f"{type(e).__name__}: {e}", ()), e
 
 
-def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
-                      threads: int, partial: bool = False) -> Tuple[Optional[RestoredChain], str]:
-    """One attempt on every rank, then agreement (collective): (restored, "") when every rank
-    restored ``ckpt_id``; (None, what is damaged, per rank) when some rank found damage. Raises
-    on every rank when some rank failed otherwise: its own error there, a CheckpointError
-    naming that rank's error on the others."""
-    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial)
-    problems: List[Optional[Tuple[str, str]]] = [None] * world_size
+def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
+                      partial: bool = False, skip: AbstractSet[str] = frozenset()
+                      ) -> Tuple[Optional[RestoredChain], str, FrozenSet[str]]:
+    """One attempt on every rank, then agreement (collective): (restored, "", {}) when every rank
+    restored ``ckpt_id``; (None, what is damaged, per rank, the merged baselines some rank found
+    damaged) when some rank found damage. Raises on every rank when some rank failed otherwise:
+    its own error there, a CheckpointError naming that rank's error on the others."""
+    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial, skip)
+    problems: List[Optional[Problem]] = [None] * world_size
     dist.all_gather_object(problems, problem)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
-    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why) in found)
-    if any(kind == FAILED for _r, (kind, _why) in found):
+    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why, _m) in found)
+    if any(kind == FAILED for _r, (kind, _why, _m) in found):
         if error is not None and problem is not None and problem[0] == FAILED:
             raise error
         raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
-    return (restored, "") if not found else (None, reason)
+    if not found:
+        return restored, "", frozenset()
+    return None, reason, frozenset(m for _r, (_k, _w, merges) in found for m in merges)
+
+
+def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
+                        partial: bool = False) -> Tuple[Optional[RestoredChain], str]:
+    """Attempts at ``ckpt_id`` on every rank (collective): (restored, "") or (None, what is
+    damaged). A merged baseline is a shortcut (cnr.format.catalog.resolve_chain): when some rank
+    finds its data damaged, every rank tries ``ckpt_id`` again through the links it merged, before
+    the checkpoint counts as damaged (falling back past it would lose committed work)."""
+    skip: Set[str] = set()
+    reasons: List[str] = []
+    while True:
+        restored, reason, merges = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial,
+                                                     frozenset(skip))
+        if restored is not None:
+            return restored, ""
+        reasons.append(reason)
+        if not merges - skip:
+            return None, "; then, the long way: ".join(reasons)
+        logger.warning("checkpoint %s: its merged baseline %s is damaged (%s); restoring it through the links "
+                       "that merge stood for", ckpt_id, ", ".join(sorted(merges - skip)), reason)
+        skip |= merges
 
 
 def ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
@@ -134,7 +166,7 @@ def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int,
     key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
     if not ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
         raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
-    restored, damage = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
+    restored, damage = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial)
     if restored is None:
         raise CheckpointError(f"checkpoint {ckpt_id} is damaged ({damage})")
     logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
@@ -151,7 +183,7 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(allowed)}")
     skipped: List[Skipped] = []
     for ckpt_id in ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
-        restored, reason = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial)
+        restored, reason = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
             if skipped:
