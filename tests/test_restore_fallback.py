@@ -175,6 +175,11 @@ def test_a_damaged_merged_baseline_is_passed_over_for_the_links_it_merged(saved,
     else:
         chunk = next(c for t in merged.tensors.values() if t.table is not None for c in t.chunks)
         _flip_last_byte(storage, chunk.key, chunk.offset, chunk.nbytes)
+    # what inspect --verify and retention see (cnr.format.verify): 6 restores, the long way
+    from cnr.format.verify import verify_store
+    verified = {v.id: v for v in verify_store(storage)}
+    assert verified[ids[2]].restorable and verified[ids[2]].chain == tuple(ids)
+    assert not verified[merged.id].restorable
     out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(tmp_path / "newest.pt")})
     assert (out["id"], out["step"], out["skipped"]) == (ids[2], 6, [])
     _assert_state_of(tmp_path / "newest.pt", root, 6)

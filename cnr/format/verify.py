@@ -111,9 +111,28 @@ def verify_store(storage: Storage) -> List[Verified]:
     own: Dict[str, Tuple[List[str], Tuple[str, ...]]] = {
         info.id: ([f"manifest: {info.error}"], ()) if m is None else verify_checkpoint(storage, info.id, m)
         for info, m in scanned}
+    manifests = {info.id: m for info, m in scanned}
     out = []
     for info in infos:
         damage, chain = own[info.id]
+        chain = _long_way(storage, manifests[info.id], chain, own)
         restorable = bool(chain) and all(not own.get(link, (["not committed"], ()))[0] for link in chain)
         out.append(Verified(info.id, info.step, tuple(damage), restorable, chain))
     return out
+
+
+def _long_way(storage: Storage, manifest: Optional[Manifest], chain: Tuple[str, ...],
+              own: Dict[str, Tuple[List[str], Tuple[str, ...]]]) -> Tuple[str, ...]:
+    """``chain``, or where a merged baseline in it is damaged, the chain through the links that
+    merge stood for (as a restore goes: cnr.restore.newest), passing over every damaged one."""
+    skip: Set[str] = set()
+    while manifest is not None and chain:
+        bad = {link for link in chain if link.endswith(MERGED_SUFFIX) and own.get(link, (["?"], ()))[0]} - skip
+        if not bad:
+            break
+        skip |= bad
+        try:
+            chain = tuple(m.id for m in resolve_chain(storage, manifest, skip))
+        except DAMAGE:
+            return ()
+    return chain
