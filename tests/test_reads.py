@@ -256,3 +256,28 @@ def test_s3_reads_damaged_in_transit_do_not_make_intact_checkpoints_damaged(ck, 
         assert [(v.id, v.damage, v.restorable) for v in verified] == [(i, (), True) for i in ids]
         assert _same(_load_model(monkeypatch, flaky), expected)
         assert proxy.corrupted >= 5, (proxy.corrupted, proxy.reads)
+
+
+def test_a_checkpoint_deleted_between_the_listing_and_its_read_is_left_out(tmp_path):
+    """A live job's retention deletes a checkpoint while another process lists the store
+    (``inspect``, ``bench chaos``' checks, a restore's catalog): the scan leaves it out instead
+    of failing on the missing manifest (seen in ``bench chaos``: "no object .../manifest.json")."""
+    from cnr.format.catalog import scan_checkpoints
+    from cnr.format.manifest import manifest_key
+    from cnr.storage.wrapper import WrapperStorage
+
+    store = LocalStorage(str(tmp_path))
+    for step in (1, 2):
+        store.put(f"checkpoints/{step:010d}-ab/rank-00000/chunk-000000.bin", b"x")
+    doomed = f"checkpoints/{1:010d}-ab/manifest.json"
+    store.put(doomed, b"{}")
+
+    class Racing(WrapperStorage):
+        def exists(self, key):  # retention deletes the manifest right after the scan saw it
+            found = self.inner.exists(key)
+            if key == doomed:
+                self.inner.delete(key)
+            return found
+
+    infos = [info.id for info, _m in scan_checkpoints(Racing(store))]
+    assert infos == [f"{2:010d}-ab"] and manifest_key(f"{1:010d}-ab") == doomed

@@ -53,6 +53,8 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
             continue
         try:
             m = read_manifest(storage, ckpt_id)
+        except KeyNotFoundError:
+            continue  # deleted since the listing (a live job's retention): not in the store any more
         except CheckpointError as e:  # one damaged manifest must not hide the others
             logger.warning("checkpoint %s is damaged: %s", ckpt_id, e)
             found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.DAMAGED, 0, 0, 0,
