@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cnr
 from cnr.app.launch import RankFailed, launch

@@ -18,7 +18,6 @@ import gc
 import os
 from typing import Dict, List
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

@@ -17,7 +17,7 @@ from cnr.storage import open_storage
 
 def build(ws: int):
     """A position-weighted FP-EBC (one table-wise table, fused row-wise Adagrad) and a linear head."""
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from torchrec.modules.feature_processor_ import PositionWeightedModule
     from torchrec.distributed import DistributedModelParallel

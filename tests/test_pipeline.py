@@ -4,7 +4,6 @@ straight into app_state under a pipeline is refused at save(). Real spawned gloo
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

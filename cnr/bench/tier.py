@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Dict, List
+from typing import Dict, List
 
 from cnr.bench.common import TrainedModel, ratio
 from cnr.bench.link import Link, LinkedStorage, over_link
