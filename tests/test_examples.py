@@ -18,9 +18,8 @@ import torch.distributed as dist
 import cnr
 
 from cnr.codec.chunk_format import DTYPES
-from cnr.format.manifest import MERGED_SUFFIX
 from cnr.app.launch import RankFailed, launch
-from cnr.format.manifest import Manifest
+from cnr.format.manifest import MERGED_SUFFIX, Manifest
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.track.state import whole_piece

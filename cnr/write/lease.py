@@ -448,7 +448,7 @@ class Lease:
 
 
 def _held_message(storage: Storage, record: Optional[LeaseRecord], now: float, space: LeaseSpace) -> str:
-    who = record.describe(now) if record is not None else "another one that took it a moment ago"
+    who = record.describe(now) if record is not None else "a holder that took it a moment ago"
     return f"{space.holder_does.format(uri=storage.uri)}: {who}. {space.advice}"
 
 
