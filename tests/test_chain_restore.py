@@ -96,7 +96,12 @@ def _targets(layout: str) -> Tuple[Dict[str, torch.Tensor], List[StatePiece]]:
 @pytest.mark.parametrize("bits", [2, 32])
 @pytest.mark.parametrize("links", [1, 6])
 @pytest.mark.parametrize("layout,threads", [("whole", 1), ("rows", 3), ("grid", 2)])
-def test_newest_first_equals_replay_bit_for_bit(tmp_path, bits, links, layout, threads):
+@pytest.mark.parametrize("batched", [False, True])
+def test_newest_first_equals_replay_bit_for_bit(tmp_path, monkeypatch, bits, links, layout, threads, batched):
+    """``batched``: every chunk a batch of its own, so with threads > 1 the chunks of one object
+    are decoded and written on several workers, and links are fetched ahead of their turn."""
+    if batched:
+        monkeypatch.setattr("cnr.restore.workers._BATCH_BYTES", 1)
     store = LocalStorage(str(tmp_path))
     chain, truth = _chain(store, links, bits, [0, DIM])
     replayed, replay_pieces = _targets(layout)
@@ -114,6 +119,37 @@ def test_newest_first_equals_replay_bit_for_bit(tmp_path, bits, links, layout, t
         assert read_newest < read_replay
     else:
         assert read_newest <= read_replay
+
+
+class _Counting(LocalStorage):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.gets: List[str] = []
+
+    def get(self, key, *args, **kwargs):
+        self.gets.append(key)
+        return super().get(key, *args, **kwargs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_table_an_increment_stores_whole_is_read_from_the_newest_such_link_only(tmp_path, monkeypatch, threads):
+    """Increments that store a table whole (contiguous chunks, as for a table no tracker
+    watches): the older links' copies of those rows are not fetched, even when the links are
+    planned ahead of the newer link's holds; the state is the newest link's."""
+    monkeypatch.setattr("cnr.restore.workers._BATCH_BYTES", 1)
+    store = _Counting(str(tmp_path))
+    state = _state(0)
+    chain = [_link(store, 1, CheckpointKind.FULL, state, None, 32, [0, DIM])]
+    for step in (2, 3, 4):
+        state = _state(step)
+        chain.append(_link(store, step, CheckpointKind.INCREMENTAL, state, None, 32, [0, DIM]))
+    out, pieces = _targets("rows")
+    store.gets.clear()
+    restore_chain(store, chain, pieces, threads)
+    assert all(torch.equal(out[name], state[name]) for name in state)
+    table_keys = {ref.key for m in chain[1:3] for name in (EMB, MOM) for ref in m.tensors[name].chunks}
+    assert not table_keys & set(store.gets), "an older increment's copy of a table stored whole was read"
+    assert {ref.key for name in (EMB, MOM) for ref in chain[3].tensors[name].chunks} <= set(store.gets)
 
 
 def test_a_chain_stored_column_split_is_replayed_into_other_column_cuts(tmp_path):
@@ -185,8 +221,10 @@ def test_held_rows_are_exactly_the_rows_not_done_and_land_over_the_blocks(quanti
     inside = held.hold(0, (10, 50, 0, 4), chunk)
     assert bool(held.done[0].all()) and bool((target == -7.0).all())
     assert (inside is not None) == with_ids and (inside is None or torch.equal(inside, torch.arange(10, 50)))
+    base_blob, base_ref = encode_raw_chunk("b", "w", torch.zeros(60, 4), 0, 0)  # a baseline chunk of every row
+    overlay = held.over_chunk(0, decode_chunk(base_blob, base_ref, dequantize=False), (10, 50, 0, 4))
     for lo, hi in ((0, 17), (17, 40)):
-        held.write_over(0, target, lo, hi, (10, 50, 0, 4))
+        overlay.write_over(target, (10, 50, 0, 4), lo, hi)
     for r in range(40):
         want = torch.full((4,), -7.0) if before[r] else expected_values[r + 5]
         assert torch.equal(target[r], want), r
@@ -202,7 +240,9 @@ def test_held_rows_a_baseline_block_missed_is_named_and_a_row_listed_twice_refus
     held = HeldRows({0: 10})
     held.hold(0, (0, 10, 0, 2), decode_chunk(blob, ref, dequantize=False))  # ids out of order: sorted
     target = torch.zeros(10, 2, dtype=torch.bfloat16)  # no numpy dtype: index_copy_
-    held.write_over(0, target, 0, 6, (0, 10, 0, 2))
+    base_blob, base_ref = encode_raw_chunk("b", "w", torch.zeros(6, 2, dtype=torch.bfloat16), 0, 0)  # rows 0..5
+    held.over_chunk(0, decode_chunk(base_blob, base_ref, dequantize=False), (0, 10, 0, 2)).write_over(
+        target, (0, 10, 0, 2), 0, 6)
     assert [int(v) for v in target[:, 0]] == [6, 8, 0, 2, 0, 4, 0, 0, 0, 0]
     with pytest.raises(CheckpointError, match=r"baseline b0 took 4 of the 6 rows the increments hold for 'w'"):
         held.check_written("b0", ["w"])
@@ -233,8 +273,9 @@ def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequanti
                                                                                   held_params):
     """A 4-bit baseline chunk of 60 rows and an increment chunk holding 25 of them: at the
     baseline's width its rows replace the baseline's codes, scales and biases in the block, which
-    is dequantized once (``block_values``; ``write_over`` then has nothing left to write); at
-    another width (or raw) the block is the baseline's and ``write_over`` writes the held rows.
+    is dequantized once (``ChunkOverlay.block_values``; ``write_over`` then has nothing left to
+    write); at another width (or raw) the block is the baseline's and ``write_over`` writes the
+    held rows.
     Either way every row is bit for bit what the link that holds it decodes to, whether the scales
     and biases are float16 or float32 in either link."""
     from cnr.codec.chunk_format import decode_chunk, encode_quantized_chunk, encode_raw_chunk
@@ -254,10 +295,11 @@ def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequanti
     held = HeldRows({0: 60})
     held.hold(0, (0, 60, 0, 0), held_chunk)
     target = torch.full((60, 6), -7.0)
+    overlay = held.over_chunk(0, base, (0, 60, 0, 0))  # merged rows go in here, for the whole chunk
     for lo, hi in ((0, 30), (30, 60)):  # as _copy_overlap does: the block's values, then write_over
-        target[lo:hi] = held.block_values(0, base, (0, 60, 0, 0), lo, hi)
+        target[lo:hi] = overlay.block_values(lo, hi)
         before = target.clone()
-        held.write_over(0, target, lo, hi, (0, 60, 0, 0), base=base)
+        overlay.write_over(target, (0, 60, 0, 0), lo, hi)
         assert torch.equal(target, before) == merged  # merged rows are in the block already
     want = base_values.clone()
     want[ids] = held_values

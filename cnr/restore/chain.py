@@ -23,7 +23,8 @@ column split that today's sharding cuts differently is replayed (``ChainOrder.RE
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+import functools
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -31,8 +32,8 @@ import torch
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
 from cnr.restore.overlay import HeldRows, Span
-from cnr.restore.pieces import (apply_restore, check_threads, chunk_overlaps, chunk_span, fetch_pool, piece_span,
-                                plan_restore, restore_pieces)
+from cnr.restore.pieces import RestorePlan, apply_in_order, chunk_overlaps, chunk_span, piece_span, plan_restore, restore_pieces
+from cnr.restore.workers import check_threads, fetch_pool
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, ChainOrder, ChunkRef, Role
@@ -76,38 +77,70 @@ def _replay(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], t
 
 
 class _NewestFirst:
-    """Where one newest-first restore stands: the link being read (``position`` in the chain),
-    the rows the increments hold for each table piece, and the link each other piece is read from."""
+    """Where one newest-first restore stands: the rows the increments hold for each table piece,
+    the link each other piece is read from, and the rows of each table piece that a newer link
+    stores whole (contiguous chunks: the older links' copies of them are not read)."""
 
     def __init__(self, chain: List[Manifest], pieces: List[StatePiece]) -> None:
+        self.chain = chain
         self.pieces = pieces
-        self.position = 0
         self.held = HeldRows({i: p.tensor.shape[0] for i, p in enumerate(pieces) if p.role in TABLE_ROLES})
         # other pieces are stored whole in every link: read from the newest one that holds them
         self.source: Dict[int, int] = {
             i: max((pos for pos, m in enumerate(chain) if p.name in m.tensors), default=0)
             for i, p in enumerate(pieces) if i not in self.held.done}
+        self._covered: Dict[int, torch.Tensor] = {}  # piece -> rows a newer link's contiguous chunks hold
+        self._order = list(range(len(chain) - 1, 0, -1)) + [0]  # the links, in the order they are read
+        self.positions: List[int] = []  # the links planned so far, in that order
 
-    def wanted(self, i: int, ref: ChunkRef) -> bool:
-        """Whether piece ``i`` needs anything from chunk ``ref`` of the link being read."""
+    def next_plan(self) -> Optional[RestorePlan]:
+        """The plan of the next link to read (None after the baseline)."""
+        if len(self.positions) == len(self._order):
+            return None
+        position = self._order[len(self.positions)]
+        self.positions.append(position)
+        plan = plan_restore(self.chain[position], self.pieces, position > 0,
+                            functools.partial(self._wanted, position))
+        if position > 0:
+            self._cover(self.chain[position])
+        return plan
+
+    def _wanted(self, position: int, i: int, ref: ChunkRef) -> bool:
+        """Whether piece ``i`` needs anything from chunk ``ref`` of the link at ``position``:
+        not a contiguous increment chunk whose rows newer links hold (planned ahead, a newer
+        link may not have held them yet: its contiguous chunks say it will)."""
         if i in self.source:
-            return self.source[i] == self.position
-        if self.position == 0 or ref.row_ids:
+            return self.source[i] == position
+        if position == 0 or ref.row_ids:
             return True
         p0, p1, _q0, _q1 = piece_span(self.pieces[i])
-        lo, hi = max(p0, ref.row_start), min(p1, ref.row_start + ref.rows)
-        return not bool(self.held.done[i][lo - p0:hi - p0].all())
+        lo, hi = max(p0, ref.row_start) - p0, min(p1, ref.row_start + ref.rows) - p0
+        covered = self._covered.get(i)
+        return not ((covered is not None and bool(covered[lo:hi].all())) or bool(self.held.done[i][lo:hi].all()))
 
-    def check(self, manifest: Manifest, copied: List[int]) -> None:
-        """After a link: every piece it had to fill whole (the baseline's table pieces, the
-        pieces read from this link) is covered, element for element; after the baseline, every
-        row the increments hold was written over it."""
+    def _cover(self, manifest: Manifest) -> None:
+        """Note the rows of each table piece that increment ``manifest`` stores whole."""
         for i, piece in enumerate(self.pieces):
-            whole = self.source.get(i) == self.position if i in self.source else self.position == 0
+            entry = manifest.tensors.get(piece.name)
+            if i not in self.held.done or entry is None:
+                continue
+            span = piece_span(piece)
+            for ref in entry.chunks:
+                if not ref.row_ids and chunk_overlaps(ref, span):
+                    covered = self._covered.setdefault(i, torch.zeros(piece.tensor.shape[0], dtype=torch.bool))
+                    covered[max(span[0], ref.row_start) - span[0]:min(span[1], ref.row_start + ref.rows) - span[0]] = True
+
+    def check(self, position: int, copied: List[int]) -> None:
+        """After the link at ``position``: every piece it had to fill whole (the baseline's table
+        pieces, the pieces read from this link) is covered, element for element; after the
+        baseline, every row the increments hold was written over it."""
+        manifest = self.chain[position]
+        for i, piece in enumerate(self.pieces):
+            whole = self.source.get(i) == position if i in self.source else position == 0
             if whole and copied[i] != max(1, piece.tensor.numel()):
                 raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} "
                                       f"elements of {piece.name!r} held here")
-        if self.position == 0:
+        if position == 0:
             self.held.check_written(manifest.id, [p.name for p in self.pieces])
 
 
@@ -115,28 +148,31 @@ def _newest_first(storage: Storage, chain: List[Manifest], pieces: List[StatePie
                   threads: int) -> Tuple[int, RowIds]:
     """The increments newest first, each holding back the rows no newer one holds (decoded, not
     yet written), then the baseline copied whole in blocks, each block's held rows written over
-    it as it lands (cnr.restore.overlay)."""
-    state = _NewestFirst(chain, pieces)
-    total = 0
-    seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
-    with fetch_pool(threads) as pool:
-        for position in list(range(len(chain) - 1, 0, -1)) + [0]:
-            state.position, manifest = position, chain[position]
-            plan = plan_restore(manifest, pieces, position > 0, state.wanted)
-            applied = apply_restore(plan, storage, pool, state.held)
-            total += applied.bytes_read
-            seen.update(pieces[i].table for i, _rows in applied.rows if pieces[i].role == Role.TABLE_ROWS)
-            state.check(manifest, applied.copied)
-    # a table's rows the increments hold: its weight pieces' held rows (its optimizer state holds
-    # the same rows, in its own coordinates; column shards of one table hold the same rows)
+    it as it lands (cnr.restore.overlay). The links are planned as they are read, and the objects
+    of the links after the one being written are fetched and decoded ahead
+    (cnr.restore.pieces.apply_in_order)."""
+    with fetch_pool(threads) as pool:  # its intra-op thread count holds for the bookkeeping too
+        state = _NewestFirst(chain, pieces)
+        applied = apply_in_order(state.next_plan, storage, pool, state.held)
+        seen: Set[str] = set()  # tables some increment chunk wrote into (the replay lists them, even with no rows)
+        for position, result in zip(state.positions, applied):
+            seen.update(pieces[i].table for i, _rows in result.rows if pieces[i].role == Role.TABLE_ROWS)
+            state.check(position, result.copied)
+        return sum(result.bytes_read for result in applied), _held_rows(state, pieces, seen)
+
+
+def _held_rows(state: _NewestFirst, pieces: List[StatePiece], seen: Set[str]) -> RowIds:
+    """Per table some increment wrote into (``seen``), the global row ids the increments hold:
+    its weight pieces' held rows (its optimizer state holds the same rows, in its own
+    coordinates; column shards of one table hold the same rows)."""
     held: Dict[str, List[torch.Tensor]] = {}
     for i, piece in enumerate(pieces):
         if piece.role == Role.TABLE_ROWS and piece.table in seen:
-            rows = torch.from_numpy(np.flatnonzero(state.held.done[i].numpy()))  # numpy's is vectorised on bool
-            held.setdefault(piece.table, []).append(rows + piece_span(piece)[0])
+            rows = np.flatnonzero(state.held.done[i].numpy())  # numpy's is vectorised on bool
+            held.setdefault(piece.table, []).append(torch.from_numpy(rows + piece_span(piece)[0]))
     # one piece per table: its nonzero rows ascend already; column shards repeat them: unique
-    return total, {table: parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
-                   for table, parts in sorted(held.items())}
+    return {table: parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
+            for table, parts in sorted(held.items())}
 
 
 def restore_chain(storage: Storage, chain: List[Manifest], pieces: List[StatePiece], threads: int = 1,

@@ -3,8 +3,10 @@
 A newest-first chain restore (cnr.restore.chain) reads the increments first, newest first. For
 each table piece it keeps the rows each increment is the newest holder of (``HeldRows.hold``):
 the decoded chunk (in its stored form: quantized rows stay codes) and where those rows go. The
-baseline is read last and copied in blocks of about 4 MiB, and each block's held rows are
-written over it right after it lands (``HeldRows.write_over``), while the block is in cache.
+baseline is read last and copied in blocks of about 4 MiB; for each baseline chunk the held
+rows inside it are found once (``HeldRows.over_chunk``, a ``ChunkOverlay``), and each block's
+held rows are written over it right after it lands (``ChunkOverlay.write_over``), while the
+block is in cache.
 
 Why: written after the baseline, scattered over the whole table, an increment row cost about 4x
 a copied baseline row. On bench.yaml's shape (756k rows of 64 float32 over a 3M-row table, one
@@ -13,11 +15,13 @@ right after each block's copy 0.020 s; numpy's row assignment beats ``index_copy
 (0.051 against 0.067 s whole), so host tensors take that (``put_rows``).
 
 Quantized held rows stored as the baseline's rows are (same bits and dim, same columns; float16
-and float32 scales and biases mix) go in before the block is dequantized: their codes, scales and biases replace the
-baseline's in the block's decoded stored rows (about 20 bytes a 2-bit row of 64 instead of
-256 bytes of values), and the block is dequantized once (``HeldRows.block_values``), so such a
-row costs no dequantization of its own and no scatter of values. Others (another width, raw
-rows) are dequantized and written over the block after it lands (``HeldRows.write_over``).
+and float32 scales and biases mix) go in before the chunk is dequantized: their codes, scales
+and biases replace the baseline's in the chunk's decoded stored rows, for the whole chunk at
+once (about 20 bytes a 2-bit row of 64 instead of 256 bytes of values; once per chunk rather
+than per block cut the Python work per block by four), and each block is dequantized once
+(``ChunkOverlay.block_values``), so such a row costs no dequantization of its own and no scatter
+of values. Others (another width, raw rows) are dequantized and written over the block after it
+lands (``ChunkOverlay.write_over``).
 
 Every held row is dequantized once, by the same per-row ops as a replay, so the result is bit for
 bit the replay's. Memory: the held chunks stay decoded until the baseline is written, about the
@@ -209,32 +213,69 @@ class HeldRows:
                 out.append((entry, a, b))
         return out
 
-    def block_values(self, i: int, base: DecodedChunk, span: Span, c_lo: int, c_hi: int) -> torch.Tensor:
-        """Rows ``c_lo..c_hi-1`` of baseline chunk ``base`` as values, with the held rows of piece
-        ``i`` (at ``span``) that merge into it (``merges_into``) put in their stored form first."""
-        rows = base.quantized
-        if not isinstance(rows, QuantizedRows) or not self._rows[i]:
-            return base.values(c_lo, c_hi)
-        shift = base.ref.row_start - span[0]  # chunk row -> piece row
-        lo, hi = c_lo + shift, c_hi + shift
-        parts = [(entry.dest[a:b] - lo, entry.stored(a, b)) for entry, a, b in self._overlapping(i, lo, hi)
-                 if merges_into(entry.chunk, base)]
-        block = rows.select(slice(c_lo, c_hi))
-        if not parts:
-            return block.values()
-        with self._lock:
-            self._written[i] += sum(at.numel() for at, _rows in parts)
-        return _overlaid(block, parts).values()
+    def over_chunk(self, i: int, base: DecodedChunk, span: Span) -> "ChunkOverlay":
+        """The held rows of piece ``i`` (at ``span``) inside baseline chunk ``base``'s rows, found
+        once for the chunk: those that merge into it (``merges_into``) are put into its decoded
+        stored rows now, in place (see ``_overlaid``), the others are written over each block as
+        it lands (``ChunkOverlay.write_over``)."""
+        p0 = span[0]
+        r0 = base.ref.row_start
+        lo, hi = max(p0, r0) - p0, min(span[1], r0 + base.ref.rows) - p0  # the chunk's rows, in the piece
+        merging: List[Tuple[RowsFrom, int, int]] = []
+        others: List[Tuple[RowsFrom, int, int]] = []
+        if self._rows[i] and lo < hi:
+            for found in self._overlapping(i, lo, hi):
+                (merging if merges_into(found[0].chunk, base) else others).append(found)
+        stored: Optional[QuantizedRows] = None
+        first = lo + p0 - r0  # the chunk's row at the piece's row lo
+        if merging:
+            block = base.quantized.select(slice(first, first + hi - lo))
+            stored = _overlaid(block, [(entry.dest[a:b] - lo, entry.stored(a, b)) for entry, a, b in merging])
+            with self._lock:
+                self._written[i] += sum(b - a for _entry, a, b in merging)
+        return ChunkOverlay(self, i, base, first, stored, others)
 
-    def write_over(self, i: int, target: torch.Tensor, lo: int, hi: int, span: Span,
-                   base: Optional[DecodedChunk] = None) -> None:
-        """Write the held rows of piece ``i`` that fall in its rows ``lo..hi-1`` into ``target``
-        (the piece's tensor), over what the baseline just wrote there; those that merged into
-        baseline chunk ``base``'s block (``block_values``) are in it already."""
+    def add_written(self, i: int, rows: int) -> None:
+        """Count ``rows`` more held rows of piece ``i`` written."""
+        with self._lock:
+            self._written[i] += rows
+
+    def check_written(self, baseline_id: str, names: Sequence[str]) -> None:
+        """After the baseline: every held row was written (``names``: the pieces' names)."""
+        for i, held in self._held.items():
+            if self._written[i] != held:
+                raise CheckpointError(f"baseline {baseline_id} took {self._written[i]} of the {held} rows the "
+                                      f"increments hold for {names[i]!r}: its chunks do not cover the piece")
+
+
+class ChunkOverlay:
+    """The held rows of one piece inside one baseline chunk (``HeldRows.over_chunk``): the
+    chunk's values block by block with the merged rows in (``block_values``), and the other held
+    rows written over each block once it landed (``write_over``)."""
+
+    def __init__(self, held: HeldRows, piece: int, base: DecodedChunk, first: int, stored: Optional[QuantizedRows],
+                 others: List[Tuple[RowsFrom, int, int]]) -> None:
+        """``stored``: the chunk's rows from its row ``first`` on, merged rows in (None: none
+        merge); ``others``: (entry, a, b), the entries' rows ``a..b-1`` to write over blocks."""
+        self._held, self._piece, self._base, self._first = held, piece, base, first
+        self._stored, self._others = stored, others
+
+    def block_values(self, c_lo: int, c_hi: int) -> torch.Tensor:
+        """The values of the chunk's rows ``c_lo..c_hi-1``, merged held rows included."""
+        if self._stored is None:
+            return self._base.values(c_lo, c_hi)
+        return self._stored.select(slice(c_lo - self._first, c_hi - self._first)).values()
+
+    def write_over(self, target: torch.Tensor, span: Span, lo: int, hi: int) -> None:
+        """Write the held rows that do not merge and fall in the piece's rows ``lo..hi-1`` into
+        ``target`` (the piece's tensor), over what the baseline's block just wrote there."""
+        if not self._others:
+            return
         _p0, _p1, q0, q1 = span
         written = 0
-        for entry, a, b in self._overlapping(i, lo, hi):
-            if base is not None and merges_into(entry.chunk, base):
+        for entry, a, b in self._others:
+            a, b = (int(x) for x in np.clip(np.searchsorted(entry.dest_np[a:b], (lo, hi)) + a, a, b))
+            if a >= b:
                 continue
             values = entry.values(a, b)
             if q1 > q0:  # the chunk holds whole rows of the piece (chain restore checks), maybe wider ones
@@ -243,12 +284,4 @@ class HeldRows:
             put_rows(target, entry.dest[a:b], values)
             written += b - a
         if written:
-            with self._lock:
-                self._written[i] += written
-
-    def check_written(self, baseline_id: str, names: Sequence[str]) -> None:
-        """After the baseline: every held row was written (``names``: the pieces' names)."""
-        for i, held in self._held.items():
-            if self._written[i] != held:
-                raise CheckpointError(f"baseline {baseline_id} took {self._written[i]} of the {held} rows the "
-                                      f"increments hold for {names[i]!r}: its chunks do not cover the piece")
+            self._held.add_written(self._piece, written)

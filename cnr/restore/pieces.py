@@ -15,12 +15,10 @@ does both for one checkpoint and checks coverage. cnr.restore.chain applies a ch
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -32,6 +30,7 @@ from cnr.format.manifest import Manifest, TensorEntry
 from cnr.restore.overlay import HeldRows, Span, put_rows
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage, from_sources
+from cnr.restore.workers import RestorePool, check_threads, each_chunk, fetch_pool, run_in_order
 from cnr.types import RNG_PREFIX, TABLE_ROLES, ByteRange, ChunkRef, Role
 
 logger = logging.getLogger(__name__)
@@ -167,36 +166,8 @@ def _scatter_rows(target: torch.Tensor, span: Span, chunk: DecodedChunk) -> torc
     return ids if every else ids[inside]
 
 
-@contextlib.contextmanager
-def _intra_op_threads(n: Optional[int]) -> Iterator[None]:
-    """Run the block with torch's intra-op thread count set to ``n`` (None: unchanged)."""
-    before = torch.get_num_threads()
-    if n is not None and n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
-def check_threads(threads: int) -> None:
-    """Raise ValueError unless ``threads`` (objects fetched and decoded at once) is an int >= 1."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
-
-
-@contextlib.contextmanager
-def fetch_pool(threads: int) -> Iterator[ThreadPoolExecutor]:
-    """A pool of ``threads`` workers for ``apply_restore``. With ``threads`` > 1 torch's intra-op
-    threads are set to 1 while it is open, since workers on top of them oversubscribe the cores
-    (a 4-bit chunk decoded 14x slower with 2 intra-op threads on a loaded 2-core machine); the
-    count is put back on exit."""
-    with _intra_op_threads(1 if threads > 1 else None), ThreadPoolExecutor(threads, thread_name_prefix="cnr-get") as pool:
-        yield pool
-
-
 ObjectChunks = List[Tuple[ChunkRef, List[int]]]  # chunks of one object, each with the pieces it writes into
+_Writes = List[Tuple[int, int, Optional[torch.Tensor]]]  # (piece index, elements copied, row ids or None)
 
 
 @dataclass(frozen=True)
@@ -255,23 +226,55 @@ def plan_restore(manifest: Manifest, pieces: List[StatePiece], overlay: bool = F
     return RestorePlan(manifest, pieces, overlay, objects, sizes)
 
 
-def apply_restore(plan: RestorePlan, storage: Storage, pool: Optional[Executor] = None,
+def apply_restore(plan: RestorePlan, storage: Storage, pool: Optional[RestorePool] = None,
                   held: Optional[HeldRows] = None) -> AppliedRestore:
     """Fetch every object of ``plan``, verify and decode its chunks, write them into the plan's
-    pieces; ``pool`` (``fetch_pool``) works on that many objects at once (None: one by one, here).
-    Pieces of one checkpoint never share an element between two chunks, so workers write disjoint
-    memory. ``held`` (cnr.restore.chain's newest-first order): for an increment's plan, the rows
-    of the table pieces in ``held.done`` are held there, not written (those an increment read
-    before already holds are passed over); for a full checkpoint's, the held rows are written over
-    each block of those pieces as it lands. Coverage is the caller's to check (``restore_pieces``
-    checks a checkpoint applied on its own)."""
-    pieces = plan.pieces
+    pieces; ``pool`` (``fetch_pool``) works on that many objects, and their chunks, at once
+    (None: one by one, here). Pieces of one checkpoint never share an element between two
+    chunks, so workers write disjoint memory. ``held`` (cnr.restore.chain's newest-first order):
+    for an increment's plan, the rows of the table pieces in ``held.done`` are held there, not
+    written (those an increment read before already holds are passed over); for a full
+    checkpoint's, the held rows are written over each block of those pieces as it lands.
+    Coverage is the caller's to check (``restore_pieces`` checks a checkpoint applied on its own)."""
+    plans = iter([plan])
+    return apply_in_order(lambda: next(plans, None), storage, pool, held)[0]
 
-    def one(key: str) -> Tuple[int, _Writes]:
-        return _apply_object(storage, key, plan, held)
 
-    results = list(pool.map(one, plan.objects) if pool is not None else map(one, plan.objects))
-    copied = [0] * len(pieces)
+def apply_in_order(next_plan: Callable[[], Optional[RestorePlan]], storage: Storage, pool: Optional[RestorePool] = None,
+                   held: Optional[HeldRows] = None) -> List[AppliedRestore]:
+    """``apply_restore`` for each plan ``next_plan()`` gives, in order, until None: every write
+    (or hold) of a plan after every one of the plans before it, while the objects of the plans
+    after it are fetched and decoded ahead (cnr.restore.workers.run_in_order). ``next_plan`` is
+    called when more objects are wanted, so a plan may depend on what the plans before it held
+    (it sees part of it: what it sees, they did)."""
+    plans: List[RestorePlan] = []
+
+    def next_group() -> Optional[Tuple[str, ...]]:
+        plan = next_plan()
+        if plan is None:
+            return None
+        plans.append(plan)
+        return tuple(plan.objects)
+
+    def fetch(g: int, key: str) -> Tuple[int, List[DecodedChunk]]:
+        plan = plans[g]
+        return from_sources(storage, key,
+                            lambda source: _decode_object(source, key, plan.objects[key], plan.sizes[key], pool))
+
+    def apply(g: int, key: str, fetched: Tuple[int, List[DecodedChunk]]) -> Tuple[int, _Writes]:
+        nbytes, decoded = fetched
+        chunks = plans[g].objects[key]
+        per_chunk = each_chunk(pool, [ref for ref, _t in chunks],
+                               lambda n: _apply_chunk(plans[g], chunks[n][1], decoded[n], held))
+        return nbytes, [write for writes in per_chunk for write in writes]
+
+    results = run_in_order(pool, next_group, fetch, apply)
+    return [_applied(plan, [results[g][key] for key in plan.objects]) for g, plan in enumerate(plans)]
+
+
+def _applied(plan: RestorePlan, results: List[Tuple[int, _Writes]]) -> AppliedRestore:
+    """What the objects of ``plan`` wrote, summed (``results`` in the plan's object order)."""
+    copied = [0] * len(plan.pieces)
     rows: List[Tuple[int, torch.Tensor]] = []
     for _nbytes, writes in results:
         for i, count, ids in writes:
@@ -296,43 +299,39 @@ def _fetch_object(storage: Storage, key: str, chunks: ObjectChunks, size: int) -
     return memoryview(read_range(storage, key, ByteRange(lo, hi - lo)))
 
 
-_Writes = List[Tuple[int, int, Optional[torch.Tensor]]]
-
-
-def _apply_object(storage: Storage, key: str, plan: RestorePlan,
-                  held: Optional[HeldRows] = None) -> Tuple[int, _Writes]:
-    """Fetch the needed chunks of one object, verify and decode each, write (or hold, see
-    ``apply_restore``) it into every piece it overlaps. Returns (bytes read, [(piece index,
-    elements copied, row ids scattered or held, or None)])."""
-    chunks, pieces = plan.objects[key], plan.pieces
-    nbytes, decoded = from_sources(storage, key,
-                                   lambda source: _decode_object(source, key, chunks, plan.sizes[key]))
+def _apply_chunk(plan: RestorePlan, targets: List[int], chunk: DecodedChunk, held: Optional[HeldRows]) -> _Writes:
+    """Write (or hold) one decoded chunk into each of its ``targets`` pieces, in turn (the held
+    rows that go into a baseline chunk are put into its decoded rows in place: one worker per
+    chunk)."""
+    pieces = plan.pieces
     out: _Writes = []
-    for (ref, targets), chunk in zip(chunks, decoded):
-        for i in targets:
-            span, target = piece_span(pieces[i]), pieces[i].tensor
-            if held is not None and i in held.done:
-                if plan.overlay:
-                    out.append((i, 0, held.hold(i, span, chunk)))
-                else:
-                    over = functools.partial(held.write_over, i, target, span=span, base=chunk)
-                    merged = functools.partial(held.block_values, i, chunk, span)
-                    out.append((i, _copy_overlap(target, span, chunk, over, merged), None))
-            elif ref.row_ids:
-                out.append((i, 0, _scatter_rows(target, span, chunk)))
+    for i in targets:
+        span, target = piece_span(pieces[i]), pieces[i].tensor
+        if held is not None and i in held.done:
+            if plan.overlay:
+                out.append((i, 0, held.hold(i, span, chunk)))
             else:
-                out.append((i, _copy_overlap(target, span, chunk), None))
-    return nbytes, out
+                overlay = held.over_chunk(i, chunk, span)
+                over = functools.partial(overlay.write_over, target, span)
+                out.append((i, _copy_overlap(target, span, chunk, over, overlay.block_values), None))
+        elif chunk.ref.row_ids:
+            out.append((i, 0, _scatter_rows(target, span, chunk)))
+        else:
+            out.append((i, _copy_overlap(target, span, chunk), None))
+    return out
 
 
-def _decode_object(storage: Storage, key: str, chunks: ObjectChunks, size: int) -> Tuple[int, List[DecodedChunk]]:
+def _decode_object(storage: Storage, key: str, chunks: ObjectChunks, size: int,
+                   pool: Optional[RestorePool] = None) -> Tuple[int, List[DecodedChunk]]:
     """Bytes read and the verified chunks of ``key``, decoded (quantized rows kept as codes: they
-    are dequantized block by block as they are written). Nothing is written before every chunk
-    of the object verified, so a damaged copy can be passed over for another source's."""
+    are dequantized block by block as they are written), on ``pool``'s workers (None: here). Nothing
+    is written before every chunk of the object verified, so a damaged copy can be passed over
+    for another source's."""
     data = _fetch_object(storage, key, chunks, size)
     lo = min(ref.offset for ref, _t in chunks)
-    return len(data), [decode_chunk(data[ref.offset - lo:ref.offset - lo + ref.nbytes], ref, dequantize=False)
-                       for ref, _t in chunks]
+    refs = [ref for ref, _t in chunks]
+    return len(data), each_chunk(pool, refs, lambda n: decode_chunk(
+        data[refs[n].offset - lo:refs[n].offset - lo + refs[n].nbytes], refs[n], dequantize=False))
 
 
 def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],
