@@ -25,9 +25,15 @@ def test_the_summary_takes_medians_and_reads_the_longest_chain_against_the_targe
     # 2.5 s for 30 bytes against 2.0 s for the baseline's 10: 0.0833 s/byte over 0.2
     assert got["chain5_s_per_byte_over_baseline"] == pytest.approx(2.5 / 30 / (2.0 / 10), abs=1e-4)
     assert (got["baseline_rows"], got["chain5_increment_rows"], got["chain5_rows_from_increments"]) == (100, 25, 7)
-    assert got["targets_met"] == {"chain5_over_baseline<=1.3": True, "newest_first_equals_replay": True}
+    # #27's targets: seconds per stored byte <= 1.3 at every length (0.42 here), a 1-link chain <= 1.35
+    assert got["targets_met"] == {"chain5_s_per_byte_over_baseline<=1.3": True, "newest_first_equals_replay": True}
     out["exact"]["5"] = False
     assert not _summary(out, [5])["targets_met"]["newest_first_equals_replay"]
+    out["runs"]["chain1"], out["chain_bytes"]["1"], out["chain_rows"]["1"] = _runs([2.8, 2.8, 2.8]), [10, 2], [100, 5]
+    out["runs"]["replay_chain1"], out["exact"]["1"] = _runs([3.0, 3.0, 3.0]), True
+    met = _summary(out, [1, 5])["targets_met"]
+    # 1.4x the baseline for 1.2x its bytes: per byte 1.17 (met), the 1-link target not
+    assert met["chain1_over_baseline<=1.35"] is False and met["chain1_s_per_byte_over_baseline<=1.3"] is True
 
 
 def test_tiny_run(tmp_path):
@@ -46,8 +52,9 @@ def test_tiny_run(tmp_path):
     for k in (1, 3):
         assert 0 < got[f"chain{k}_rows_from_increments"] <= min(got[f"chain{k}_increment_rows"], got["baseline_rows"])
     assert got["chain1_rows_from_increments"] == got["chain1_increment_rows"]  # one link: every row is distinct
-    assert set(got["targets_met"]) == {"chain3_over_baseline<=1.3", "newest_first_equals_replay", "peer_bit_exact",
-                                       "full32_over_dcp_load<=1.0", "int4_chain_over_dcp_load<=1.0"}
+    assert set(got["targets_met"]) == {"chain1_over_baseline<=1.35", "chain1_s_per_byte_over_baseline<=1.3",
+                                       "chain3_s_per_byte_over_baseline<=1.3", "newest_first_equals_replay",
+                                       "peer_bit_exact", "full32_over_dcp_load<=1.0", "int4_chain_over_dcp_load<=1.0"}
     # against dcp.load: both restores gave back the state saved, the 4-bit chain the same state twice
     assert got["peer_bit_exact"] is True and got["peer_steps"] == 5
     assert got["full32_restore_s"] > 0 and got["dcp_load_s"] > 0 and got["int4_chain_restore_s"] > 0

@@ -10,9 +10,10 @@ newest-first (the default order, cnr.restore.chain) and replayed link by link. E
 restores of one chain is compared element for element (``bit_exact``).
 
 ``chain<k>_over_baseline``: the newest-first restore of the k-link chain over the baseline's;
-``replay_chain<k>_over_baseline`` the same for replay. The #15 target is
-``chain20_over_baseline`` <= 1.3. ``chain<k>_s_per_byte_over_baseline``: the newest-first
-restore's seconds per stored byte of the chain over the baseline's (#27 target <= 1.3).
+``replay_chain<k>_over_baseline`` the same for replay; #27's target is ``chain1_over_baseline``
+<= 1.35 (#15's ``chain20_over_baseline`` <= 1.3 was dropped by #27: a long chain holds rows its
+baseline cannot supply). ``chain<k>_s_per_byte_over_baseline``: the newest-first restore's seconds
+per stored byte of the chain over the baseline's (#27 target <= 1.3 for every k).
 
 Against the peer (unless ``--peer-steps 0``): the same model's state saved as a full fp32 cnr
 checkpoint and by ``torch.distributed.checkpoint.save`` to the same disk, then restored
@@ -59,7 +60,8 @@ from cnr.storage.base import Storage
 from cnr.track.state import StatePiece
 from cnr.types import ChainOrder, CheckpointKind, Role
 
-TARGET = 1.3  # chain20_over_baseline
+CHAIN1_TARGET = 1.35  # chain1_over_baseline (#27)
+PER_BYTE_TARGET = 1.3  # chain<k>_s_per_byte_over_baseline, every k (#27)
 PEER_TARGET = 1.0  # full32_over_dcp_load and int4_chain_over_dcp_load (#27)
 INT4_L2 = 0.2  # a 4-bit row-wise restore's relative l2 error is a few percent (bench quantize)
 
@@ -256,9 +258,11 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
     for name in ("merges", "compaction_read_bytes", "compaction_write_bytes", "total_storage_bytes"):
         result[name] = traffic.get(name, 0)
     result["bit_exact"] = {str(k): bool(out["exact"][str(k)]) for k in links}
-    longest = max(links)
-    result["targets_met"] = {f"chain{longest}_over_baseline<={TARGET}": result[f"chain{longest}_over_baseline"] <= TARGET,
-                             "newest_first_equals_replay": all(out["exact"].values())}
+    met = {f"chain{k}_s_per_byte_over_baseline<={PER_BYTE_TARGET}":
+           result[f"chain{k}_s_per_byte_over_baseline"] <= PER_BYTE_TARGET for k in links}
+    if 1 in links:
+        met[f"chain1_over_baseline<={CHAIN1_TARGET}"] = result["chain1_over_baseline"] <= CHAIN1_TARGET
+    result["targets_met"] = {**met, "newest_first_equals_replay": all(out["exact"].values())}
     peer = out.get("peer") or {}
     result.update(peer)
     if peer:
