@@ -288,8 +288,9 @@ class CheckpointOptions:
     - ``chunk_bytes``: largest stored chunk (>= 4096); ``upload_threads``: concurrent puts of the
       rank's background writer; ``encode_threads``: chunks it encodes at once (each keeps one
       core busy while a checkpoint is written: more than 1 only where training leaves cores
-      idle, a GPU host; cnr.write.encode_pool); ``restore_threads``: objects a rank fetches,
-      verifies and decodes at once on restore. ``search_kernel`` (cnr.types.SearchKernel):
+      idle, a GPU host; cnr.write.encode_pool); ``restore_threads``: workers a rank restores
+      on: objects fetched, verified and decoded at once, sharing one object's chunks, the next
+      links' objects fetched ahead (cnr.restore.workers). ``search_kernel`` (cnr.types.SearchKernel):
       "auto", "eager" or "compiled" (needs a C++ compiler on the host), how the writer runs the
       adaptive quantizer's range search.
     - ``on_overlap`` (cnr.types.OnOverlap): what a save does while the previous checkpoint is
