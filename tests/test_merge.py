@@ -247,3 +247,28 @@ def test_the_job_merger_hands_over_without_a_stall_and_survives_a_killed_worker(
     merger.wait()
     assert [r.get("committed_now") for r in merger.reports[1:]] == [True, False], merger.reports
     assert storage.exists(manifest_key(merged_id(target.id))) and not merger.running
+
+
+def test_a_later_merge_goes_the_long_way_past_a_damaged_merged_baseline(quantized_chain, tmp_path):
+    """An earlier merged baseline whose chunk was damaged: the next merge reads the links it stood
+    for instead (as a restore does), so compaction goes on for the rest of the run (`bench chaos`
+    seed 2 saw every later merge fail on one damaged merged chunk); the new merged baseline holds
+    exactly the chain's state."""
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    chain = resolve_chain(storage, target)
+    expected = _restored(storage, chain)
+    earlier, _fresh = merge_chain(storage, chain[-2].id, chunk_bytes=4096)  # the merge before the newest link
+    assert [m.id for m in resolve_chain(storage, target)] == [earlier.id, target.id]
+    # one byte flipped in its largest table chunk (a merge copies dense tensors from the newest link)
+    ref = max((c for e in earlier.tensors.values() if e.table is not None for c in e.chunks), key=lambda c: c.nbytes)
+    path = os.path.join(storage.root, ref.key)
+    with open(path, "r+b") as f:
+        f.seek(ref.offset + ref.nbytes - 1)
+        last = f.read(1)
+        f.seek(ref.offset + ref.nbytes - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    merged, fresh = merge_chain(storage, target.id, chunk_bytes=4096)
+    assert fresh and merged.id == merged_id(target.id)
+    got = _restored(storage, [read_manifest(storage, merged.id)])
+    assert all(torch.equal(got[n], expected[n]) for n in expected)

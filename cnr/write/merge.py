@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -37,7 +37,7 @@ from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import (
-    Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
+    MERGED_SUFFIX, Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
 )
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
@@ -207,18 +207,24 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     if done is not None:
         return done, False
     target = read_manifest(storage, ckpt_id)
-    chain = resolve_chain(storage, target)
-    if len(chain) < 2:
-        raise CheckpointError(f"checkpoint {ckpt_id} restores from one full checkpoint; there is nothing to merge")
-    maybe_crash("merge_before_data", target.step, 0)
-    uploader = Uploader(storage, threads)
-    try:
-        packer = Packer(uploader, merged_id(ckpt_id), 0, chunk_bytes)
-        tensors = _merge_tensors(storage, packer, target, chain, chunk_bytes, compression)
-        packer.flush()
-        uploader.wait()
-    finally:
-        uploader.close()
+    skip: Set[str] = set()
+    while True:
+        chain = resolve_chain(storage, target, frozenset(skip))
+        if len(chain) < 2:
+            raise CheckpointError(f"checkpoint {ckpt_id} restores from one full checkpoint; there is nothing to merge")
+        try:
+            tensors = _write_merged(storage, target, chain, chunk_bytes, threads, compression)
+            break
+        except CheckpointError as e:
+            # an earlier merged baseline is a shortcut, never the only way (as for a restore,
+            # cnr.restore.newest): found damaged, merge through the links it stands for instead,
+            # or every later merge of this history would fail on it
+            damaged = chain[0].id
+            if not damaged.endswith(MERGED_SUFFIX) or damaged in skip or damaged not in str(e):
+                raise
+            logger.warning("merging %s: its merged baseline %s is damaged (%s); merging through the links it "
+                           "stands for", ckpt_id, damaged, e)
+            skip.add(damaged)
     check_coverage(tensors, CheckpointKind.FULL)
     merged = dataclasses.replace(target, id=merged_id(ckpt_id), kind=CheckpointKind.FULL, base=None,
                                  tensors=tensors, created_unix=time.time())
@@ -226,10 +232,26 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     maybe_crash("merge_before_commit", target.step, 0)
     if fence is not None:
         fence()
-    resolve_chain(storage, read_manifest(storage, ckpt_id))  # raises if the chain was deleted meanwhile
+    resolve_chain(storage, read_manifest(storage, ckpt_id), frozenset(skip))  # raises if the chain was deleted meanwhile
     storage.put(manifest_key(merged.id), manifest_to_bytes(merged))  # the commit: last
     _check_durable(storage, merged)
     return merged, True
+
+
+def _write_merged(storage: Storage, target: Manifest, chain: List[Manifest], chunk_bytes: int, threads: int,
+                  compression: Compression) -> Dict[str, TensorEntry]:
+    """Store the merged rows of ``chain`` (ending at ``target``) under ``merged_id(target.id)``,
+    no manifest; return its tensors. A second call after a failed one overwrites the same keys."""
+    maybe_crash("merge_before_data", target.step, 0)
+    uploader = Uploader(storage, threads)
+    try:
+        packer = Packer(uploader, merged_id(target.id), 0, chunk_bytes)
+        tensors = _merge_tensors(storage, packer, target, chain, chunk_bytes, compression)
+        packer.flush()
+        uploader.wait()
+    finally:
+        uploader.close()
+    return tensors
 
 
 def _committed_or_none(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
