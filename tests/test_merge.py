@@ -249,7 +249,8 @@ def test_the_job_merger_hands_over_without_a_stall_and_survives_a_killed_worker(
     assert storage.exists(manifest_key(merged_id(target.id))) and not merger.running
 
 
-def test_a_later_merge_goes_the_long_way_past_a_damaged_merged_baseline(quantized_chain, tmp_path):
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_a_later_merge_goes_the_long_way_past_a_damaged_merged_baseline(quantized_chain, tmp_path, damage):
     """An earlier merged baseline whose chunk was damaged: the next merge reads the links it stood
     for instead (as a restore does), so compaction goes on for the rest of the run (`bench chaos`
     seed 2 saw every later merge fail on one damaged merged chunk); the new merged baseline holds
@@ -263,11 +264,14 @@ def test_a_later_merge_goes_the_long_way_past_a_damaged_merged_baseline(quantize
     # one byte flipped in its largest table chunk (a merge copies dense tensors from the newest link)
     ref = max((c for e in earlier.tensors.values() if e.table is not None for c in e.chunks), key=lambda c: c.nbytes)
     path = os.path.join(storage.root, ref.key)
-    with open(path, "r+b") as f:
-        f.seek(ref.offset + ref.nbytes - 1)
-        last = f.read(1)
-        f.seek(ref.offset + ref.nbytes - 1)
-        f.write(bytes([last[0] ^ 0xFF]))
+    if damage == "deleted":
+        os.remove(path)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(ref.offset + ref.nbytes - 1)
+            last = f.read(1)
+            f.seek(ref.offset + ref.nbytes - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
     merged, fresh = merge_chain(storage, target.id, chunk_bytes=4096)
     assert fresh and merged.id == merged_id(target.id)
     got = _restored(storage, [read_manifest(storage, merged.id)])

@@ -7,9 +7,9 @@ import json
 import logging
 from typing import AbstractSet, List, Optional, Tuple
 
-from cnr.errors import CheckpointError, KeyNotFoundError
+from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.format.manifest import (
-    ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
+    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
 )
 from cnr.format.lineage import restore_order
 from cnr.storage.base import Storage
@@ -111,6 +111,17 @@ def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] =
             raise CheckpointError(f"base {base.id} of {head.id} is not older than the increment")
         chain.insert(0, base)
     return chain
+
+
+
+def damaged_merges(chain: List[Manifest], error: BaseException) -> Tuple[str, ...]:
+    """The merged baselines of ``chain`` that ``error`` finds damaged: a chunk that fails its
+    check, or an object gone (CorruptChunkError, KeyNotFoundError), whose key names the merged
+    baseline (every damaged-object error names its key, and keys carry the checkpoint id). Such
+    a baseline is a shortcut (``resolve_chain``): the chain's links it merged are the long way."""
+    if not isinstance(error, (CorruptChunkError, KeyNotFoundError)):
+        return ()
+    return tuple(m.id for m in chain if m.id.endswith(MERGED_SUFFIX) and m.id in str(error))
 
 
 def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:

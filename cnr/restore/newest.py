@@ -42,7 +42,7 @@ from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.track.collectives import rank0_decides
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
-from cnr.format.catalog import read_manifest, resolve_chain, restore_ids
+from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain, restore_ids
 from cnr.storage.base import Storage
 from cnr.types import OnDamage
 from cnr.format.verify import DAMAGE, check_rank_indexes
@@ -89,9 +89,8 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
     try:
         return restore_app(storage, manifest, app, rank, world_size, threads, chain, partial), None, None
     except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
-        # the damaged object's key names its checkpoint: a merged baseline's damage leaves the long way
-        merges = tuple(m.id for m in chain if m.id.endswith(MERGED_SUFFIX) and m.id in str(e))
-        return None, (DAMAGED, str(e), merges), e
+        # a merged baseline's damage leaves the long way
+        return None, (DAMAGED, str(e), damaged_merges(chain, e)), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         return None, (FAILED, f"{type(e).__name__}: {e}", ()), e
 

@@ -212,10 +212,10 @@ class _Pipeline:
         while True:
             while self._current < len(self._groups) and self._left[self._current] == 0:
                 self._current += 1
-            if self._current == len(self._groups) and not self._want_group():
-                return
             if self._current < len(self._groups):
                 break
+            if not self._want_group():
+                return  # every group applied
         ready = [gk for gk in self._fetched if gk[0] == self._current]
         for g, key in ready:
             self._submit("apply", g, key, self._apply, g, key, self._fetched.pop((g, key)))
@@ -230,18 +230,16 @@ class _Pipeline:
 
     def _want_group(self) -> bool:
         """Take the next group from ``next_group`` (False: there is none)."""
-        while self._more:
-            group = self._next_group()
-            if group is None:
-                self._more = False
-                break
-            g = len(self._groups)
-            self._groups.append(group)
-            self._left.append(len(group))
-            self._results.append({})
-            self._queued.extend((g, key) for key in group)
-            return True
-        return False
+        group = self._next_group() if self._more else None
+        if group is None:
+            self._more = False
+            return False
+        g = len(self._groups)
+        self._groups.append(group)
+        self._left.append(len(group))
+        self._results.append({})
+        self._queued.extend((g, key) for key in group)
+        return True
 
     def _submit(self, stage: str, g: int, key: str, fn: Callable, *args) -> None:
         self._running[self._pool.executor.submit(fn, *args)] = (stage, g, key)

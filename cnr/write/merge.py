@@ -37,9 +37,9 @@ from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import (
-    MERGED_SUFFIX, Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
+    Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
 )
-from cnr.format.catalog import read_manifest, resolve_chain
+from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding
@@ -215,16 +215,16 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
         try:
             tensors = _write_merged(storage, target, chain, chunk_bytes, threads, compression)
             break
-        except CheckpointError as e:
+        except (CheckpointError, KeyNotFoundError) as e:
             # an earlier merged baseline is a shortcut, never the only way (as for a restore,
             # cnr.restore.newest): found damaged, merge through the links it stands for instead,
             # or every later merge of this history would fail on it
-            damaged = chain[0].id
-            if not damaged.endswith(MERGED_SUFFIX) or damaged in skip or damaged not in str(e):
+            damaged = set(damaged_merges(chain, e)) - skip
+            if not damaged:
                 raise
             logger.warning("merging %s: its merged baseline %s is damaged (%s); merging through the links it "
-                           "stands for", ckpt_id, damaged, e)
-            skip.add(damaged)
+                           "stands for", ckpt_id, ", ".join(sorted(damaged)), e)
+            skip |= damaged
     check_coverage(tensors, CheckpointKind.FULL)
     merged = dataclasses.replace(target, id=merged_id(ckpt_id), kind=CheckpointKind.FULL, base=None,
                                  tensors=tensors, created_unix=time.time())
