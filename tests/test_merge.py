@@ -18,6 +18,7 @@ from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest, checkpoint_prefix, manifest_key, merged_id
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
+from cnr.format.verify import check_objects
 from cnr.write.compact import Merger, MergeSettings, compact_location, merge_and_retain
 from cnr.write.lease import Lease, check_held
 from cnr.write.merge import _encoding_of, merge_chain
@@ -276,3 +277,59 @@ def test_a_later_merge_goes_the_long_way_past_a_damaged_merged_baseline(quantize
     assert fresh and merged.id == merged_id(target.id)
     got = _restored(storage, [read_manifest(storage, merged.id)])
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def _damage(storage: LocalStorage, ref: ChunkRef, how: str) -> None:
+    """Flip the last byte of chunk ``ref`` in place, or delete its object."""
+    path = os.path.join(storage.root, ref.key)
+    if how == "deleted":
+        os.remove(path)
+        return
+    with open(path, "r+b") as f:
+        f.seek(ref.offset + ref.nbytes - 1)
+        last = f.read(1)
+        f.seek(ref.offset + ref.nbytes - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_compact_merges_again_a_committed_merged_baseline_found_damaged(quantized_chain, tmp_path, damage):
+    """`cnr compact` of a checkpoint whose own merged baseline is committed but damaged: it is not
+    taken as done (stop 32 returned it as merged, and the chain stayed long for good); it is merged
+    again through the links it stands for, re-committed, and then restores exactly the chain's
+    state; nothing the long way needs was deleted while it was damaged."""
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    chain = resolve_chain(storage, target)
+    expected = _restored(storage, chain)
+    merged, fresh = merge_chain(storage, target.id, chunk_bytes=4096)
+    assert fresh
+    ref = max((c for e in merged.tensors.values() if e.table is not None for c in e.chunks), key=lambda c: c.nbytes)
+    _damage(storage, ref, damage)
+    summary = compact_location(storage, None, MergeSettings(4096, keep_last=1))
+    assert summary["merged"] == merged.id and summary["committed_now"], summary
+    assert check_objects(storage, read_manifest(storage, merged.id)) == []
+    got = _restored(storage, [read_manifest(storage, merged.id)])
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    # once it verifies again, the re-run's retention drops the old links; a second run has nothing to do
+    assert not any(_objects(storage, m.id) for m in chain[:-1])
+    again = compact_location(storage, None, MergeSettings(4096, keep_last=1))
+    assert again["merged"] is None and "nothing to merge" in again["reason"], again
+
+
+def test_retention_keeps_the_links_of_a_damaged_merged_baseline(quantized_chain, tmp_path):
+    """While a committed merged baseline is damaged, retention does not count its chain: the
+    links it stands for stay, and the newest checkpoint restores the long way."""
+    from cnr.policy.retention import retain_checkpoints
+    from cnr.types import RetentionScope
+
+    storage = _copy_store(f"{quantized_chain}/ck", str(tmp_path / "ck"))
+    target = newest_committed(storage)
+    chain = resolve_chain(storage, target)
+    expected = _restored(storage, chain)
+    merged, _fresh = merge_chain(storage, target.id, chunk_bytes=4096)
+    ref = max((c for e in merged.tensors.values() if e.table is not None for c in e.chunks), key=lambda c: c.nbytes)
+    _damage(storage, ref, "flipped")
+    retain_checkpoints(storage, 1, RetentionScope(target.lineage))
+    assert all(_objects(storage, m.id) for m in chain), "a link of the long way was deleted"
+    assert [m.id for m in resolve_chain(storage, target, frozenset({merged.id}))] == [m.id for m in chain]

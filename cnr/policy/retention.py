@@ -306,6 +306,12 @@ def verified(storage: Storage, ckpt_ids: Sequence[str]) -> Dict[str, bool]:
     return out
 
 
+def forget_verified(storage: Storage, ckpt_id: str) -> None:
+    """Drop what this process cached about ``ckpt_id`` verifying (``verified``): a damaged merged
+    baseline merged again and re-committed (cnr.write.merge) is read back anew."""
+    _VERIFIED.pop((storage.uri, ckpt_id), None)
+
+
 def plan_on_storage(storage: Storage, infos: Sequence[CheckpointInfo], keep_last: int,
                     scope: RetentionScope) -> RetentionPlan:
     """``plan_with`` over ``infos``, verifying on ``storage`` what it needs."""

@@ -14,7 +14,9 @@ cnr.format.manifest.merged_id): it sorts right after that increment, chain resol
 of that increment and everything before it, and retention can then drop the old chain. Its
 manifest is written last, after every chunk is stored and only while the increment's chain still
 resolves, so a merge cut off at any point leaves nothing a restore would read, and a re-run merges
-again (or finds the merge committed).
+again (or finds the merge committed). A committed merged baseline a re-run finds damaged (a chunk
+that fails its check, an object gone) is merged again through the links it stands for, which
+retention keeps while it does not verify (cnr.policy.retention), and re-committed.
 
 Limits: one tensor is merged at a time, held in its stored form (quantized, not fp32; scales and
 biases as float32) beside one fetched chunk. A chain whose rows of one tensor were stored at
@@ -40,6 +42,7 @@ from cnr.format.manifest import (
     Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
 )
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain
+from cnr.policy.retention import forget_verified, verified
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
 from cnr.storage.base import Storage
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef, Encoding
@@ -203,11 +206,13 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     re-quantizing; nothing is committed then. Fault points (cnr.write.faults, at ``ckpt_id``'s step):
     ``merge_before_data``, ``merge_mid_data`` (after each tensor), ``merge_before_commit``.
     """
-    done = _committed_or_none(storage, merged_id(ckpt_id))
+    skip: Set[str] = set()
+    done = _verified_merge(storage, merged_id(ckpt_id))
     if done is not None:
         return done, False
+    if storage.exists(manifest_key(merged_id(ckpt_id))):
+        skip.add(merged_id(ckpt_id))  # committed, but damaged: merged again, the long way
     target = read_manifest(storage, ckpt_id)
-    skip: Set[str] = set()
     while True:
         chain = resolve_chain(storage, target, frozenset(skip))
         if len(chain) < 2:
@@ -234,6 +239,7 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
         fence()
     resolve_chain(storage, read_manifest(storage, ckpt_id), frozenset(skip))  # raises if the chain was deleted meanwhile
     storage.put(manifest_key(merged.id), manifest_to_bytes(merged))  # the commit: last
+    forget_verified(storage, merged.id)  # a damaged one it replaced may be cached as such
     _check_durable(storage, merged)
     return merged, True
 
@@ -254,8 +260,14 @@ def _write_merged(storage: Storage, target: Manifest, chain: List[Manifest], chu
     return tensors
 
 
-def _committed_or_none(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
-    try:
-        return read_manifest(storage, ckpt_id)
-    except KeyNotFoundError:
+def _verified_merge(storage: Storage, merged: str) -> Optional[Manifest]:
+    """The committed merged baseline ``merged`` when it verifies (its manifest and every chunk read
+    back and checked, once per process: cnr.policy.retention.verified, which retention asks
+    anyway), else None: not committed, or damaged (logged)."""
+    if not storage.exists(manifest_key(merged)):
         return None
+    if not verified(storage, [merged])[merged]:
+        logger.warning("merged baseline %s is committed but damaged; merging again through the links it stands for",
+                       merged)
+        return None
+    return read_manifest(storage, merged)
