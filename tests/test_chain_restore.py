@@ -273,7 +273,7 @@ def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequanti
                                                                                   held_params):
     """A 4-bit baseline chunk of 60 rows and an increment chunk holding 25 of them: at the
     baseline's width its rows replace the baseline's codes, scales and biases in the block, which
-    is dequantized once (``ChunkOverlay.block_values``; ``write_over`` then has nothing left to
+    is dequantized once (``ChunkOverlay.values_into``/``values``; ``write_over`` then has nothing left to
     write); at another width (or raw) the block is the baseline's and ``write_over`` writes the
     held rows.
     Either way every row is bit for bit what the link that holds it decodes to, whether the scales
@@ -296,8 +296,11 @@ def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequanti
     held.hold(0, (0, 60, 0, 0), held_chunk)
     target = torch.full((60, 6), -7.0)
     overlay = held.over_chunk(0, base, (0, 60, 0, 0))  # merged rows go in here, for the whole chunk
-    for lo, hi in ((0, 30), (30, 60)):  # as _copy_overlap does: the block's values, then write_over
-        target[lo:hi] = overlay.block_values(lo, hi)
+    for lo, hi in ((0, 30), (30, 60)):  # as _copy_overlap does: the block's values (into the piece, or
+        if lo == 0:                      # through a copy: some of its columns), then write_over
+            overlay.values_into(lo, hi, target[lo:hi])
+        else:
+            target[lo:hi] = overlay.values(lo, hi)
         before = target.clone()
         overlay.write_over(target, (0, 60, 0, 0), lo, hi)
         assert torch.equal(target, before) == merged  # merged rows are in the block already

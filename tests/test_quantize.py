@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import pytest
 import torch
 
-from cnr.codec.quant.bitpack import packed_bytes_per_row, unpack
+from cnr.codec.quant.bitpack import packed_bytes_per_row
 import cnr.codec.quant.quantize as quantize
 from cnr.errors import ConfigError
 from cnr.types import STORED_QUANT_METHODS
@@ -271,27 +271,6 @@ def test_dequantize_formula_on_hand_made_rows() -> None:
     q = QuantizedRows(2, "naive", 2, 4, codes, scale=torch.tensor([0.5, 2.0], dtype=F16),
                       bias=torch.tensor([-1.0, 10.0]))
     assert dequantize_rows(q).tolist() == [[-1.0, -0.5, 0.0, 0.5], [16.0, 14.0, 12.0, 10.0]]
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("dim", [1, 3, 63, 64])
-def test_fbgemm_unpack_is_bit_identical_to_the_shift_mask_one(bits: int, dim: int) -> None:
-    fbgemm_gpu = pytest.importorskip("fbgemm_gpu")  # loads torch.ops.fbgemm: the fast path is on
-    assert fbgemm_gpu is not None and quantize._fbgemm_nbit_to_float() is not None
-    g = torch.Generator().manual_seed(bits * 100 + dim)
-    x = torch.randn(300, dim, generator=g) * torch.logspace(-3, 2, 300).unsqueeze(1)
-    q = quantize_rows(x, bits)
-    codes = unpack(q.codes, bits, dim)
-    fast = quantize.codes_as_float(q)
-    assert fast.shape == (300, dim) and fast.is_contiguous() and torch.equal(fast, codes.float())
-    expected = codes.float().mul_(q.scale.float().unsqueeze(1)).add_(q.bias.float().unsqueeze(1))
-    assert torch.equal(dequantize_rows(q), expected)
-
-
-def test_without_fbgemm_the_shift_mask_unpack_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quantize, "_fbgemm_nbit_to_float", lambda: None)
-    q = quantize_rows(torch.randn(10, 7), 4)
-    assert torch.equal(quantize.codes_as_float(q), unpack(q.codes, 4, 7).float())
 
 
 # --- rejected input -----------------------------------------------------------------------------------

@@ -116,6 +116,10 @@ class StoredRows(abc.ABC):
     def values(self) -> torch.Tensor:
         """Every row as values, ``[rows, *row_shape]``."""
 
+    def values_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``values()`` written into ``out`` (same shape; a codec may write there directly)."""
+        return out.copy_(self.values())
+
 
 class MergeRows(abc.ABC):
     """Every row of one column slice of a tensor in its decoded form, as the merge

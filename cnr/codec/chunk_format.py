@@ -82,6 +82,15 @@ class DecodedChunk:
             return self.data[lo:hi]
         return self.quantized.select(slice(lo, hi)).values()
 
+    def values_into(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out.copy_(self.values(lo, hi))``, bit for bit; quantized rows are dequantized straight
+        into ``out`` where they can be (cnr.codec.base.StoredRows.values_into), not through a
+        temporary."""
+        if self.data is not None:
+            out.copy_(self.data[lo:hi])
+        else:
+            self.quantized.select(slice(lo, hi)).values_into(out)
+
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """The chunk's rows at local indexes ``rows`` (int64) as values; of a quantized chunk only
         those rows are dequantized, bit-identical to the same rows of ``values`` (per-row ops)."""

@@ -19,7 +19,7 @@ and float32 scales and biases mix) go in before the chunk is dequantized: their 
 and biases replace the baseline's in the chunk's decoded stored rows, for the whole chunk at
 once (about 20 bytes a 2-bit row of 64 instead of 256 bytes of values; once per chunk rather
 than per block cut the Python work per block by four), and each block is dequantized once
-(``ChunkOverlay.block_values``), so such a row costs no dequantization of its own and no scatter
+(``ChunkOverlay.values_into``), so such a row costs no dequantization of its own and no scatter
 of values. Others (another width, raw rows) are dequantized and written over the block after it
 lands (``ChunkOverlay.write_over``).
 
@@ -257,7 +257,7 @@ class HeldRows:
 
 class ChunkOverlay:
     """The held rows of one piece inside one baseline chunk (``HeldRows.over_chunk``): the
-    chunk's values block by block with the merged rows in (``block_values``), and the other held
+    chunk's values block by block with the merged rows in (``values``, ``values_into``), and the other held
     rows written over each block once it landed (``write_over``)."""
 
     def __init__(self, held: HeldRows, piece: int, base: DecodedChunk, first: int, stored: Optional[QuantizedRows],
@@ -267,11 +267,19 @@ class ChunkOverlay:
         self._held, self._piece, self._base, self._first = held, piece, base, first
         self._stored, self._others = stored, others
 
-    def block_values(self, c_lo: int, c_hi: int) -> torch.Tensor:
+    def values(self, c_lo: int, c_hi: int) -> torch.Tensor:
         """The values of the chunk's rows ``c_lo..c_hi-1``, merged held rows included."""
         if self._stored is None:
             return self._base.values(c_lo, c_hi)
         return self._stored.select(slice(c_lo - self._first, c_hi - self._first)).values()
+
+    def values_into(self, c_lo: int, c_hi: int, out: torch.Tensor) -> None:
+        """``out.copy_(self.values(c_lo, c_hi))``, bit for bit, dequantized straight into ``out``
+        where it can be (cnr.codec.chunk_format.DecodedChunk.values_into)."""
+        if self._stored is None:
+            self._base.values_into(c_lo, c_hi, out)
+        else:
+            self._stored.select(slice(c_lo - self._first, c_hi - self._first)).values_into(out)
 
     def write_over(self, target: torch.Tensor, span: Span, lo: int, hi: int) -> None:
         """Write the held rows that do not merge and fall in the piece's rows ``lo..hi-1`` into

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -80,30 +80,45 @@ def _block_rows(chunk: DecodedChunk) -> int:
     return max(1, _BLOCK_BYTES // width)
 
 
+class BlockSource(Protocol):
+    """Where ``_copy_overlap`` takes a chunk's rows from: the decoded chunk itself, or a
+    cnr.restore.overlay.ChunkOverlay (its rows with held rows merged in)."""
+
+    def values(self, lo: int, hi: int) -> torch.Tensor:
+        """The values of the chunk's rows ``lo..hi-1``."""
+
+    def values_into(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out.copy_(self.values(lo, hi))``, bit for bit (computed there where it can be)."""
+
+
 def _copy_overlap(target: torch.Tensor, span: Span, chunk: DecodedChunk,
                   after_block: Optional[Callable[[int, int], None]] = None,
-                  block_values: Optional[Callable[[int, int], torch.Tensor]] = None) -> int:
+                  source: Optional[BlockSource] = None) -> int:
     """Copy the part of ``chunk`` inside ``span`` into ``target``; return elements copied.
-    ``block_values(lo, hi)`` gives the values of the chunk's rows ``lo..hi-1`` (default
-    ``chunk.values``); ``after_block(lo, hi)`` runs after each block lands in the piece's rows
-    ``lo..hi-1``."""
+    ``source`` gives the chunk's rows (default ``chunk``); a block with all of the chunk's
+    columns is written straight into the piece (quantized rows dequantized there), a block
+    with some of them through its values. ``after_block(lo, hi)`` runs after each block lands
+    in the piece's rows ``lo..hi-1``."""
     p0, p1, q0, q1 = span
     r0, r1, c0, c1 = chunk_span(chunk.ref)
     lo, hi = max(p0, r0), min(p1, r1)
     view = target.reshape(1) if target.dim() == 0 else target
+    rows_of = source if source is not None else chunk
     copied = 0
     step = _block_rows(chunk)
     for b0 in range(lo, hi, step):
         b1 = min(hi, b0 + step)
-        src = (block_values or chunk.values)(b0 - r0, b1 - r0)
         dst_rows = slice(b0 - p0, b1 - p0)
         if q1 == q0 == 0:
             dst = view[dst_rows]
+            rows_of.values_into(b0 - r0, b1 - r0, dst)
         else:
             clo, chi = max(q0, c0), min(q1, c1)
             dst = view[dst_rows, clo - q0:chi - q0]
-            src = src[:, clo - c0:chi - c0]
-        dst.copy_(src)
+            if (clo, chi) == (c0, c1):
+                rows_of.values_into(b0 - r0, b1 - r0, dst)
+            else:
+                dst.copy_(rows_of.values(b0 - r0, b1 - r0)[:, clo - c0:chi - c0])
         copied += dst.numel()
         if after_block is not None:
             after_block(b0 - p0, b1 - p0)
@@ -313,7 +328,7 @@ def _apply_chunk(plan: RestorePlan, targets: List[int], chunk: DecodedChunk, hel
             else:
                 overlay = held.over_chunk(i, chunk, span)
                 over = functools.partial(overlay.write_over, target, span)
-                out.append((i, _copy_overlap(target, span, chunk, over, overlay.block_values), None))
+                out.append((i, _copy_overlap(target, span, chunk, over, overlay), None))
         elif chunk.ref.row_ids:
             out.append((i, 0, _scatter_rows(target, span, chunk)))
         else:

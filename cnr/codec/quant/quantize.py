@@ -22,12 +22,13 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
 from cnr.codec.base import StoredRows
-from cnr.codec.quant.bitpack import pack, packed_bytes_per_row, unpack
+from cnr.codec.quant.bitpack import pack, packed_bytes_per_row
+from cnr.codec.quant.dequantize import dequantize_rows
 from cnr.errors import ConfigError
 from cnr.codec.quant.range_search import Fused, greedy_range, rounded
 
@@ -179,6 +180,13 @@ class QuantizedRows(StoredRows):
     def values(self) -> torch.Tensor:
         """float32 ``[rows, dim]``: the rows dequantized (dequantize_rows)."""
         return dequantize_rows(self)
+
+    def values_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``values()`` written into ``out`` (``[rows, dim]``), bit for bit: computed there when it
+        is float32 on the host, else computed and copied (converted, or to its device)."""
+        if out.dtype != torch.float32 or out.device.type != "cpu":
+            return out.copy_(self.values())
+        return dequantize_rows(self, out=out)
 
 
 def _check_tensor(label: str, t: object, dtypes: Tuple[torch.dtype, ...], shape: Tuple[int, ...]) -> None:
@@ -462,47 +470,6 @@ def quantize_rows(
     search's compiled kernels (cnr.codec.quant.range_search.CompiledSearch.get()), or None for the eager ones.
     """
     return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name, search=search)
-
-
-# fp16 scale 1.0 and bias 0.0, the tail of a row in fbgemm's fused n-bit layout
-_UNIT_SCALE_BIAS = torch.tensor([1.0, 0.0], dtype=torch.float16).view(torch.uint8)
-
-
-def _fbgemm_nbit_to_float() -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
-    """fbgemm's fused n-bit row dequantizer when fbgemm_gpu is loaded (torchrec loads it), else
-    None. Not imported here: the writer process and the tests run without it."""
-    try:
-        return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def codes_as_float(q: QuantizedRows) -> torch.Tensor:
-    """float32 ``[rows, dim]`` of ``q``'s integer codes (exact: codes are < 2**8).
-
-    For 2- and 4-bit rows, fbgemm's vectorised kernel unpacks and converts in one pass (about 3x
-    faster than the shift/mask passes on this CPU): the rows are given a unit fp16 scale and a
-    zero bias, so its ``code * 1 + 0`` is the code itself, bit for bit.
-    """
-    op = _fbgemm_nbit_to_float() if q.bits in (2, 4) and q.rows else None
-    if op is None:
-        return unpack(q.codes, q.bits, q.dim).float()
-    width = q.codes.shape[1]
-    fused = torch.empty((q.rows, width + 4), dtype=torch.uint8)
-    fused[:, :width] = q.codes
-    fused[:, width:] = _UNIT_SCALE_BIAS
-    out = op(fused, q.bits)  # [rows, width * 8 / bits]: a partly used last byte decodes as zeros
-    return out if out.shape[1] == q.dim else out[:, :q.dim].contiguous()
-
-
-def dequantize_rows(q: QuantizedRows) -> torch.Tensor:
-    """float32 ``[rows, dim]`` values of ``q``, computed from exactly its stored parameters."""
-    if q.method == "kmeans":
-        return torch.gather(q.codebook, 1, unpack(q.codes, q.bits, q.dim).long())
-    # Same op order as the search's _fake_quant (mul, then add): no fused multiply-add, so the
-    # error the search measured is the error of this result.
-    out = codes_as_float(q).mul_(q.scale.float().unsqueeze(1))
-    return out.add_(q.bias.float().unsqueeze(1))
 
 
 def l2_per_row(x: torch.Tensor, q: QuantizedRows) -> torch.Tensor:
