@@ -202,3 +202,29 @@ def test_float16_bias_costs_no_measurable_error():
         half = l2_per_row(x, quantize_rows(x, bits)).mean()
         full = l2_per_row(x, quantize_rows_with_dtypes(x, bits, "adaptive", bias_dtype=torch.float32)).mean()
         assert float(half) <= float(full) * 1.01, (bits, float(half), float(full))
+
+
+def test_zstd_decodes_after_a_damaged_payload_on_the_same_thread_and_on_others():
+    """The decompressor is reused per thread: a payload that failed leaves it able to decode the
+    next one, and threads decoding at once each get the right bytes."""
+    import threading
+
+    codec = bytes_codec("zstd")
+    payloads = [bytes([i]) * 5000 + b"tail" * i for i in range(8)]
+    encoded = [codec.encode(ZSTD[0], p) for p in payloads]
+    bad = bytearray(encoded[0])
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(CorruptChunkError, match="does not decompress"):
+        codec.decode(ZSTD[0], memoryview(bytes(bad)), len(payloads[0]), "chunk 'k'")
+    assert codec.decode(ZSTD[0], memoryview(encoded[0]), len(payloads[0]), "chunk 'k'") == payloads[0]
+    got: dict = {}
+
+    def decode_all(t: int) -> None:
+        got[t] = [codec.decode(ZSTD[0], memoryview(e), len(p), "chunk 'k'") for e, p in zip(encoded, payloads)]
+
+    threads = [threading.Thread(target=decode_all, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[t] == payloads for t in range(4))

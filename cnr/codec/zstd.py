@@ -47,8 +47,9 @@ class ZstdCodec(BytesCodec):
     name = "zstd"
 
     def __init__(self) -> None:
-        # one compressor per level and thread, reused: creating one costs ~0.1 ms, and a
-        # compressor must not be used by two threads at once (the writer encodes on several)
+        # one compressor per level and thread, and one decompressor per thread, reused: creating
+        # one costs ~0.1 ms, and neither may be used by two threads at once (the writer encodes,
+        # a restore decodes, on several)
         self._local = threading.local()
 
     def check(self, spec: CodecSpec, where: str) -> None:
@@ -70,7 +71,10 @@ class ZstdCodec(BytesCodec):
                 raise CorruptChunkError(f"{where} zstd frame does not declare its size (the header says {size})")
             if declared != size:
                 raise CorruptChunkError(f"{where} zstd frame declares {declared} bytes, the header says {size}")
-            out = zstandard.ZstdDecompressor().decompress(data)
+            decompressor = getattr(self._local, "decompressor", None)
+            if decompressor is None:
+                decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+            out = decompressor.decompress(data)
         except zstandard.ZstdError as e:
             raise CorruptChunkError(f"{where} zstd payload does not decompress: {e}") from e
         if len(out) != size:
