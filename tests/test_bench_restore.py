@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -161,3 +162,40 @@ def test_bad_run_values_are_refused_before_any_work(tmp_path, monkeypatch, value
                                           "an integer >= 1"):
         restore_bench.run(["--config", TINY, "--workdir", str(tmp_path / "w"), "--run", value])
     assert started == [] and not (tmp_path / "w").exists()
+
+
+def test_a_run_restore_stops_the_merge_worker_and_the_writer_as_a_crash_would():
+    """While a ``--run`` restore is timed, the job's merge worker and writer are stopped (neither
+    shares the cores with it, as after a crash) and both go on after it, also when it fails."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from cnr.bench.restore_run import _background_stopped
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def running(pid: int) -> bool:  # SIGCONT is delivered asynchronously too
+        deadline = time.monotonic() + 5
+        while state(pid) == "T" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return state(pid) != "T"
+
+    merge, writer = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        ckpt = SimpleNamespace(engine=SimpleNamespace(merger=SimpleNamespace(worker_pid=merge.pid),
+                                                      handoff=SimpleNamespace(writer=SimpleNamespace(pid=writer.pid))))
+        with pytest.raises(RuntimeError, match="the restore failed"):
+            with _background_stopped(ckpt):
+                assert (state(merge.pid), state(writer.pid)) == ("T", "T")
+                raise RuntimeError("the restore failed")
+        assert running(merge.pid) and running(writer.pid)
+        ckpt.engine.merger = None  # no merge configured: the writer alone
+        with _background_stopped(ckpt):
+            assert state(writer.pid) == "T"
+        assert running(writer.pid)
+    finally:
+        for p in (merge, writer):
+            p.kill()
+            p.wait()

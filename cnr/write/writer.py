@@ -334,6 +334,12 @@ class Writer:
         self._process.start()
 
     @property
+    def pid(self) -> Optional[int]:
+        """The writer process's pid while it lives, else None (benchmarks pause it)."""
+        process = getattr(self, "_process", None)
+        return process.pid if process is not None and process.is_alive() else None
+
+    @property
     def search_kernel(self) -> str:
         """The range search kernel the next writer process starts with (cnr.types.SearchKernel)."""
         return self._options.search_kernel
