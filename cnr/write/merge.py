@@ -207,11 +207,14 @@ def merge_chain(storage: Storage, ckpt_id: str, chunk_bytes: int, threads: int =
     ``merge_before_data``, ``merge_mid_data`` (after each tensor), ``merge_before_commit``.
     """
     skip: Set[str] = set()
-    done = _verified_merge(storage, merged_id(ckpt_id))
-    if done is not None:
-        return done, False
     if storage.exists(manifest_key(merged_id(ckpt_id))):
-        skip.add(merged_id(ckpt_id))  # committed, but damaged: merged again, the long way
+        # committed already: done when it verifies (every chunk read back, once per process, as
+        # retention reads it anyway: cnr.policy.retention.verified); damaged, merged again the long way
+        if verified(storage, [merged_id(ckpt_id)])[merged_id(ckpt_id)]:
+            return read_manifest(storage, merged_id(ckpt_id)), False
+        logger.warning("merged baseline %s is committed but damaged; merging again through the links it stands for",
+                       merged_id(ckpt_id))
+        skip.add(merged_id(ckpt_id))
     target = read_manifest(storage, ckpt_id)
     while True:
         chain = resolve_chain(storage, target, frozenset(skip))
@@ -259,15 +262,3 @@ def _write_merged(storage: Storage, target: Manifest, chain: List[Manifest], chu
         uploader.close()
     return tensors
 
-
-def _verified_merge(storage: Storage, merged: str) -> Optional[Manifest]:
-    """The committed merged baseline ``merged`` when it verifies (its manifest and every chunk read
-    back and checked, once per process: cnr.policy.retention.verified, which retention asks
-    anyway), else None: not committed, or damaged (logged)."""
-    if not storage.exists(manifest_key(merged)):
-        return None
-    if not verified(storage, [merged])[merged]:
-        logger.warning("merged baseline %s is committed but damaged; merging again through the links it stands for",
-                       merged)
-        return None
-    return read_manifest(storage, merged)
