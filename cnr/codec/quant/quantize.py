@@ -185,7 +185,7 @@ class QuantizedRows(StoredRows):
         """``values()`` written into ``out`` (``[rows, dim]``), bit for bit: computed there when it
         is float32 on the host, else computed and copied (converted, or to its device)."""
         if out.dtype != torch.float32 or out.device.type != "cpu":
-            return out.copy_(self.values())
+            return super().values_into(out)
         return dequantize_rows(self, out=out)
 
 
