@@ -330,3 +330,47 @@ def test_resume_from_an_incremental_chain_is_exact_and_trains_on_identically(dev
         _assert_same(_gathered(_app(fresh)), _gathered(_app(trained)))
         on_device = [p for p in AppState(_app(fresh), 0).pieces() if p.table is not None]
         assert on_device and all(p.tensor.device.type == device.type for p in on_device)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_quantized_chain_restores_on_the_device_from_several_threads_as_on_the_host(device, tmp_path):
+    """A 2-bit chain (a full and an increment; optimizer state 8-bit) stored in small chunks, so a
+    restore has many blocks for its 4 worker threads: restored onto the device (quantized blocks
+    decoded on the host, then copied: ``values_into`` takes the copy for a device target), every
+    table's rows equal bit for bit what ``cnr.load_state_dict`` decodes on the host from the same
+    checkpoint, and a restore with one thread gives the same state as with four."""
+    config = _config(device, big=True)
+    trained = _model(config, device)
+    reader = make_reader(config, 0, 1, None, "train")
+    uri = str(tmp_path / "ck")
+    options = cnr.CheckpointOptions(policy="consecutive", keep_last=0, compact_at_chain_ratio=0, bits=2,
+                                    optimizer_bits=8, chunk_bytes=256 * 1024, restore_threads=4)
+    with cnr.Checkpointer(uri, _app(trained), options) as ckpt:
+        kinds = []
+        for step in range(1, 5):
+            train_step(trained, to_device(reader.next_batch(), device))
+            if step % 2 == 0:
+                kinds.append(ckpt.save(step).wait().kind.value)
+    assert kinds == ["full", "incremental"]
+    on_host = cnr.load_state_dict(uri, "model")
+    states = []
+    for threads in (4, 1):
+        fresh = _model(config, device)
+        with torch.no_grad():
+            for piece in AppState(_app(fresh), 0).pieces():
+                if piece.tensor.is_floating_point() and piece.tensor.numel():
+                    piece.tensor.add_(0.5)
+        opts = cnr.CheckpointOptions(policy="consecutive", keep_last=0, compact_at_chain_ratio=0, bits=2,
+                                     optimizer_bits=8, chunk_bytes=256 * 1024, restore_threads=threads)
+        with cnr.Checkpointer(uri, _app(fresh), opts) as ckpt:
+            assert ckpt.restore().step == 4
+        states.append(_gathered(_app(fresh)))
+    weights = {k: v for k, v in on_host.items() if k.endswith(".weight") and "embedding" in k}
+    assert len(weights) == len(config.model.tables), sorted(on_host)
+    for key, want in weights.items():
+        name = next(n for n in states[0] if n.endswith(key))
+        got = states[0][name]
+        assert got.device.type == "cpu" and torch.equal(got, want), key
+    assert states[0].keys() == states[1].keys()
+    for name in states[0]:
+        assert torch.equal(states[0][name], states[1][name]), name
