@@ -228,3 +228,60 @@ def test_zstd_decodes_after_a_damaged_payload_on_the_same_thread_and_on_others()
     for t in threads:
         t.join()
     assert all(got[t] == payloads for t in range(4))
+
+
+def test_zstd_frame_that_holds_more_than_it_declares_is_refused():
+    """A frame whose header declares the chunk's size but whose content runs on is damaged:
+    the reader reads past the declared size to find out, and refuses it."""
+    codec = bytes_codec("zstd")
+    data = bytes(range(256)) + b"xyz" * 20  # 316 bytes: a 2-byte content size field, 316 - 256
+    frame = bytearray(codec.encode(ZSTD[0], data))
+    field = frame.index(bytes([316 - 256, 0]), 4)  # after the magic number and the descriptor
+    frame[field] -= 1
+    assert zstandard.get_frame_parameters(bytes(frame)).content_size == 315
+    with pytest.raises(CorruptChunkError, match="decompresses to more than 315 bytes|does not decompress"):
+        codec.decode(ZSTD[0], memoryview(bytes(frame)), 315, "chunk 'k'")
+    short = codec.encode(ZSTD[0], data[:300])
+    with pytest.raises(CorruptChunkError, match="declares 300 bytes, the header says 316"):
+        codec.decode(ZSTD[0], memoryview(short), 316, "chunk 'k'")
+
+
+@pytest.mark.parametrize("compression", [(), ZSTD], ids=["raw", "zstd"])
+def test_decoded_rows_are_writable_and_never_alias_the_stored_blob(compression):
+    """A zstd chunk's decoded codes, scales and biases are views of the buffer zstd decoded into
+    (no second copy); a chunk without a bytes stage is copied out of the blob, even a writable
+    one, so writing into decoded rows (a restore's merge does) never changes stored bytes."""
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
+    q = quantize_rows(x, 2)
+    blob, ref = encode_quantized_chunk("k", "t", q, 0, 0, compression=compression)
+    stored = bytearray(blob)
+    got = decode_chunk(stored, ref, dequantize=False).quantized
+    assert torch.equal(got.codes, q.codes) and torch.equal(got.scale, q.scale) and torch.equal(got.bias, q.bias)
+    def adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
+
+    in_one_buffer = adjacent(got.codes, got.scale) and adjacent(got.scale, got.bias)
+    assert in_one_buffer == bool(compression)  # views of the decoded payload, or three copies
+    got.codes.fill_(0)
+    got.scale.fill_(0)
+    assert bytes(stored) == blob
+    again = decode_chunk(stored, ref, dequantize=False).quantized
+    assert torch.equal(again.codes, q.codes) and torch.equal(again.scale, q.scale)
+
+
+@pytest.mark.parametrize("offset, writable, view", [(0, True, True), (8, True, True), (1, True, False),
+                                                    (0, False, False), (3, False, False)])
+def test_take_views_only_an_aligned_writable_buffer(offset, writable, view):
+    """``take`` returns a view of a writable buffer when the values are aligned for their dtype,
+    else a copy; the values are the same either way."""
+    from cnr.codec.base import take
+
+    values = torch.arange(5, dtype=torch.int64) * 1000 + 7
+    raw = bytearray(offset) + bytearray(values.numpy().tobytes()) + bytearray(4)
+    buf = torch.frombuffer(raw, dtype=torch.uint8)  # the bytearray's memory: 16-byte aligned (CPython)
+    data = memoryview(buf.numpy()) if writable else memoryview(bytes(raw))
+    got, end = take(data, offset, 5, torch.int64, "chunk 'k'")
+    assert torch.equal(got, values) and end == offset + 40
+    assert (got.data_ptr() == buf.data_ptr() + offset) == view
+    with pytest.raises(CorruptChunkError, match="too short"):
+        take(data, offset, 6, torch.int64, "chunk 'k'")

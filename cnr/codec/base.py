@@ -231,18 +231,29 @@ class BytesCodec(abc.ABC):
         """The stored form of ``data``."""
 
     @abc.abstractmethod
-    def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> bytes:
+    def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> Union[bytes, memoryview]:
         """Exactly ``size`` bytes back from stored ``data``, or CorruptChunkError; never more
-        memory than ``size`` whatever ``data`` claims."""
+        memory than ``size`` whatever ``data`` claims. A writable result must be a fresh buffer
+        the caller owns: the decoded tensors become views of it (``take``)."""
 
 
 def take(data: memoryview, offset: int, count: int, dtype: torch.dtype, where: str) -> Tuple[torch.Tensor, int]:
-    """``count`` values of ``dtype`` from ``data[offset:]`` (a copy) and the offset after them."""
-    size = count * torch.empty((), dtype=dtype).element_size()
+    """``count`` values of ``dtype`` from ``data[offset:]`` and the offset after them.
+
+    A writable ``data`` is a buffer this decode owns (a bytes stage's output): the values are a
+    view of it where they are aligned for ``dtype``. Read-only ``data`` (the stored blob, which
+    a storage may share) and unaligned values are copied, so the result is always writable and
+    never aliases what the storage returned."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    size = count * itemsize
     if offset + size > len(data):
         raise CorruptChunkError(f"{where} payload is too short for its declared contents")
     if count == 0:
         return torch.empty(0, dtype=dtype), offset
+    if not data.readonly:
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offset)
+        if raw.data_ptr() % itemsize == 0:
+            return raw.view(dtype), offset + size
     return torch.frombuffer(bytearray(data[offset:offset + size]), dtype=dtype), offset + size
 
 

@@ -220,7 +220,9 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
         raise CorruptChunkError(f"{where} declares a {header_len}-byte header that does not fit")
     header = _parse_header(blob[_PREFIX.size:_PREFIX.size + header_len], where, version)
     _check_header_matches(header, ref, where, version)
-    payload = memoryview(blob)[_PREFIX.size + header_len:]
+    # read-only, whatever the storage returned: only a bytes stage's own output may become the
+    # decoded tensors' memory (cnr.codec.base.take)
+    payload = memoryview(blob).toreadonly()[_PREFIX.size + header_len:]
     if len(payload) != header["payload_bytes"]:
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
     if zlib.crc32(payload) != header["payload_crc32"]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import zstandard
 
 from cnr.codec.base import BytesCodec
@@ -64,7 +65,7 @@ class ZstdCodec(BytesCodec):
             compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
         return compressors[level].compress(data)
 
-    def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> bytes:
+    def decode(self, spec: CodecSpec, data: memoryview, size: int, where: str) -> memoryview:
         try:
             declared = zstandard.get_frame_parameters(data).content_size
             if declared in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
@@ -74,9 +75,16 @@ class ZstdCodec(BytesCodec):
             decompressor = getattr(self._local, "decompressor", None)
             if decompressor is None:
                 decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-            out = decompressor.decompress(data)
+            # straight into a fresh writable buffer (not zero-filled): the decoded chunk's tensors
+            # are views of it (cnr.codec.base.take), with no second copy of the values
+            out = np.empty(size, dtype=np.uint8)
+            with decompressor.stream_reader(data, read_across_frames=False) as reader:
+                got = reader.readinto(out) if size else 0
+                # a frame holding more than it declared is damaged: read on to its end to know
+                extra = len(reader.read(1)) if got == size else 0
         except zstandard.ZstdError as e:
             raise CorruptChunkError(f"{where} zstd payload does not decompress: {e}") from e
-        if len(out) != size:
-            raise CorruptChunkError(f"{where} zstd payload decompresses to {len(out)} bytes, the header says {size}")
-        return out
+        if got != size or extra:
+            raise CorruptChunkError(f"{where} zstd payload decompresses to {'more than ' if extra else ''}{got} bytes, "
+                                    f"the header says {size}")
+        return memoryview(out)
