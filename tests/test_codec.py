@@ -285,3 +285,24 @@ def test_take_views_only_an_aligned_writable_buffer(offset, writable, view):
     assert (got.data_ptr() == buf.data_ptr() + offset) == view
     with pytest.raises(CorruptChunkError, match="too short"):
         take(data, offset, 6, torch.int64, "chunk 'k'")
+
+
+def test_an_id_bitmap_decoded_once_serves_every_chunk_that_stores_it():
+    """With an ids memo (one object's decode), chunks whose id bitmaps are byte-identical (a
+    table's weight and its optimizer state in one increment) share one decoded ids tensor, equal
+    to each one's own decode; the same bits at another first row, or another bitmap, decode anew."""
+    ids = torch.tensor([3, 4, 9, 100, 101, 250], dtype=torch.int64)
+    weight = encode_quantized_chunk("k", "t.weight", quantize_rows(torch.randn(6, 8), 2), 0, 0, ids, ZSTD)
+    state = encode_raw_chunk("k", "t.momentum1", torch.rand(6), 0, 0, ids, ZSTD)
+    other = encode_raw_chunk("k", "t.momentum1", torch.rand(6), 0, 0, ids + 1, ZSTD)
+    changed = ids.clone()
+    changed[1] = 5
+    shifted = encode_raw_chunk("k", "u.momentum1", torch.rand(6), 0, 0, changed, ZSTD)
+    memo: dict = {}
+    got = [decode_chunk(blob, ref, dequantize=False, ids_memo=memo) for blob, ref in (weight, state, other, shifted)]
+    alone = [decode_chunk(blob, ref, dequantize=False) for blob, ref in (weight, state, other, shifted)]
+    for g, a, want in zip(got, alone, (ids, ids, ids + 1, changed)):
+        assert torch.equal(g.row_ids, want) and torch.equal(a.row_ids, want)
+    assert got[1].row_ids is got[0].row_ids
+    assert got[2].row_ids is not got[0].row_ids and got[3].row_ids is not got[0].row_ids
+    assert len(memo) == 3

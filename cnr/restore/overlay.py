@@ -178,7 +178,7 @@ class HeldRows:
             else:
                 local = np.flatnonzero((ids >= p0) & (ids < p1))
                 inside = ids[local]
-            rows = inside - p0
+            rows = inside - p0 if p0 else inside  # a piece from row 0 (every table at one rank): no copy
             need = ~done[rows]
             if not bool(need.all()):
                 local = np.flatnonzero(need) if local is None else local[need]

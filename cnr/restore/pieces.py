@@ -24,7 +24,7 @@ import torch
 
 from cnr.format.chunk_coverage import check_coverage
 from cnr.format.chunks import fetch_chunk, read_range
-from cnr.codec.chunk_format import DTYPES, DecodedChunk, decode_chunk
+from cnr.codec.chunk_format import DTYPES, DecodedChunk, IdsMemo, decode_chunk
 from cnr.errors import CheckpointError, InvalidKeyError
 from cnr.format.manifest import Manifest, TensorEntry
 from cnr.restore.overlay import HeldRows, Span, put_rows
@@ -345,8 +345,9 @@ def _decode_object(storage: Storage, key: str, chunks: ObjectChunks, size: int,
     data = _fetch_object(storage, key, chunks, size)
     lo = min(ref.offset for ref, _t in chunks)
     refs = [ref for ref, _t in chunks]
+    ids_memo: IdsMemo = {}  # an increment's table and its optimizer state list the same rows: decoded once
     return len(data), each_chunk(pool, refs, lambda n: decode_chunk(
-        data[refs[n].offset - lo:refs[n].offset - lo + refs[n].nbytes], refs[n], dequantize=False))
+        data[refs[n].offset - lo:refs[n].offset - lo + refs[n].nbytes], refs[n], dequantize=False, ids_memo=ids_memo))
 
 
 def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],
