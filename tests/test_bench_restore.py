@@ -138,8 +138,9 @@ def test_the_run_summary_reads_every_interval_against_the_baseline_median():
     out = {"baseline_s": [1.0, 3.0, 2.0], "restore_s": [2.0, 5.0, 3.0, 2.2], "links": [1, 2, 1, 2],
            "merged": [False, False, True, True], "merging": [False, True, False, False], "fallbacks": 0,
            "replay_checked": [2, 4], "check_s": 1.0, "max_row_l2": 0.3, "train_s": 9.0, "wall_s": 12.0,
-           "traffic": traffic}
+           "traffic": traffic, "gc_s": [0.0, 0.17, 0.0, 0.0], "baseline_gc_s": [0.0, 0.0, 0.16]}
     got = summarize_run(out, 4)
+    assert got["run_restore_full_gc_s"] == {"2": 0.17} and got["run_baseline_full_gc_s"] == [0.0, 0.0, 0.16]
     assert (got["run_baseline_restore_s"], got["run_worst_over_baseline"], got["run_worst_interval"]) == (2.0, 2.5, 2)
     assert got["run_median_over_baseline"] == pytest.approx((1.1 + 1.5) / 2)
     assert got["run_restores_during_merge"] == [2] and got["run_worst_over_baseline_no_merge_running"] == 1.5
@@ -199,3 +200,21 @@ def test_a_run_restore_stops_the_merge_worker_and_the_writer_as_a_crash_would():
         for p in (merge, writer):
             p.kill()
             p.wait()
+
+
+def test_gc_pauses_count_the_full_collections_inside_and_none_after():
+    """``GcPauses`` adds up the seconds of each generation's collections while it is open, and
+    leaves ``gc.callbacks`` as it found them."""
+    import gc
+
+    from cnr.bench.restore_run import GcPauses
+
+    before = list(gc.callbacks)
+    with GcPauses() as pauses:
+        gc.collect(2)
+        gc.collect(0)
+    assert pauses.seconds[2] > 0 and pauses.seconds[0] > 0 and pauses.seconds[1] == 0
+    assert gc.callbacks == before
+    full = pauses.seconds[2]
+    gc.collect(2)
+    assert pauses.seconds[2] == full
