@@ -23,6 +23,7 @@ from cnr.app.config import Config
 from cnr.app.data import BatchSource, open_source, to_device
 from cnr.errors import CheckpointError, redact_logging
 from cnr.app.evaluate import evaluate
+from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
 from cnr.format.manifest import Manifest
@@ -145,9 +146,11 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
             storage.close()
     # The readers start first: their start-up overlaps building the model and restoring.
     readers = Readers(job.config, rank, world_size, manifest)
+    heap = HeapFreeze()
     try:
-        return _train_rank(rank, world_size, job, manifest, readers)
+        return _train_rank(rank, world_size, job, manifest, readers, heap)
     finally:
+        heap.thaw()
         readers.close()
 
 
@@ -180,7 +183,7 @@ def make_publisher(storage_uri: str, config: Config, rank: int, world_size: int,
 
 
 def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Manifest],
-                readers: Readers) -> Optional[Dict[str, Any]]:
+                readers: Readers, heap: HeapFreeze) -> Optional[Dict[str, Any]]:
     config = job.config
     position = ReaderPosition(_reader_cursor(manifest) if manifest else None)
     device = rank_device(rank)  # cuda:<local rank> (set as current) on GPU machines, else the CPU
@@ -190,6 +193,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     writer = Writer(job.storage_uri, _options(config).for_writer(rows_per_rank)) if needs_checkpointer else None
     try:
         sharded = build_sharded_model(config, device)
+        heap.freeze()  # the model's objects live as long as the job: full collections skip them
         if rank == 0:
             logger.info("sharding plan:\n%s", sharded.plan_text)
         progress = Progress()

@@ -13,7 +13,10 @@ writer (whose retention verifies the new chain after each commit) are stopped (S
 the restore runs and continued after, since a crash takes them down with the job (they compete
 with training for the cores, not with the restore after a crash). The first interval's
 checkpoint is the full baseline: it is restored ``--repeats`` times first (median:
-``run_baseline_restore_s``), the yardstick of every interval's restore.
+``run_baseline_restore_s``), the yardstick of every interval's restore. As ``cnr train`` does, the
+objects alive once the model is built are frozen out of Python's full garbage collections
+(cnr.app.heap); the seconds of any full collection inside a timed restore are reported beside it
+(``run_restore_full_gc_s``, ``GcPauses``).
 
 Every restore is checked (not timed), so that no speed of a wrong restore is reported: the live
 state is zeroed before it, and afterwards every tensor but the tables' must equal what was saved
@@ -47,6 +50,7 @@ import torch
 from cnr.bench.common import TrainedModel, scan_entries, storage_traffic
 from cnr.api import Checkpointer
 from cnr.app.config import Config
+from cnr.app.heap import HeapFreeze
 from cnr.app.launch import launch
 from cnr.app.report_points import Entry
 from cnr.errors import ConfigError
@@ -229,6 +233,8 @@ class Run:
     def __init__(self, config: Config, uri: str, bits: int) -> None:
         self.config, self.uri, self.bits = config, uri, bits
         self.model = TrainedModel(config)
+        self.heap = HeapFreeze()
+        self.heap.freeze()  # as cnr train does after building its model (cnr.app.heap)
         self.ckpt = self.model.checkpointer(uri, run_options(config, bits))
         self.scan_store = open_storage(uri)
         self.seen: Dict[str, Entry] = {}
@@ -243,6 +249,7 @@ class Run:
             scan_entries(self.scan_store, self.seen)
         finally:
             self.scan_store.close()
+            self.heap.thaw()
 
     def interval(self, i: int, last: bool, repeats: int) -> None:
         """Train one interval, checkpoint it, and restore (checked); the first is the baseline."""
