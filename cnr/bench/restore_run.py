@@ -43,7 +43,7 @@ import os
 import signal
 import statistics
 import time
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -189,13 +189,14 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
-        self._started = 0.0
+        self._started: Optional[float] = None
 
     def _callback(self, phase: str, info: Dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
+        elif self._started is not None:  # a collection that began before this opened is not counted
             self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self._started = None
 
     def __enter__(self) -> "GcPauses":
         gc.callbacks.append(self._callback)
