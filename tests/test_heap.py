@@ -31,19 +31,22 @@ def test_freeze_moves_the_live_objects_out_of_collections_and_thaw_gives_them_ba
     assert gc.get_freeze_count() == 0
 
 
-def test_a_process_that_froze_by_itself_keeps_its_own_freeze():
+def test_a_process_that_froze_before_still_freezes_and_keeps_its_own_frozen():
+    """An earlier freeze (some environments freeze at start-up) does not stop this one; thaw
+    cannot tell whose objects are whose, so it leaves them all frozen."""
     gc.freeze()
     theirs = gc.get_freeze_count()
+    kept = [[i] for i in range(1000)]  # alive after their freeze: frozen by ours
     heap = HeapFreeze()
     heap.freeze()
-    assert not heap.frozen and gc.get_freeze_count() == theirs
+    assert heap.frozen and gc.get_freeze_count() >= theirs + len(kept)
     heap.thaw()
-    assert gc.get_freeze_count() == theirs
+    assert not heap.frozen and gc.get_freeze_count() >= theirs + len(kept)
 
 
 def test_cnr_train_freezes_after_building_the_model_and_thaws_at_the_end(tmp_path, monkeypatch):
-    """One in-process rank of ``cnr train``: nothing frozen while the model is built, the heap
-    frozen right after (so the model's objects are in it), thawed once the rank returns."""
+    """One in-process rank of ``cnr train``: the model built before the freeze, the heap frozen
+    right after (so the model's objects are in it), thawed once the rank returns."""
     import cnr.app.train as train
     from cnr.app.config import load_config
     from cnr.app.job import prepare_job
@@ -72,5 +75,6 @@ def test_cnr_train_freezes_after_building_the_model_and_thaws_at_the_end(tmp_pat
     config = load_config(TINY, ["train.steps=4", "checkpoint.interval=2"])
     summary = launch(run_job_rank, 1, prepare_job(config, str(tmp_path / "ck"), False, 1))
     assert summary["steps"] == 4
-    assert seen["frozen_at_build"] == 0 and seen["frozen_after"] > 0 and seen["model_frozen"]
-    assert gc.get_freeze_count() == 0
+    # (on the GPU machine something froze a few hundred objects before the build: counted from there)
+    assert seen["frozen_after"] > seen["frozen_at_build"] and seen["model_frozen"]
+    assert gc.get_freeze_count() == (0 if seen["frozen_at_build"] == 0 else seen["frozen_after"])

@@ -16,21 +16,26 @@ import gc
 
 class HeapFreeze:
     """``freeze()`` collects once, then moves every object alive into the permanent generation;
-    ``thaw()`` gives them back to the collector. Only the first ``freeze()`` of a process that
-    froze nothing yet acts (a process that freezes by itself keeps its own policy), and ``thaw()``
-    undoes only what this froze; both may be called any number of times."""
+    ``thaw()`` gives them back to the collector, unless something else had frozen objects before
+    (``gc.unfreeze`` cannot tell whose they are: they all stay frozen then, which only spares the
+    collector work). Each may be called any number of times; only the first ``freeze()`` acts.
+
+    Some environments freeze at start-up already (the GPU machine's Python 3.12 had 375 objects
+    frozen once torch was imported), so an earlier freeze does not stop this one."""
 
     def __init__(self) -> None:
         self.frozen = False
+        self._before = 0  # objects frozen by others when this froze
 
     def freeze(self) -> None:
-        if self.frozen or gc.get_freeze_count():
+        if self.frozen:
             return
+        self._before = gc.get_freeze_count()
         gc.collect()  # setup's cyclic garbage goes now, or it would stay frozen for the job's life
         gc.freeze()
         self.frozen = True
 
     def thaw(self) -> None:
-        if self.frozen:
+        if self.frozen and not self._before:
             gc.unfreeze()
-            self.frozen = False
+        self.frozen = False
