@@ -306,3 +306,35 @@ def test_an_id_bitmap_decoded_once_serves_every_chunk_that_stores_it():
     assert got[1].row_ids is got[0].row_ids
     assert got[2].row_ids is not got[0].row_ids and got[3].row_ids is not got[0].row_ids
     assert len(memo) == 3
+
+
+def test_zstd_decode_takes_every_byte_of_a_reader_that_fills_in_parts(monkeypatch):
+    """A stream reader may fill less than the buffer at once; the decode reads on until the
+    frame's end rather than taking a short read for a damaged payload."""
+    codec = bytes_codec("zstd")
+    data = bytes(range(256)) * 40
+    frame = codec.encode(ZSTD[0], data)
+
+    class Piecewise:
+        def __init__(self, reader):
+            self._reader = reader
+
+        def __enter__(self):
+            self._reader.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._reader.__exit__(*exc)
+
+        def readinto(self, buf):
+            return self._reader.readinto(memoryview(buf)[:1000])
+
+        def read(self, n):
+            return self._reader.read(n)
+
+    class Decompressor:
+        def stream_reader(self, source, **kw):
+            return Piecewise(zstandard.ZstdDecompressor().stream_reader(source, **kw))
+
+    monkeypatch.setattr(codec._local, "decompressor", Decompressor(), raising=False)
+    assert bytes(codec.decode(ZSTD[0], memoryview(frame), len(data), "chunk 'k'")) == data

@@ -234,8 +234,6 @@ class Run:
     def __init__(self, config: Config, uri: str, bits: int) -> None:
         self.config, self.uri, self.bits = config, uri, bits
         self.model = TrainedModel(config)
-        self.heap = HeapFreeze()
-        self.heap.freeze()  # as cnr train does after building its model (cnr.app.heap)
         self.ckpt = self.model.checkpointer(uri, run_options(config, bits))
         self.scan_store = open_storage(uri)
         self.seen: Dict[str, Entry] = {}
@@ -243,6 +241,10 @@ class Run:
                                     "gc_s": [], "baseline_gc_s": [],
                                     "fallbacks": 0, "replay_checked": [], "check_s": 0.0, "max_row_l2": 0.0,
                                     "train_s": 0.0}
+        # last, so that nothing can fail between it and close()'s thaw: as cnr train does once its
+        # model is built (cnr.app.heap)
+        self.heap = HeapFreeze()
+        self.heap.freeze()
 
     def close(self) -> None:
         try:

@@ -78,8 +78,13 @@ class ZstdCodec(BytesCodec):
             # straight into a fresh writable buffer (not zero-filled): the decoded chunk's tensors
             # are views of it (cnr.codec.base.take), with no second copy of the values
             out = np.empty(size, dtype=np.uint8)
+            view, got = memoryview(out), 0
             with decompressor.stream_reader(data, read_across_frames=False) as reader:
-                got = reader.readinto(out) if size else 0
+                while got < size:  # a reader may fill less than asked at once: 0 is the frame's end
+                    n = reader.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
                 # a frame holding more than it declared is damaged: read on to its end to know
                 extra = len(reader.read(1)) if got == size else 0
         except zstandard.ZstdError as e:
@@ -87,4 +92,4 @@ class ZstdCodec(BytesCodec):
         if got != size or extra:
             raise CorruptChunkError(f"{where} zstd payload decompresses to {'more than ' if extra else ''}{got} bytes, "
                                     f"the header says {size}")
-        return memoryview(out)
+        return view
