@@ -222,3 +222,44 @@ def test_gc_pauses_count_the_full_collections_inside_and_none_after():
     full = pauses.seconds[2]
     gc.collect(2)
     assert pauses.seconds[2] == full
+
+
+def test_a_run_compares_with_the_replay_before_the_background_goes_on(monkeypatch):
+    """The replay check reads the restored chain while the job's merge worker and writer are still
+    stopped: once they go on, a merge that commits lets the writer's retention delete its links
+    (a 60-interval run failed so, reading a baseline just deleted). Not timed."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from cnr.bench import restore_run
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    merge, writer = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    seen = {}
+    try:
+        chain = ["baseline", "increment"]
+        restored = SimpleNamespace(chain=chain)
+        monkeypatch.setattr(restore_run, "restore_newest", lambda *a, **k: (restored, []))
+
+        def replay(model, storage, replayed, threads):
+            seen["states"] = (state(merge.pid), state(writer.pid))
+            seen["chain"] = replayed
+            time.sleep(0.05)
+            return True
+
+        monkeypatch.setattr(restore_run, "_replay_equal", replay)
+        ckpt = SimpleNamespace(engine=SimpleNamespace(merger=SimpleNamespace(worker_pid=merge.pid),
+                                                      handoff=SimpleNamespace(writer=SimpleNamespace(pid=writer.pid))),
+                               storage="store", app={}, rank=0, world_size=1, uri="uri",
+                               options=SimpleNamespace(restore_threads=2, on_damage="fallback"))
+        timed = restore_run._restore(ckpt, model=object(), replay=True)
+        assert seen == {"states": ("T", "T"), "chain": chain}
+        assert timed.replay_equal is True and timed.replay_s >= 0.05 > timed.seconds  # the replay is not timed
+        assert restore_run._restore(ckpt).replay_equal is None  # no replay asked: none made
+    finally:
+        for p in (merge, writer):
+            p.kill()
+            p.wait()

@@ -27,7 +27,8 @@ than the interval's checkpoint holds (a row it does not hold was restored from t
 values before, and a merge copies them as stored), all must be finite, and the weights that differ
 must be within quantization error (relative l2 <= ``ROW_L2[bits]``; a row a restore left out is
 zero, error 1). On the first increment, every ``REPLAY_EVERY``-th interval and the last, the whole
-state is also compared element for element with a replay of the same chain (cnr.types.ChainOrder.REPLAY).
+state is also compared element for element with a replay of the same chain (cnr.types.ChainOrder.REPLAY),
+before the job's background goes on (its retention could delete links of that chain).
 
 Storage traffic comes from the store (cnr.bench.common.storage_traffic, scanned after every
 commit and once the last merge ended): the trainer's writes, and compaction's reads and writes.
@@ -206,18 +207,42 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
 
-def _restore(ckpt: Checkpointer) -> Tuple[float, RestoredChain, float]:
+@dataclasses.dataclass(frozen=True)
+class TimedRestore:
+    """One restore of the newest committed checkpoint (``_restore``): its seconds, what it
+    restored, the seconds of full garbage collections inside it, and whether the live state then
+    equalled a replay of the restored chain (None: not compared) and that comparison's seconds."""
+
+    seconds: float
+    restored: RestoredChain
+    gc_s: float
+    replay_equal: Optional[bool] = None
+    replay_s: float = 0.0
+
+
+def _restore(ckpt: Checkpointer, model: Optional[TrainedModel] = None, replay: bool = False) -> TimedRestore:
     """Restore the newest committed checkpoint into the live model as Checkpointer.restore does,
-    with the job's merge and writer stopped as a crash would stop them (``_background_stopped``);
-    its seconds, and the seconds of them a full garbage collection took (``GcPauses``)."""
-    with _background_stopped(ckpt), GcPauses() as pauses:
+    with the job's merge and writer stopped as a crash would stop them (``_background_stopped``),
+    timed, with the seconds a full garbage collection took of it (``GcPauses``). ``replay``: then
+    compare the live state with a replay of the restored chain (``model``'s), untimed, before the
+    background goes on: a merge that commits meanwhile lets the writer's retention delete links of
+    that chain (a 60-interval run on a faster machine failed so at its first increment, the replay
+    reading the baseline retention had just deleted)."""
+    with _background_stopped(ckpt):
+        with GcPauses() as pauses:
+            start = time.perf_counter()
+            restored, _skipped = restore_newest(ckpt.storage, ckpt.app, ckpt.rank, ckpt.world_size,
+                                                ckpt.options.restore_threads, ckpt.options.on_damage)
+            seconds = time.perf_counter() - start
+        if restored is None:
+            raise RuntimeError(f"nothing committed in {ckpt.uri} to restore")
+        if not replay:
+            return TimedRestore(seconds, restored, pauses.seconds[2])
+        if model is None:
+            raise ValueError("a replay needs the model")
         start = time.perf_counter()
-        restored, _skipped = restore_newest(ckpt.storage, ckpt.app, ckpt.rank, ckpt.world_size,
-                                            ckpt.options.restore_threads, ckpt.options.on_damage)
-        seconds = time.perf_counter() - start
-    if restored is None:
-        raise RuntimeError(f"nothing committed in {ckpt.uri} to restore")
-    return seconds, restored, pauses.seconds[2]
+        equal = _replay_equal(model, ckpt.storage, restored.chain, ckpt.options.restore_threads)
+        return TimedRestore(seconds, restored, pauses.seconds[2], equal, time.perf_counter() - start)
 
 
 def _replay_equal(model: TrainedModel, storage: Storage, chain, threads: int) -> bool:
@@ -285,23 +310,25 @@ class Run:
         offset = len(self.out["restore_s"]) % STRIDE
         saved = _sample(self.model, offset)
         _zero(self.model)
-        seconds, restored, gc_s = _restore(self.ckpt)
-        if restored.manifest.id not in (ckpt_id, merged_id(ckpt_id)):  # fell back: a link deleted while read
+        timed = _restore(self.ckpt, self.model, replay)
+        if timed.restored.manifest.id not in (ckpt_id, merged_id(ckpt_id)):  # fell back: a link deleted while read
             self.out["fallbacks"] += 1
-            logger.warning("the restore after %s took %s; restoring again", ckpt_id, restored.manifest.id)
+            logger.warning("the restore after %s took %s; restoring again", ckpt_id, timed.restored.manifest.id)
             _zero(self.model)
-            seconds, restored, gc_s = _restore(self.ckpt)
+            timed = _restore(self.ckpt, self.model, replay)
+        restored = timed.restored
         start = time.perf_counter()
+        # the replay (if any) left the live state as it replayed: equal to the restore's, or reported here
         problem, worst = check_restore(saved, self.model, held, self.bits, offset)
         if not problem and replay:
             self.out["replay_checked"].append(len(self.out["restore_s"]) + 1)
-            if not _replay_equal(self.model, self.ckpt.storage, restored.chain, self.ckpt.options.restore_threads):
+            if not timed.replay_equal:
                 problem = "the restore differs from a replay of its chain"
         if problem:
             raise RuntimeError(f"the restore of {restored.manifest.id} after checkpoint {ckpt_id} is wrong: {problem}")
-        self.out["check_s"] += time.perf_counter() - start
+        self.out["check_s"] += time.perf_counter() - start + timed.replay_s
         self.out["max_row_l2"] = max(self.out["max_row_l2"], worst)
-        return seconds, restored, gc_s
+        return timed.seconds, restored, timed.gc_s
 
 
 def run_bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
