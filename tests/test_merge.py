@@ -332,4 +332,7 @@ def test_retention_keeps_the_links_of_a_damaged_merged_baseline(quantized_chain,
     _damage(storage, ref, "flipped")
     retain_checkpoints(storage, 1, RetentionScope(target.lineage))
     assert all(_objects(storage, m.id) for m in chain), "a link of the long way was deleted"
-    assert [m.id for m in resolve_chain(storage, target, frozenset({merged.id}))] == [m.id for m in chain]
+    long_way = resolve_chain(storage, target, frozenset({merged.id}))
+    assert [m.id for m in long_way] == [m.id for m in chain]
+    got = _restored(storage, long_way)  # and it restores what the chain held before the merge
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
