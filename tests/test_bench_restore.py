@@ -258,7 +258,7 @@ def test_a_run_compares_with_the_replay_before_the_background_goes_on(monkeypatc
         timed = restore_run._restore(ckpt, model=object(), replay=True)
         assert seen == {"states": ("T", "T"), "chain": chain}
         assert timed.replay_equal is True and timed.replay_s >= 0.05 > timed.seconds  # the replay is not timed
-        assert restore_run._restore(ckpt).replay_equal is None  # no replay asked: none made
+        assert restore_run._restore(ckpt, object()).replay_equal is None  # no replay asked: none made
     finally:
         for p in (merge, writer):
             p.kill()

@@ -220,11 +220,11 @@ class TimedRestore:
     replay_s: float = 0.0
 
 
-def _restore(ckpt: Checkpointer, model: Optional[TrainedModel] = None, replay: bool = False) -> TimedRestore:
+def _restore(ckpt: Checkpointer, model: TrainedModel, replay: bool = False) -> TimedRestore:
     """Restore the newest committed checkpoint into the live model as Checkpointer.restore does,
     with the job's merge and writer stopped as a crash would stop them (``_background_stopped``),
     timed, with the seconds a full garbage collection took of it (``GcPauses``). ``replay``: then
-    compare the live state with a replay of the restored chain (``model``'s), untimed, before the
+    compare ``model``'s live state with a replay of the restored chain, untimed, before the
     background goes on: a merge that commits meanwhile lets the writer's retention delete links of
     that chain (a 60-interval run on a faster machine failed so at its first increment, the replay
     reading the baseline retention had just deleted)."""
@@ -238,8 +238,6 @@ def _restore(ckpt: Checkpointer, model: Optional[TrainedModel] = None, replay: b
             raise RuntimeError(f"nothing committed in {ckpt.uri} to restore")
         if not replay:
             return TimedRestore(seconds, restored, pauses.seconds[2])
-        if model is None:
-            raise ValueError("a replay needs the model")
         start = time.perf_counter()
         equal = _replay_equal(model, ckpt.storage, restored.chain, ckpt.options.restore_threads)
         return TimedRestore(seconds, restored, pauses.seconds[2], equal, time.perf_counter() - start)
