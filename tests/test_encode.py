@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 import struct
 
 import pytest
@@ -59,12 +60,20 @@ def test_row_ids_are_stored_as_a_bitmap_when_ascending_and_smaller(ids, fmt, id_
     assert torch.equal(out.row_ids, row_ids) and torch.equal(out.data, data)
 
 
-def _rewrite(blob, ref, header, version=3):
-    new_header = json.dumps(header).encode()
+def _rewrite(blob, ref, header, version=4):
+    """``blob`` with ``header`` as format ``version`` wrote it, its CRC as that version computes it
+    (from 4 on over dtype, row_shape and ids too), so only the checks after the CRC can refuse it."""
     _, old_len = _header(blob)
-    new_blob = blob[:4] + struct.pack("<HI", version, len(new_header)) + new_header + blob[10 + old_len:]
+    payload = blob[10 + old_len:]
+    seed = 0
+    if version >= 4:
+        seed = zlib.crc32(json.dumps([header["dtype"], header["row_shape"], header["ids"]], sort_keys=True,
+                                     separators=(",", ":")).encode())
+    header = {**header, "payload_crc32": zlib.crc32(payload, seed)}
+    new_header = json.dumps(header).encode()
+    new_blob = blob[:4] + struct.pack("<HI", version, len(new_header)) + new_header + payload
     codecs = ref.codecs if version >= 3 else ()  # manifests before the codec seam list none
-    return new_blob, dataclasses.replace(ref, nbytes=len(new_blob), codecs=codecs)
+    return new_blob, dataclasses.replace(ref, nbytes=len(new_blob), codecs=codecs, crc32=header["payload_crc32"])
 
 
 def _as_legacy(header, encoding="raw", bits=32, quant=None):
@@ -193,3 +202,50 @@ def test_quantized_chunk_is_smaller_and_damage_is_detected():
 def test_kmeans_is_not_a_checkpoint_format():
     with pytest.raises(ValueError, match="kmeans"):
         encode_quantized_chunk("k", "model/t", quantize_rows(torch.randn(4, 8), 2, method="kmeans"), 0, 0)
+
+
+def _flip_first(blob: bytes) -> bytes:
+    """One bit of the id bitmap's ``first`` flipped in the stored header (12 -> 13)."""
+    assert b'"first": 12' in blob
+    return blob.replace(b'"first": 12', b'"first": 13', 1)
+
+
+def test_a_bit_flipped_in_the_bitmaps_first_row_is_refused_by_the_crc():
+    """The header field that moves every listed row: outside the payload, named by no manifest
+    field, so only the CRC (format 4 on) can tell."""
+    ids = torch.tensor([12, 14, 15, 19], dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", torch.randn(4, 3), row_start=0, col_offset=0, row_ids=ids)
+    assert _header(blob)[0]["ids"] == {"format": "bitmap", "first": 12, "span": 8}
+    with pytest.raises(CorruptChunkError, match="header or payload fails its CRC-32"):
+        decode_chunk(_flip_first(blob), ref)
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "int32"), ("row_shape", [1, 3])])
+def test_the_crc_covers_dtype_and_row_shape(field, value):
+    blob, ref = encode_raw_chunk("k", "model/t", torch.randn(4, 3), row_start=0, col_offset=0)
+    header, old_len = _header(blob)
+    header[field] = value
+    new_header = json.dumps(header).encode()
+    altered = blob[:6] + struct.pack("<I", len(new_header)) + new_header + blob[10 + old_len:]
+    with pytest.raises(CorruptChunkError, match="CRC-32"):
+        decode_chunk(altered, dataclasses.replace(ref, nbytes=len(altered)))
+
+
+def test_format_3_chunks_whose_crc_covers_the_payload_alone_still_decode():
+    ids = torch.tensor([12, 14, 15, 19], dtype=torch.int64)
+    data = torch.randn(4, 3)
+    blob, ref = encode_raw_chunk("k", "model/t", data, row_start=0, col_offset=0, row_ids=ids)
+    old, old_ref = _rewrite(blob, ref, _header(blob)[0], version=3)
+    assert _header(old)[0]["payload_crc32"] == zlib.crc32(old[10 + _header(old)[1]:])
+    out = decode_chunk(old, old_ref)
+    assert torch.equal(out.row_ids, ids) and torch.equal(out.data, data)
+
+
+@pytest.mark.parametrize("ids", [[3, 5, 9], [9, 2, 4]], ids=["bitmap", "int64"])
+def test_row_ids_past_the_tensors_rows_are_refused_where_the_rows_are_known(ids):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    blob, ref = encode_raw_chunk("k", "model/t", torch.randn(3, 2), row_start=0, col_offset=0, row_ids=ids)
+    assert torch.equal(decode_chunk(blob, ref, tensor_rows=10).row_ids, ids)
+    assert torch.equal(decode_chunk(blob, ref).row_ids, ids)  # the rows unknown: not checked
+    with pytest.raises(CorruptChunkError, match="outside the tensor's 9 rows"):
+        decode_chunk(blob, ref, tensor_rows=9)

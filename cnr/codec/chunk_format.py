@@ -12,13 +12,17 @@ in the form the header's ``ids`` names (``{"format": "int64"}``: ``rows`` int64 
 strictly ascending ids where it is smaller, ``{"format": "bitmap", "first": f, "span": n}``:
 ``ceil(n / 8)`` bytes, bit ``i`` LSB-first set iff row ``f + i`` is listed); then the value bytes
 of the chain's array->bytes stage (raw, rowwise, log8: any registered array codec). The CRC
-covers the stored payload, so a chunk is verified before any codec reads it. Nothing is
-unpickled; every header field is checked against the manifest's ChunkRef before the payload is
-used. This module knows no codec by itself: it frames what a codec encoded (``encode_chunk``)
+covers the header fields that the manifest does not name (``dtype``, ``row_shape`` and ``ids``,
+as the compact JSON ``[dtype, row_shape, ids]``), then the stored payload, so a chunk is verified
+before any codec reads it: a bit flipped in an id bitmap's ``first`` would otherwise move every
+row it lists. Nothing is unpickled; every other header field is checked against the manifest's
+ChunkRef before the payload is used, and a reader that knows the tensor's rows
+(``tensor_rows``) refuses ids beyond them. This module knows no codec by itself: it frames what a codec encoded (``encode_chunk``)
 and hands the verified bytes back to the codecs the header names, through cnr.codec's registry.
 
-Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); versions 1 (int64 ids
-only) and 2 are still read, their headers mapped onto the equivalent chain.
+Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); format 4 extended the
+CRC over ``dtype``, ``row_shape`` and ``ids`` (before it, the CRC covers the payload alone).
+Versions 1 (int64 ids only), 2 and 3 are still read, their headers mapped onto the equivalent chain.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ __all__ = ["DTYPES", "DTYPE_NAMES", "DecodedChunk", "IdsMemo", "decode_chunk", "
            "encode_quantized_chunk", "encode_raw_chunk", "encode_values", "stored_payload"]
 
 MAGIC = b"CNRC"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+_READABLE = (1, 2, 3, FORMAT_VERSION)
+_CRC_OVER_HEADER = 4  # the first version whose CRC covers dtype, row_shape and ids
 _PREFIX = struct.Struct("<4sHI")
 _MAX_HEADER = 1 << 20
 _MAX_CODECS = 1 + MAX_BYTES_STAGES  # one array->bytes stage and at most one bytes->bytes stage
@@ -138,7 +144,7 @@ def _encode(key: str, where: _Placement, encoded: Encoded, compression: Compress
     parts: List[Union[memoryview, bytes]] = [ids, *value_parts]
     for stage in compression:
         parts = [bytes_codec(stage.name).encode(stage, b"".join(parts))]
-    crc = 0
+    crc = _header_crc(shape.dtype, list(shape.row_shape), ids_format)
     for part in parts:
         crc = zlib.crc32(part, crc)
     chain = (spec, *compression)
@@ -156,6 +162,11 @@ def _encode(key: str, where: _Placement, encoded: Encoded, compression: Compress
                    row_ids=where.row_ids is not None, col_offset=where.col_offset, cols=shape.cols, nbytes=len(blob),
                    crc32=crc, encoding=codec.encoding, bits=bits, method=method, codecs=chain)
     return blob, ref
+
+
+def _header_crc(dtype: str, row_shape: List[int], ids: Optional[dict]) -> int:
+    """The CRC-32 of the header fields no manifest field pins (the seed of a chunk's CRC)."""
+    return zlib.crc32(json.dumps([dtype, list(row_shape), ids], sort_keys=True, separators=(",", ":")).encode())
 
 
 def encode_chunk(key: str, tensor_name: str, encoded: Encoded, row_start: int, col_offset: int,
@@ -202,7 +213,8 @@ def encode_log8_chunk(key: str, tensor_name: str, data: torch.Tensor, row_start:
 
 
 def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool = True,
-                 reference: Optional[torch.Tensor] = None, ids_memo: Optional[IdsMemo] = None) -> DecodedChunk:
+                 reference: Optional[torch.Tensor] = None, ids_memo: Optional[IdsMemo] = None,
+                 tensor_rows: Optional[int] = None) -> DecodedChunk:
     """Parse and verify ``blob`` against ``ref``; raise CorruptChunkError naming what is wrong.
 
     ``dequantize=False`` leaves a quantized chunk's rows quantized (see DecodedChunk.values).
@@ -211,6 +223,8 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
     ``ids_memo``: row ids already decoded from an identical id bitmap (a table's weight and its
     optimizer state list the same rows), shared by the chunks decoded with it: their ``row_ids``
     may then be one tensor, which no reader writes into.
+    ``tensor_rows``: the rows of the chunk's tensor (its manifest entry's first dimension); a
+    chunk listing a row id outside ``0 .. tensor_rows - 1`` is refused (None: not checked).
     """
     where = f"chunk {ref.key!r}"
     if len(blob) != ref.nbytes:
@@ -220,7 +234,7 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
     magic, version, header_len = _PREFIX.unpack_from(blob, 0)
     if magic != MAGIC:
         raise CorruptChunkError(f"{where} does not start with {MAGIC!r}: not a cnr chunk")
-    if version not in (1, 2, FORMAT_VERSION):
+    if version not in _READABLE:
         raise CorruptChunkError(f"{where} has format version {version}; this cnr reads versions 1 to {FORMAT_VERSION}")
     if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(blob):
         raise CorruptChunkError(f"{where} declares a {header_len}-byte header that does not fit")
@@ -231,9 +245,26 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
     payload = memoryview(blob).toreadonly()[_PREFIX.size + header_len:]
     if len(payload) != header["payload_bytes"]:
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
-    if zlib.crc32(payload) != header["payload_crc32"]:
-        raise CorruptChunkError(f"{where} payload fails its CRC-32 check (altered or corrupted)")
-    return _payload_tensors(payload, header, ref, where, dequantize, reference, ids_memo)
+    seed = _header_crc(header["dtype"], list(header["row_shape"]), header["ids"]) if version >= _CRC_OVER_HEADER else 0
+    if zlib.crc32(payload, seed) != header["payload_crc32"]:
+        raise CorruptChunkError(f"{where} header or payload fails its CRC-32 check (altered or corrupted)"
+                                if version >= _CRC_OVER_HEADER else
+                                f"{where} payload fails its CRC-32 check (altered or corrupted)")
+    _check_ids_within(header, tensor_rows, where)
+    chunk = _payload_tensors(payload, header, ref, where, dequantize, reference, ids_memo)
+    if tensor_rows is not None and header["ids"] == {"format": "int64"} and header["rows"]:
+        low, high = int(chunk.row_ids.min()), int(chunk.row_ids.max())
+        if low < 0 or high >= tensor_rows:
+            raise CorruptChunkError(f"{where} lists row ids {low}..{high}, outside the tensor's {tensor_rows} rows")
+    return chunk
+
+
+def _check_ids_within(header: dict, tensor_rows: Optional[int], where: str) -> None:
+    """A bitmap's rows lie in ``first .. first + span - 1``: refused when past ``tensor_rows``."""
+    ids = header["ids"]
+    if tensor_rows is not None and ids is not None and ids["format"] == "bitmap" and ids["first"] + ids["span"] > tensor_rows:
+        raise CorruptChunkError(f"{where} id bitmap covers rows {ids['first']}..{ids['first'] + ids['span'] - 1}, "
+                                f"outside the tensor's {tensor_rows} rows")
 
 
 def stored_payload(blob: Union[bytes, memoryview]) -> memoryview:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from cnr.codec.chunk_format import DecodedChunk, decode_chunk
 from cnr.errors import CorruptChunkError, InvalidKeyError
+from typing import Optional
+
 from cnr.storage.base import Storage, from_sources
 from cnr.types import ByteRange, ChunkRef
 
@@ -23,19 +25,22 @@ def read_range(storage: Storage, key: str, byte_range: ByteRange) -> bytes:
                                 f"(truncated or replaced): {e}") from e
 
 
-def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True) -> DecodedChunk:
+def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True,
+                tensor_rows: Optional[int] = None) -> DecodedChunk:
     """One chunk, fetched with a ranged read of its bytes in its object, verified and decoded
-    (quantized rows kept as codes unless ``dequantize``)."""
+    (quantized rows kept as codes unless ``dequantize``; ``tensor_rows``: the rows of its
+    tensor, which no row id it lists may pass, cnr.codec.chunk_format.decode_chunk)."""
     return from_sources(storage, ref.key, lambda source: decode_chunk(
-        read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize))
+        read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes)), ref, dequantize=dequantize,
+        tensor_rows=tensor_rows))
 
 
-def fetch_chunk_bytes(storage: Storage, ref: ChunkRef) -> bytes:
+def fetch_chunk_bytes(storage: Storage, ref: ChunkRef, tensor_rows: Optional[int] = None) -> bytes:
     """One chunk's stored bytes, verified (decoded) before they are handed out: a copy (cnr.write.merge)
     must not carry a damaged chunk, or bytes damaged on their way, into a new checkpoint."""
     def read(source: Storage) -> bytes:
         blob = read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes))
-        decode_chunk(blob, ref, dequantize=False)
+        decode_chunk(blob, ref, dequantize=False, tensor_rows=tensor_rows)
         return blob
 
     return from_sources(storage, ref.key, read)

@@ -61,7 +61,7 @@ def check_objects(storage: Storage, manifest: Manifest) -> List[str]:
     for entry in manifest.tensors.values():
         for ref in entry.chunks:
             try:
-                fetch_chunk(storage, ref, dequantize=False)
+                fetch_chunk(storage, ref, dequantize=False, tensor_rows=entry.shape[0] if entry.shape else None)
             except DAMAGE as e:
                 damage.append(f"{ref.key}: {e}")
     return damage

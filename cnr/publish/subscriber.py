@@ -234,7 +234,7 @@ class Subscriber:
         chunks = []
         for entry in manifest.tensors.values():
             for ref in entry.chunks:
-                chunks.append(fetch_chunk(self.storage, ref))
+                chunks.append(fetch_chunk(self.storage, ref, tensor_rows=entry.shape[0] if entry.shape else None))
                 self.stats.bytes_read += ref.nbytes
         return chunks
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
@@ -193,6 +193,7 @@ class RestorePlan:
     ``pieces``) of the pieces it writes into; each object is fetched once, however many pieces its
     chunks overlap. ``sizes``: the size of every object the manifest names (where its last chunk
     ends; no read goes past it). ``overlay``: the checkpoint is an increment applied on its baseline.
+    ``id_limits``: per chunk listing row ids, by (object, offset), the rows of its tensor.
     """
 
     manifest: Manifest
@@ -200,6 +201,7 @@ class RestorePlan:
     overlay: bool
     objects: Dict[str, ObjectChunks]
     sizes: Dict[str, int]
+    id_limits: Dict[Tuple[str, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,14 @@ def plan_restore(manifest: Manifest, pieces: List[StatePiece], overlay: bool = F
                 needed.setdefault((ref.key, ref.offset), (ref, []))[1].append(i)
     for ref, targets in needed.values():
         objects.setdefault(ref.key, []).append((ref, targets))
-    return RestorePlan(manifest, pieces, overlay, objects, sizes)
+    return RestorePlan(manifest, pieces, overlay, objects, sizes, _id_limits(manifest))
+
+
+def _id_limits(manifest: Manifest) -> Dict[Tuple[str, int], int]:
+    """(object, offset) of every chunk listing row ids -> the rows of its tensor (no id may pass
+    them). By the manifest's entries, whose names a version 1 manifest's chunks do not carry."""
+    return {(ref.key, ref.offset): entry.shape[0] for entry in manifest.tensors.values() if entry.shape
+            for ref in entry.chunks if ref.row_ids}
 
 
 def apply_restore(plan: RestorePlan, storage: Storage, pool: Optional[RestorePool] = None,
@@ -273,8 +282,8 @@ def apply_in_order(next_plan: Callable[[], Optional[RestorePlan]], storage: Stor
 
     def fetch(g: int, key: str) -> Tuple[int, List[DecodedChunk]]:
         plan = plans[g]
-        return from_sources(storage, key,
-                            lambda source: _decode_object(source, key, plan.objects[key], plan.sizes[key], pool))
+        return from_sources(storage, key, lambda source: _decode_object(source, key, plan.objects[key], plan.sizes[key],
+                                                                        plan.id_limits, pool))
 
     def apply(g: int, key: str, fetched: Tuple[int, List[DecodedChunk]]) -> Tuple[int, _Writes]:
         nbytes, decoded = fetched
@@ -337,17 +346,20 @@ def _apply_chunk(plan: RestorePlan, targets: List[int], chunk: DecodedChunk, hel
 
 
 def _decode_object(storage: Storage, key: str, chunks: ObjectChunks, size: int,
-                   pool: Optional[RestorePool] = None) -> Tuple[int, List[DecodedChunk]]:
+                   id_limits: Mapping[Tuple[str, int], int], pool: Optional[RestorePool] = None
+                   ) -> Tuple[int, List[DecodedChunk]]:
     """Bytes read and the verified chunks of ``key``, decoded (quantized rows kept as codes: they
     are dequantized block by block as they are written), on ``pool``'s workers (None: here). Nothing
     is written before every chunk of the object verified, so a damaged copy can be passed over
-    for another source's."""
+    for another source's. ``id_limits``: RestorePlan.id_limits (no chunk may list a row id past
+    its tensor's rows)."""
     data = _fetch_object(storage, key, chunks, size)
     lo = min(ref.offset for ref, _t in chunks)
     refs = [ref for ref, _t in chunks]
     ids_memo: IdsMemo = {}  # an increment's table and its optimizer state list the same rows: decoded once
     return len(data), each_chunk(pool, refs, lambda n: decode_chunk(
-        data[refs[n].offset - lo:refs[n].offset - lo + refs[n].nbytes], refs[n], dequantize=False, ids_memo=ids_memo))
+        data[refs[n].offset - lo:refs[n].offset - lo + refs[n].nbytes], refs[n], dequantize=False, ids_memo=ids_memo,
+        tensor_rows=id_limits.get((refs[n].key, refs[n].offset))))
 
 
 def restore_pieces(storage: Storage, manifest: Manifest, pieces: List[StatePiece],

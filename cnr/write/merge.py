@@ -103,7 +103,7 @@ def _merged_rows(storage: Storage, name: str, entry: TensorEntry,
         raise CheckpointError(f"the baseline covers {int(covered.sum())} of {n} rows of {name!r}")
     for chunks in links[1:]:
         for ref in chunks:
-            chunk = fetch_chunk(storage, ref, dequantize=False)
+            chunk = fetch_chunk(storage, ref, dequantize=False, tensor_rows=n)  # no id past the table
             rows.place(chunk.row_ids, _decoded(chunk))
     return codec, rows
 
