@@ -37,6 +37,7 @@ from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
 from cnr.track.pipeline import check_loaders
 from cnr.errors import CheckpointError, CnrError
+from cnr.format.abandoned import record_abandoned
 from cnr.format.catalog import restore_ids
 from cnr.restore.newest import Skipped, ids_from_rank0, restore_checkpoint, restore_newest
 from cnr.write.lease import Lease, LeaseHeldError
@@ -244,6 +245,8 @@ class Checkpointer:
                                                                partial)
             if restored is None:
                 return None
+        # before this job may save at the steps passed over: no later restore takes them back
+        _abandon_on_rank0(self.storage, self.skipped_on_restore, restored.manifest.id, self.rank)
         self._resume_from(restored, by_id=bool(checkpoint))
         # a checkpoint of a history that is not the current one: it is again (cnr.format.lineage)
         _activate_on_rank0(self.storage, self.lineage, restored.manifest.id, False, self.rank)
@@ -508,6 +511,26 @@ def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, besid
     error = rank0_decides(activate, rank)
     if error:
         raise CheckpointError(f"could not record this job's history (lineage) at {storage.uri}: {error}")
+
+
+def _abandon_on_rank0(storage: Storage, skipped: List[Skipped], restored_id: str, rank: int) -> None:
+    """Rank 0 records each checkpoint a restore passed over as abandoned (cnr.format.abandoned);
+    every rank raises CheckpointError when it cannot (collective; nothing to do when none was)."""
+    if not skipped:
+        return
+
+    def abandon() -> str:
+        try:
+            for s in skipped:
+                record_abandoned(storage, s.id, restored_id, s.reason)
+            return ""
+        except CnrError as e:
+            return f"{type(e).__name__}: {e}"
+
+    error = rank0_decides(abandon, rank)
+    if error:
+        raise CheckpointError(f"could not record the checkpoints this restore passed over as abandoned at "
+                              f"{storage.uri} (a later restore could take them back): {error}")
 
 
 def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:

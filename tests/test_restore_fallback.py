@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cli_helpers import TINY, train
+from cli_helpers import TINY, run_cnr, train
 from cnr.track.app_state import AppState
 from cnr.app.config import load_config
 from cnr.errors import CheckpointError
@@ -110,8 +110,10 @@ def damaged_store(saved, tmp_path_factory):
     return root, uri, ids
 
 
-def test_damaged_newest_falls_back_on_every_rank_to_the_previous(damaged_store):
-    root, uri, ids = damaged_store
+def test_damaged_newest_falls_back_on_every_rank_to_the_previous(damaged_store, tmp_path):
+    root, template, ids = damaged_store
+    uri = str(tmp_path / "ck")
+    shutil.copytree(template, uri)  # the restore records what it passed over (cnr.format.abandoned)
     out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(root / "fallback.pt")})
     assert out["id"] == ids[-2] and out["step"] == 4
     [(skipped_id, reason)] = out["skipped"]
@@ -229,3 +231,19 @@ def test_cnr_train_resumes_past_a_damaged_middle_link_exactly_once(tmp_path):
     assert all(key in f["reason"] for f in again["restore_fallbacks"]), again["restore_fallbacks"]
     assert load_trace(str(tmp_path / "trace")) == reference  # steps 11..30 once each, the same samples
     assert again["state_sha256"] == first["state_sha256"] and again["samples"] == first["samples"]
+
+
+def test_cnr_train_refuses_a_fallback_onto_a_checkpoint_of_another_config(tmp_path):
+    """The config check of --resume applies to the checkpoint restored, not only to the newest:
+    history A trained with seed 1, history B (--new-history) with seed 2; with B's checkpoint
+    damaged, a seed-2 resume falls back onto A's and must be refused, not train A's state on B's
+    data stream."""
+    opts = ["--set", "train.steps=10", "--set", "checkpoint.interval=10"]
+    train(str(tmp_path), "ck", *opts)
+    b = train(str(tmp_path), "ck", "--new-history", "--set", "train.seed=2", *opts)
+    storage = LocalStorage(str(tmp_path / "ck"))
+    b_id = b["last_checkpoint"]
+    storage.delete(next(c.key for t in read_manifest(storage, b_id).tensors.values() for c in t.chunks))
+    rc, out, err = run_cnr(["train", "--config", TINY, "--storage", "ck", "--resume", "--set", "train.seed=2", *opts],
+                           str(tmp_path))
+    assert rc == 2 and "train.seed is 1 in the checkpoint but 2" in err and "Traceback" not in err, err[-3000:]

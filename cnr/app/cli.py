@@ -36,6 +36,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from cnr.format.abandoned import abandoned_ids, is_abandoned
     from cnr.format.catalog import list_checkpoints
     from cnr.write.local_tier import committed_in, open_checkpoint_store
     from cnr.options import CheckpointOptions
@@ -46,10 +47,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.tables:
         return _inspect_tables(storage, args.checkpoint, args.json)
     infos = list_checkpoints(storage)
+    abandoned = abandoned_ids(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
          "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method,
-         "lineage": i.lineage}
+         "lineage": i.lineage, "abandoned": is_abandoned(i.id, abandoned)}
         for i in infos
     ]
     tiers = committed_in(storage, infos)
@@ -63,23 +65,27 @@ def _inspect(args: argparse.Namespace) -> int:
         for r in rows:
             where = f" ({'+'.join(r['committed_in'])})" if r["committed"] and args.local_dir else ""
             print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
-                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}{where}")
+                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}{where}{', abandoned' if r['abandoned'] else ''}")
     return 0
 
 
 def _inspect_verify(storage, as_json: bool) -> int:
     """Read back every object of every committed checkpoint; exit 0 when a chain restores, else 1."""
+    from cnr.format.abandoned import abandoned_ids, is_abandoned
     from cnr.format.verify import verify_store
 
     results = verify_store(storage)
-    rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "restorable": v.restorable, "chain": list(v.chain),
+    abandoned = abandoned_ids(storage)  # a restore passes over them, whatever their objects
+    rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "abandoned": is_abandoned(v.id, abandoned),
+             "restorable": v.restorable and not is_abandoned(v.id, abandoned), "chain": list(v.chain),
              "damage": list(v.damage)} for v in results]
     restorable = [r["id"] for r in rows if r["restorable"]]
     if as_json:
         print(json.dumps({"uri": storage.uri, "checkpoints": rows, "restorable": restorable}, sort_keys=True))
     else:
         for r in rows:
-            state = "restorable" if r["restorable"] else ("intact, chain broken" if r["intact"] else "DAMAGED")
+            state = ("restorable" if r["restorable"] else "abandoned (a restore passed over it)" if r["abandoned"]
+                     else "intact, chain broken" if r["intact"] else "DAMAGED")
             print(f"{r['id']}  step {r['step']}  {state}")
             for line in r["damage"]:
                 print(f"    {line}")

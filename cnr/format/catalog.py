@@ -11,6 +11,7 @@ from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.format.manifest import (
     MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
 )
+from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import restore_order
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
@@ -155,8 +156,10 @@ def committed_ids(storage: Storage) -> List[str]:
 
 def restore_ids(storage: Storage) -> List[str]:
     """Ids of every checkpoint with a manifest in the order a restore tries them: the current
-    history's first, each history's highest step first (cnr.format.lineage.restore_order)."""
-    return restore_order(storage, committed_ids(storage))
+    history's first, each history's highest step first (cnr.format.lineage.restore_order); none
+    that a restore passed over as damaged (cnr.format.abandoned)."""
+    abandoned = abandoned_ids(storage)
+    return restore_order(storage, [i for i in committed_ids(storage) if not is_abandoned(i, abandoned)])
 
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:

@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 from cnr.errors import KeyNotFoundError
 from cnr.format.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, deleting_key, failed_key, manifest_key
+from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
@@ -314,8 +315,15 @@ def forget_verified(storage: Storage, ckpt_id: str) -> None:
 
 def plan_on_storage(storage: Storage, infos: Sequence[CheckpointInfo], keep_last: int,
                     scope: RetentionScope) -> RetentionPlan:
-    """``plan_with`` over ``infos``, verifying on ``storage`` what it needs."""
-    return plan_with(infos, keep_last, scope, lambda ids: verified(storage, ids))
+    """``plan_with`` over ``infos``, verifying on ``storage`` what it needs. A checkpoint a restore
+    passed over (cnr.format.abandoned) counts as not verifying, whatever its objects: it is never
+    the newest kept chain, so the checkpoints committed after it are never deleted for it."""
+    abandoned = abandoned_ids(storage)
+
+    def verify(ids: List[str]) -> Dict[str, bool]:
+        return {i: ok and not is_abandoned(i, abandoned) for i, ok in verified(storage, ids).items()}
+
+    return plan_with(infos, keep_last, scope, verify)
 
 
 def retain_checkpoints(storage: Storage, keep_last: int, scope: Optional[RetentionScope] = None) -> Dict[str, Any]:

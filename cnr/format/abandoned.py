@@ -1,0 +1,128 @@
+"""Checkpoints a restore passed over as damaged, recorded so that no later restore takes them.
+
+A restore that falls back past a damaged checkpoint (cnr.restore.newest) continues from an older
+one, and the job's saves may then reuse the steps passed over (docs/guide.md). Restore order is by
+step: were the damaged checkpoint's objects to come back later (a file put back, a store that
+answered "no such object" for a while), a restore would take that abandoned branch again, over the
+checkpoints the job committed after passing it over: the wrong state, without a word. So the
+restoring job records each checkpoint it passed over, on rank 0 under the lease, before it trains:
+``abandoned/<checkpoint id>.json``. From then on a recorded checkpoint (and a merged baseline
+standing for it, cnr.write.merge) is in no restore order (cnr.format.catalog.restore_ids) and is
+never retention's newest verified chain (cnr.policy.retention); ``inspect`` lists it as
+abandoned, a restore by id still reads it, and retention deletes it as it deletes any older
+checkpoint of its lineage once a newer chain verifies.
+
+Invariants: cnr never rewrites or deletes a record; the record's name is what abandons a
+checkpoint, so a record whose content does not parse still does (a damaged record must not bring
+a dead branch back). Names not of the layout are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import AbstractSet, FrozenSet, Optional
+
+from cnr.errors import CheckpointError, KeyNotFoundError, redact
+from cnr.format.manifest import MERGED_SUFFIX
+from cnr.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+ABANDONED_PREFIX = "abandoned"
+RECORD_FORMAT = "cnr.abandoned"
+RECORD_VERSION = 1
+_ID = r"\d{10,}-[0-9a-z]+"  # cnr.format.manifest.make_id
+_KEY = re.compile(rf"^{ABANDONED_PREFIX}/({_ID})\.json$")
+_RECORD_LIMIT = 64 * 1024
+_REASON_LIMIT = 2000  # characters of the reason kept in a record
+
+
+def abandoned_key(ckpt_id: str) -> str:
+    """The record of ``ckpt_id``; CheckpointError unless it is a checkpoint id (not a merged one)."""
+    key = f"{ABANDONED_PREFIX}/{ckpt_id}.json"
+    if not _KEY.match(key):
+        raise CheckpointError(f"{ckpt_id!r} is not a checkpoint id an abandoned record can name")
+    return key
+
+
+@dataclass(frozen=True)
+class AbandonedRecord:
+    """``id`` was passed over as damaged (``reason``) by a restore that took ``restored_instead``."""
+
+    id: str
+    restored_instead: str
+    reason: str
+    created_unix: float
+    host: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": RECORD_FORMAT, "version": RECORD_VERSION, **asdict(self)}, sort_keys=True).encode()
+
+
+_FIELDS = {"id": str, "restored_instead": str, "reason": str, "created_unix": (int, float), "host": str}
+
+
+def parse_record(blob: bytes, where: str) -> AbandonedRecord:
+    """The record in ``blob``; CheckpointError naming ``where`` unless it is a well-formed one."""
+    try:
+        obj = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is not a JSON abandoned record: {str(e)[:200]}") from None
+    if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+        raise CheckpointError(f"{where} is not a {RECORD_FORMAT} version {RECORD_VERSION} document")
+    body = {k: v for k, v in obj.items() if k not in ("format", "version")}
+    if set(body) != set(_FIELDS):
+        raise CheckpointError(f"{where} has missing fields {sorted(set(_FIELDS) - set(body))} and unknown fields "
+                              f"{sorted(set(body) - set(_FIELDS))}")
+    for name, kind in _FIELDS.items():
+        if not isinstance(body[name], kind) or isinstance(body[name], bool):
+            raise CheckpointError(f"{where} field {name!r} = {body[name]!r:.80} has the wrong type")
+    return AbandonedRecord(**body)
+
+
+def record_abandoned(storage: Storage, ckpt_id: str, restored_instead: str, reason: str) -> bool:
+    """Record that a restore passed over ``ckpt_id`` (``reason``: what is damaged) and took
+    ``restored_instead``; False when a record of it is there already (records are never rewritten).
+    Rank 0's trainer calls it under the lease."""
+    record = AbandonedRecord(ckpt_id, restored_instead, redact(reason)[:_REASON_LIMIT], time.time(),
+                             socket.gethostname())
+    stored = storage.put_if_absent(abandoned_key(ckpt_id), record.to_bytes())
+    if stored:
+        logger.warning("checkpoint %s is recorded as abandoned at %s: a restore passed over it (%s) and took %s; "
+                       "no restore takes it again unless named by id", ckpt_id, storage.uri, record.reason[:300],
+                       restored_instead)
+    return stored
+
+
+def abandoned_ids(storage: Storage) -> FrozenSet[str]:
+    """The ids of every recorded checkpoint, from the listing alone."""
+    return frozenset(m.group(1) for m in map(_KEY.match, storage.list(ABANDONED_PREFIX)) if m)
+
+
+def is_abandoned(ckpt_id: str, abandoned: AbstractSet[str]) -> bool:
+    """Whether ``ckpt_id`` is recorded, or is the merged baseline of a recorded increment."""
+    plain = ckpt_id[:-len(MERGED_SUFFIX)] if ckpt_id.endswith(MERGED_SUFFIX) else ckpt_id
+    return plain in abandoned
+
+
+def read_abandoned(storage: Storage, ckpt_id: str) -> Optional[AbandonedRecord]:
+    """``ckpt_id``'s record; None when there is none, or (with a warning) when it does not parse:
+    the checkpoint is abandoned all the same (its name says so)."""
+    key = abandoned_key(ckpt_id)
+    try:
+        if storage.size(key) > _RECORD_LIMIT:
+            raise CheckpointError(f"{storage.uri}/{key} holds more than {_RECORD_LIMIT} bytes")
+        record = parse_record(storage.get(key), f"{storage.uri}/{key}")
+        if record.id != ckpt_id:
+            raise CheckpointError(f"{storage.uri}/{key} names checkpoint {record.id!r}")
+        return record
+    except KeyNotFoundError:
+        return None
+    except CheckpointError as e:
+        logger.warning("a damaged abandoned record (its checkpoint stays abandoned): %s", e)
+        return None

@@ -1,0 +1,123 @@
+"""Checkpoints a restore passed over as damaged stay passed over (cnr/format/abandoned.py).
+
+A job that fell back past a damaged checkpoint continues from an older one and may save at the
+steps it passed over. When the damaged checkpoint's objects come back, a restore must still take
+what that job committed, never the abandoned branch (which restore order by step, then by a
+random id, would pick half the time), and retention must never delete the job's checkpoints for
+it. The model is examples/two_tower.py on two spawned gloo ranks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import cnr
+from cnr.app.launch import launch
+from cnr.errors import CheckpointError
+from cnr.format.abandoned import (
+    abandoned_ids, abandoned_key, is_abandoned, read_abandoned, record_abandoned,
+)
+from cnr.format.catalog import list_checkpoints, read_manifest, restore_ids
+from cnr.format.manifest import manifest_key
+from cnr.policy.retention import plan_on_storage
+from cnr.storage.local import LocalStorage
+from cnr.types import RetentionScope
+from examples.two_tower import build, make_loader, train_step
+from test_restore_fallback import _gathered, _save
+
+OLD, NEW, BEFORE = "0000000006-ffffffff", "0000000006-00000000", "0000000004-12345678"
+
+
+def test_a_record_abandons_its_checkpoint_and_the_merged_baseline_standing_for_it(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    assert abandoned_ids(storage) == frozenset()
+    assert record_abandoned(storage, OLD, BEFORE, "rank 1: chunk 'x' fails its CRC-32 check")
+    assert not record_abandoned(storage, OLD, "0000000002-00000000", "again")  # never rewritten
+    assert abandoned_ids(storage) == {OLD}
+    assert is_abandoned(OLD, abandoned_ids(storage)) and is_abandoned(OLD + ".merged", abandoned_ids(storage))
+    assert not is_abandoned(NEW, abandoned_ids(storage))
+    record = read_abandoned(storage, OLD)
+    assert record.restored_instead == BEFORE and "CRC-32" in record.reason
+    assert read_abandoned(storage, NEW) is None
+
+
+def test_a_damaged_record_still_abandons_and_secrets_are_not_stored(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    record_abandoned(storage, OLD, BEFORE, "no object at http://user:hunter2@store/x")
+    assert "hunter2" not in storage.get(abandoned_key(OLD)).decode()
+    storage.put(abandoned_key(OLD), b"{not json")
+    assert read_abandoned(storage, OLD) is None and abandoned_ids(storage) == {OLD}
+
+
+@pytest.mark.parametrize("bad", ["../x", OLD + ".merged", "", "0000000006"])
+def test_only_checkpoint_ids_can_be_recorded(tmp_path, bad):
+    with pytest.raises(CheckpointError, match="is not a checkpoint id"):
+        record_abandoned(LocalStorage(str(tmp_path)), bad, BEFORE, "why")
+
+
+def test_restore_order_leaves_out_an_abandoned_checkpoint_that_sorts_first(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    for ckpt_id in (BEFORE, NEW, OLD, OLD + ".merged"):
+        storage.put(manifest_key(ckpt_id), b"{}")  # listed as committed; the order reads no manifest
+    assert restore_ids(storage) == [OLD + ".merged", OLD, NEW, BEFORE]
+    record_abandoned(storage, OLD, BEFORE, "damaged")
+    assert restore_ids(storage) == [NEW, BEFORE]
+
+
+def _restore_then_save(rank, world_size, arg):
+    """Restore (falling back past the damaged newest), train to step 6 again and save there."""
+    dmp, adam, sched = build(world_size)
+    loader = make_loader(rank, 8)
+    app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": loader}
+    options = cnr.CheckpointOptions(policy="consecutive", keep_last=arg["keep_last"], compact_at_chain_ratio=0)
+    with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
+        info = ckpt.restore()
+        skipped = [s.id for s in ckpt.skipped_on_restore]
+        batches = iter(loader)
+        for _step in range(info.step + 1, 7):
+            train_step(dmp, adam, sched, next(batches))
+        saved = ckpt.save(6).wait()
+        state = _gathered(app_state)
+    if rank == 0:
+        torch.save(state, arg["out"])
+    return {"restored": info.id, "skipped": skipped, "saved": saved.id}
+
+
+def _restore_only(rank, world_size, arg):
+    dmp, adam, sched = build(world_size)
+    app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": make_loader(rank, 8)}
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive")) as ckpt:
+        info = ckpt.restore()
+        skipped = [s.id for s in ckpt.skipped_on_restore]
+        state = _gathered(app_state)
+    if rank == 0:
+        torch.save(state, arg["out"])
+    return {"id": info.id, "skipped": skipped}
+
+
+def test_a_branch_passed_over_is_never_restored_again_when_its_damage_goes(tmp_path):
+    root = tmp_path / "states"
+    root.mkdir()
+    uri = str(tmp_path / "ck")
+    launch(_save, 2, {"uri": uri, **{f"at_{step}": str(root / f"at_{step}.pt") for step in (2, 4, 6)}})
+    storage = LocalStorage(uri)
+    old = [i.id for i in list_checkpoints(storage)][-1]
+    key = next(c.key for t in read_manifest(storage, old).tensors.values() for c in t.chunks if "/rank-00001/" in c.key)
+    shutil.move(f"{uri}/{key}", tmp_path / "away.bin")  # gone for a while (a store that lost it, say)
+
+    out = launch(_restore_then_save, 2, {"uri": uri, "keep_last": 0, "out": str(root / "new_6.pt")})
+    assert out["skipped"] == [old] and out["restored"].startswith("0000000004-") and out["saved"] != old
+    assert abandoned_ids(storage) == {old} and read_abandoned(storage, old).restored_instead == out["restored"]
+
+    shutil.move(tmp_path / "away.bin", f"{uri}/{key}")  # the damage is gone: the old branch reads again
+    assert restore_ids(storage)[0] == out["saved"] and old not in restore_ids(storage)
+    again = launch(_restore_only, 2, {"uri": uri, "out": str(root / "again.pt")})
+    assert again == {"id": out["saved"], "skipped": []}
+    a, b = torch.load(root / "again.pt"), torch.load(root / "new_6.pt")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    # retention counts the old branch as no chain to keep: the job's own checkpoint is never deleted for it
+    lineage = read_manifest(storage, out["saved"]).lineage
+    plan = plan_on_storage(storage, list_checkpoints(storage), 1, RetentionScope(lineage=lineage))
+    assert out["saved"] in plan.keep and out["saved"] not in plan.delete
