@@ -71,6 +71,8 @@ def test_existing_checkpoints_are_never_overwritten_and_mismatched_resume_refuse
         (["--resume", "--set", "model.arch=dcn"], "model.arch is 'dlrm' in the checkpoint but 'dcn'"),
         (["--resume", "--set", "train.batch_size=32"], "train.batch_size is 64 in the checkpoint but 32"),
         (["--resume", "--set", "train.seed=5"], "train.seed is 1 in the checkpoint but 5"),
+        (["--resume", "--set", "train.sparse_lr=0.1"], "train.sparse_lr is 0.05 in the checkpoint but 0.1"),
+        (["--resume", "--set", "train.dense_lr=0.1"], "train.dense_lr is 0.05 in the checkpoint but 0.1"),
     ]
     for extra, message in cases:
         rc, err = _run(capsys, "train", "--config", TINY, "--storage", str(tmp_path / "ck"), *extra)

@@ -53,6 +53,12 @@ def _saved_config(manifest: Manifest) -> Dict[str, Any]:
     return saved
 
 
+_CURSOR = " (the reader cursor would point at different samples)"
+_WHY = {"sparse_lr": " (a resume trains on at the checkpoint's learning rates, which it restores)",
+        "dense_lr": " (a resume trains on at the checkpoint's learning rates, which it restores)",
+        **{k: _CURSOR for k in ("batch_size", "seed", "source", "tsv_paths", "ids_per_feature", "power_law_exponent")}}
+
+
 def check_compatible(manifest: Manifest, config: Config) -> None:
     """Raise ConfigError naming every difference between the checkpoint's job and ``config``."""
     old = _saved_config(manifest)
@@ -71,13 +77,13 @@ def check_compatible(manifest: Manifest, config: Config) -> None:
     # The reader cursor counts global batches of train.batch_size samples from one stream:
     # any change here would make "the remaining batches" a different set of samples.
     for section, key in (("model", "arch"), ("train", "sparse_optimizer"), ("train", "dense_optimizer"),
+                         ("train", "sparse_lr"), ("train", "dense_lr"),
                          ("train", "batch_size"), ("train", "seed"), ("data", "source"), ("data", "tsv_paths"),
                          ("data", "ids_per_feature"), ("data", "power_law_exponent")):
         before = old.get(section, {}).get(key)
         now = getattr(getattr(config, section), key)
         if before is not None and before != now:
-            why = "" if section == "model" or key.endswith("optimizer") else " (the reader cursor would point at different samples)"
-            problems.append(f"{section}.{key} is {before!r} in the checkpoint but {now!r} in the config{why}")
+            problems.append(f"{section}.{key} is {before!r} in the checkpoint but {now!r} in the config{_WHY.get(key, '')}")
     if problems:
         raise ConfigError(f"--resume: checkpoint {manifest.id} does not match the model: " + "; ".join(problems))
 

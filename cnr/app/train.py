@@ -29,7 +29,7 @@ from cnr.app.launch import rank_device
 from cnr.format.manifest import Manifest
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.app.job import FRESH_START_REMEDY, TrainJob, publish_uri
+from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_uri
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish.publisher import Publisher
 from cnr.track.state import global_names, state_digest
@@ -209,6 +209,8 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
                 info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
                 if info is None:
                     raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
+                if ckpt.restored_manifest.id != manifest.id:  # a fallback: prepare_job checked the newest only
+                    check_compatible(ckpt.restored_manifest, config)
                 manifest = ckpt.restored_manifest
                 readers.follow(manifest)
         step = manifest.step if manifest is not None else 0
