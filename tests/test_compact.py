@@ -154,6 +154,8 @@ def test_a_damaged_claim_record_is_taken_over_and_an_unknown_key_refused(tmp_pat
     (["--threads", "0"], "--threads 0 is not allowed"),
     (["--lease-ttl-s", "0.5"], "--lease-ttl-s 0.5 is not allowed; it must be from 1 to 86400"),
     (["--checkpoint", "a/b"], "--checkpoint 'a/b' is not allowed"),
+    (["--checkpoint", ".."], "--checkpoint '..' is not allowed; give a checkpoint id"),
+    (["--checkpoint", "."], "--checkpoint '.' is not allowed"),
 ])
 def test_compact_refuses_bad_arguments_before_any_work(tmp_path, args, message):
     from cnr.app.cli import build_parser
@@ -162,6 +164,17 @@ def test_compact_refuses_bad_arguments_before_any_work(tmp_path, args, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         compact(build_parser().parse_args(["compact", str(tmp_path / "store"), *args]))
     assert not os.path.exists(tmp_path / "store")
+
+
+def test_compact_refuses_a_location_that_is_no_directory_or_a_checkpoints_folder(short_chain, tmp_path):
+    """A cron compactor given a mistyped path would otherwise report nothing to merge forever."""
+    (tmp_path / "file").write_text("x")
+    cases = [(tmp_path / "missing", "no such directory"), (tmp_path / "file", "not a directory"),
+             (f"{short_chain}/checkpoints", f"is the checkpoints folder of a location; give the location itself: {short_chain}")]
+    for where, message in cases:
+        rc, _out, err = run_cnr(["compact", str(where)], str(tmp_path))
+        assert rc == 2 and message in err and err.count("\n") == 1, (where, err)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_compact_cli_exits_2_with_one_error_line(tmp_path):
@@ -182,6 +195,7 @@ def short_chain(tmp_path_factory):
 def test_compacting_with_no_job_takes_the_lease_so_a_starting_job_is_refused(short_chain, tmp_path, monkeypatch):
     shutil.copytree(short_chain, tmp_path / "ck")
     storage = LocalStorage(str(tmp_path / "ck"))
+    (tmp_path / "fresh").mkdir()  # an empty location: a job that has not committed yet
     rc, out, _err = run_cnr(["compact", str(tmp_path / "fresh")], str(tmp_path))
     assert rc == 0 and json.loads(out.splitlines()[-1])["reason"] == "no committed checkpoint"
     import cnr.write.compact as compact
