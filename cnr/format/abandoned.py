@@ -19,7 +19,6 @@ a dead branch back). Names not of the layout are ignored.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import socket
@@ -29,6 +28,8 @@ from typing import AbstractSet, FrozenSet, Optional
 
 from cnr.errors import CheckpointError, KeyNotFoundError, redact
 from cnr.format.manifest import MERGED_SUFFIX
+from cnr.format.records import get_record, record_bytes
+from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ RECORD_FORMAT = "cnr.abandoned"
 RECORD_VERSION = 1
 _ID = r"\d{10,}-[0-9a-z]+"  # cnr.format.manifest.make_id
 _KEY = re.compile(rf"^{ABANDONED_PREFIX}/({_ID})\.json$")
-_RECORD_LIMIT = 64 * 1024
 _REASON_LIMIT = 2000  # characters of the reason kept in a record
 
 
@@ -61,7 +61,7 @@ class AbandonedRecord:
     host: str
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": RECORD_FORMAT, "version": RECORD_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return record_bytes(RECORD_FORMAT, RECORD_VERSION, asdict(self))
 
 
 _FIELDS = {"id": str, "restored_instead": str, "reason": str, "created_unix": (int, float), "host": str}
@@ -69,20 +69,7 @@ _FIELDS = {"id": str, "restored_instead": str, "reason": str, "created_unix": (i
 
 def parse_record(blob: bytes, where: str) -> AbandonedRecord:
     """The record in ``blob``; CheckpointError naming ``where`` unless it is a well-formed one."""
-    try:
-        obj = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where} is not a JSON abandoned record: {str(e)[:200]}") from None
-    if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
-        raise CheckpointError(f"{where} is not a {RECORD_FORMAT} version {RECORD_VERSION} document")
-    body = {k: v for k, v in obj.items() if k not in ("format", "version")}
-    if set(body) != set(_FIELDS):
-        raise CheckpointError(f"{where} has missing fields {sorted(set(_FIELDS) - set(body))} and unknown fields "
-                              f"{sorted(set(body) - set(_FIELDS))}")
-    for name, kind in _FIELDS.items():
-        if not isinstance(body[name], kind) or isinstance(body[name], bool):
-            raise CheckpointError(f"{where} field {name!r} = {body[name]!r:.80} has the wrong type")
-    return AbandonedRecord(**body)
+    return AbandonedRecord(**parse_json_record(blob, where, RECORD_FORMAT, RECORD_VERSION, _FIELDS))
 
 
 def record_abandoned(storage: Storage, ckpt_id: str, restored_instead: str, reason: str) -> bool:
@@ -115,9 +102,7 @@ def read_abandoned(storage: Storage, ckpt_id: str) -> Optional[AbandonedRecord]:
     the checkpoint is abandoned all the same (its name says so)."""
     key = abandoned_key(ckpt_id)
     try:
-        if storage.size(key) > _RECORD_LIMIT:
-            raise CheckpointError(f"{storage.uri}/{key} holds more than {_RECORD_LIMIT} bytes")
-        record = parse_record(storage.get(key), f"{storage.uri}/{key}")
+        record = parse_record(get_record(storage, key), f"{storage.uri}/{key}")
         if record.id != ckpt_id:
             raise CheckpointError(f"{storage.uri}/{key} names checkpoint {record.id!r}")
         return record

@@ -28,7 +28,6 @@ makes the order read every manifest (its ``beside_others`` is unknown).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import socket
@@ -39,6 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import check_lineage, read_manifest
+from cnr.format.records import get_record, record_bytes
+from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,6 @@ RECORD_VERSION = 1
 UNRECORDED = ""
 _UNRECORDED_NAME = "unrecorded"  # the record name of lineage "" (manifests that record none)
 _KEY = re.compile(r"^lineage/(\d{12})-([0-9a-f]{32}|unrecorded)\.json$")
-_RECORD_LIMIT = 64 * 1024
 
 
 def new_lineage_id() -> str:
@@ -77,7 +77,7 @@ class LineageRecord:
     host: str
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": RECORD_FORMAT, "version": RECORD_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return record_bytes(RECORD_FORMAT, RECORD_VERSION, asdict(self))
 
 
 _FIELDS = {"seq": int, "lineage": str, "restored_from": str, "beside_others": bool,
@@ -86,19 +86,7 @@ _FIELDS = {"seq": int, "lineage": str, "restored_from": str, "beside_others": bo
 
 def parse_record(blob: bytes, where: str) -> LineageRecord:
     """The record in ``blob``; CheckpointError naming ``where`` unless it is a well-formed one."""
-    try:
-        obj = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where} is not a JSON lineage record: {str(e)[:200]}") from None
-    if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
-        raise CheckpointError(f"{where} is not a {RECORD_FORMAT} version {RECORD_VERSION} document")
-    body = {k: v for k, v in obj.items() if k not in ("format", "version")}
-    if set(body) != set(_FIELDS):
-        raise CheckpointError(f"{where} has missing fields {sorted(set(_FIELDS) - set(body))} and unknown fields "
-                              f"{sorted(set(body) - set(_FIELDS))}")
-    for name, kind in _FIELDS.items():
-        if not isinstance(body[name], kind) or (kind is int and isinstance(body[name], bool)):
-            raise CheckpointError(f"{where} field {name!r} = {body[name]!r:.80} has the wrong type")
+    body = parse_json_record(blob, where, RECORD_FORMAT, RECORD_VERSION, _FIELDS)
     check_lineage(body["lineage"], where)
     return LineageRecord(**body)
 
@@ -118,9 +106,7 @@ def read_record(storage: Storage, seq: int, lineage: str) -> Optional[LineageRec
     match its name or is gone."""
     key = record_key(seq, lineage)
     try:
-        if storage.size(key) > _RECORD_LIMIT:
-            raise CheckpointError(f"{storage.uri}/{key} holds more than {_RECORD_LIMIT} bytes")
-        record = parse_record(storage.get(key), f"{storage.uri}/{key}")
+        record = parse_record(get_record(storage, key), f"{storage.uri}/{key}")
         if (record.seq, record.lineage) != (seq, lineage):
             raise CheckpointError(f"{storage.uri}/{key} describes record {record.seq} of lineage {record.lineage!r}")
         return record
