@@ -17,8 +17,9 @@ as the compact JSON ``[dtype, row_shape, ids]``), then the stored payload, so a 
 before any codec reads it: a bit flipped in an id bitmap's ``first`` would otherwise move every
 row it lists. Nothing is unpickled; every other header field is checked against the manifest's
 ChunkRef before the payload is used, and a reader that knows the tensor's rows
-(``tensor_rows``) refuses ids beyond them. This module knows no codec by itself: it frames what a codec encoded (``encode_chunk``)
-and hands the verified bytes back to the codecs the header names, through cnr.codec's registry.
+(``tensor_rows``) refuses ids beyond them. This module knows no codec by itself: it frames what
+a codec encoded (``encode_chunk``) and hands the verified bytes back to the codecs the header
+names, through cnr.codec's registry.
 
 Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); format 4 extended the
 CRC over ``dtype``, ``row_shape`` and ``ids`` (before it, the CRC covers the payload alone).
@@ -250,21 +251,18 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
         raise CorruptChunkError(f"{where} header or payload fails its CRC-32 check (altered or corrupted)"
                                 if version >= _CRC_OVER_HEADER else
                                 f"{where} payload fails its CRC-32 check (altered or corrupted)")
-    _check_ids_within(header, tensor_rows, where)
     chunk = _payload_tensors(payload, header, ref, where, dequantize, reference, ids_memo)
-    if tensor_rows is not None and header["ids"] == {"format": "int64"} and header["rows"]:
-        low, high = int(chunk.row_ids.min()), int(chunk.row_ids.max())
-        if low < 0 or high >= tensor_rows:
-            raise CorruptChunkError(f"{where} lists row ids {low}..{high}, outside the tensor's {tensor_rows} rows")
+    if tensor_rows is not None and chunk.row_ids is not None and header["rows"]:
+        _check_ids_within(chunk.row_ids, header["ids"], tensor_rows, where)
     return chunk
 
 
-def _check_ids_within(header: dict, tensor_rows: Optional[int], where: str) -> None:
-    """A bitmap's rows lie in ``first .. first + span - 1``: refused when past ``tensor_rows``."""
-    ids = header["ids"]
-    if tensor_rows is not None and ids is not None and ids["format"] == "bitmap" and ids["first"] + ids["span"] > tensor_rows:
-        raise CorruptChunkError(f"{where} id bitmap covers rows {ids['first']}..{ids['first'] + ids['span'] - 1}, "
-                                f"outside the tensor's {tensor_rows} rows")
+def _check_ids_within(row_ids: torch.Tensor, ids: dict, tensor_rows: int, where: str) -> None:
+    """CorruptChunkError unless every listed row is in ``0 .. tensor_rows - 1`` (a bitmap's
+    ascend from ``first``, at least 0: only its last needs a look)."""
+    low, high = (ids["first"], int(row_ids[-1])) if ids["format"] == "bitmap" else (int(row_ids.min()), int(row_ids.max()))
+    if low < 0 or high >= tensor_rows:
+        raise CorruptChunkError(f"{where} lists row ids {low}..{high}, outside the tensor's {tensor_rows} rows")
 
 
 def stored_payload(blob: Union[bytes, memoryview]) -> memoryview:
