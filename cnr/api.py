@@ -498,39 +498,33 @@ def take_lease(storage: Storage, ttl_s: float, rank: int) -> Tuple[Optional[Leas
     return lease, LeaseRef(*shared[1])
 
 
-def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:
-    """Rank 0 makes ``lineage`` the location's current history (cnr.format.lineage.record_activation);
-    every rank raises CheckpointError when it cannot (collective)."""
-    def activate() -> str:
+def _record_on_rank0(storage: Storage, rank: int, record: Callable[[], Any], what: str) -> None:
+    """Rank 0 runs ``record`` (it stores ``what`` under the lease); every rank raises
+    CheckpointError naming ``what`` when it could not (collective)."""
+    def attempt() -> str:
         try:
-            record_activation(storage, lineage, restored_from, beside_others)
+            record()
             return ""
         except CnrError as e:
             return f"{type(e).__name__}: {e}"
 
-    error = rank0_decides(activate, rank)
+    error = rank0_decides(attempt, rank)
     if error:
-        raise CheckpointError(f"could not record this job's history (lineage) at {storage.uri}: {error}")
+        raise CheckpointError(f"could not record {what} at {storage.uri}: {error}")
+
+
+def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:
+    """Rank 0 makes ``lineage`` the location's current history (cnr.format.lineage.record_activation)."""
+    _record_on_rank0(storage, rank, lambda: record_activation(storage, lineage, restored_from, beside_others),
+                     "this job's history (lineage)")
 
 
 def _abandon_on_rank0(storage: Storage, skipped: List[Skipped], restored_id: str, rank: int) -> None:
-    """Rank 0 records each checkpoint a restore passed over as abandoned (cnr.format.abandoned);
-    every rank raises CheckpointError when it cannot (collective; nothing to do when none was)."""
-    if not skipped:
-        return
-
-    def abandon() -> str:
-        try:
-            for s in skipped:
-                record_abandoned(storage, s.id, restored_id, s.reason)
-            return ""
-        except CnrError as e:
-            return f"{type(e).__name__}: {e}"
-
-    error = rank0_decides(abandon, rank)
-    if error:
-        raise CheckpointError(f"could not record the checkpoints this restore passed over as abandoned at "
-                              f"{storage.uri} (a later restore could take them back): {error}")
+    """Rank 0 records each checkpoint a restore passed over as abandoned (cnr.format.abandoned;
+    nothing to do when none was)."""
+    if skipped:
+        _record_on_rank0(storage, rank, lambda: [record_abandoned(storage, s.id, restored_id, s.reason) for s in skipped],
+                         "the checkpoints this restore passed over as abandoned (a later restore could take them back)")
 
 
 def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:

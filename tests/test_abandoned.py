@@ -23,9 +23,9 @@ from cnr.format.catalog import list_checkpoints, read_manifest, restore_ids
 from cnr.format.manifest import manifest_key
 from cnr.policy.retention import plan_on_storage
 from cnr.storage.local import LocalStorage
-from cnr.types import RetentionScope
+from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
 from examples.two_tower import build, make_loader, train_step
-from test_restore_fallback import _gathered, _save
+from test_restore_fallback import _gathered, _restore, _save
 
 OLD, NEW, BEFORE = "0000000006-ffffffff", "0000000006-00000000", "0000000004-12345678"
 
@@ -66,6 +66,22 @@ def test_restore_order_leaves_out_an_abandoned_checkpoint_that_sorts_first(tmp_p
     assert restore_ids(storage) == [NEW, BEFORE]
 
 
+def test_retention_never_keeps_an_abandoned_checkpoint_as_the_newest_chain(tmp_path, monkeypatch):
+    """The abandoned 6 sorts above the job's own 6: counted as the newest verified chain, it would
+    make retention (keep_last 1) delete the job's checkpoint."""
+    import cnr.policy.retention as retention
+
+    storage = LocalStorage(str(tmp_path))
+    infos = [CheckpointInfo(BEFORE, 4, CheckpointKind.FULL, CheckpointStatus.COMMITTED, 2, 10, 100, None),
+             *(CheckpointInfo(i, 6, CheckpointKind.INCREMENTAL, CheckpointStatus.COMMITTED, 2, 3, 30, BEFORE)
+               for i in (NEW, OLD))]
+    monkeypatch.setattr(retention, "verified", lambda _storage, ids: {i: True for i in ids})  # every object intact
+    assert plan_on_storage(storage, infos, 1, RetentionScope()).delete == (NEW,)  # what it did before the record
+    record_abandoned(storage, OLD, BEFORE, "damaged")
+    plan = plan_on_storage(storage, infos, 1, RetentionScope())
+    assert plan.delete == () and NEW in plan.keep
+
+
 def _restore_then_save(rank, world_size, arg):
     """Restore (falling back past the damaged newest), train to step 6 again and save there."""
     dmp, adam, sched = build(world_size)
@@ -85,18 +101,6 @@ def _restore_then_save(rank, world_size, arg):
     return {"restored": info.id, "skipped": skipped, "saved": saved.id}
 
 
-def _restore_only(rank, world_size, arg):
-    dmp, adam, sched = build(world_size)
-    app_state = {"model": dmp, "optim": adam, "sched": sched, "loader": make_loader(rank, 8)}
-    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive")) as ckpt:
-        info = ckpt.restore()
-        skipped = [s.id for s in ckpt.skipped_on_restore]
-        state = _gathered(app_state)
-    if rank == 0:
-        torch.save(state, arg["out"])
-    return {"id": info.id, "skipped": skipped}
-
-
 def test_a_branch_passed_over_is_never_restored_again_when_its_damage_goes(tmp_path):
     root = tmp_path / "states"
     root.mkdir()
@@ -113,8 +117,8 @@ def test_a_branch_passed_over_is_never_restored_again_when_its_damage_goes(tmp_p
 
     shutil.move(tmp_path / "away.bin", f"{uri}/{key}")  # the damage is gone: the old branch reads again
     assert restore_ids(storage)[0] == out["saved"] and old not in restore_ids(storage)
-    again = launch(_restore_only, 2, {"uri": uri, "out": str(root / "again.pt")})
-    assert again == {"id": out["saved"], "skipped": []}
+    again = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(root / "again.pt")})
+    assert again["id"] == out["saved"] and again["skipped"] == [] and again["position"] == 6
     a, b = torch.load(root / "again.pt"), torch.load(root / "new_6.pt")
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
     # retention counts the old branch as no chain to keep: the job's own checkpoint is never deleted for it

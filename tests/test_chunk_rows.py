@@ -11,11 +11,12 @@ import torch
 
 from cnr.codec.chunk_format import encode_raw_chunk
 from cnr.errors import CorruptChunkError
-from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes
+from cnr.format.chunks import fetch_chunk
 from cnr.format.manifest import TensorEntry
 from cnr.format.verify import check_objects
 from cnr.restore.pieces import _decode_object, _id_limits
 from cnr.storage.local import LocalStorage
+from cnr.write.merge import _merged_rows
 from cnr.types import Role
 
 KEY = "checkpoints/0000000002-aaaaaaaa/rank-00000/chunk-000000.bin"
@@ -32,12 +33,11 @@ def stored(request, tmp_path):
     return storage, ref, entries
 
 
-def test_fetches_refuse_ids_past_the_rows(stored):
+def test_a_fetch_refuses_ids_past_the_rows(stored):
     storage, ref, _entries = stored
     assert fetch_chunk(storage, ref, tensor_rows=10).row_ids.max() == 9
-    for fetch in (lambda: fetch_chunk(storage, ref, tensor_rows=9), lambda: fetch_chunk_bytes(storage, ref, 9)):
-        with pytest.raises(CorruptChunkError, match="outside the tensor's 9 rows"):
-            fetch()
+    with pytest.raises(CorruptChunkError, match="outside the tensor's 9 rows"):
+        fetch_chunk(storage, ref, tensor_rows=9)
 
 
 def test_verify_names_the_chunk(stored):
@@ -57,3 +57,21 @@ def test_restore_decodes_against_the_manifests_rows(stored):
     assert nbytes == size and int(chunk.row_ids.max()) == 9
     with pytest.raises(CorruptChunkError, match="outside the tensor's 9 rows"):
         _decode_object(storage, KEY, [(ref, [0])], size, {(KEY, 0): 9})
+
+
+@pytest.mark.parametrize("rows", [10, 9])
+def test_a_merge_refuses_an_increment_past_the_tables_rows(stored, rows):
+    """Before, a merge died on an IndexError and named no chunk."""
+    storage, ref, _entries = stored
+    base_key = "checkpoints/0000000001-bbbbbbbb/rank-00000/chunk-000000.bin"
+    blob, base = encode_raw_chunk(base_key, "model/t", torch.zeros(rows, 2), row_start=0, col_offset=0)
+    storage.put(base_key, blob)
+    entry = TensorEntry((rows, 2), "float32", False, (base,), Role.TABLE_ROWS, "model/t")
+    if rows == 10:
+        _codec, merged = _merged_rows(storage, "model/t", entry, [[base], [ref]])
+        got, listed = merged.block(0, 10).data, fetch_chunk(storage, ref)
+        assert torch.equal(got[listed.row_ids], listed.data)  # the listed rows over the baseline's zeros
+        assert int((got.abs().sum(1) > 0).sum()) == 3
+        return
+    with pytest.raises(CorruptChunkError, match="outside the tensor's 9 rows"):
+        _merged_rows(storage, "model/t", entry, [[base], [ref]])

@@ -77,8 +77,9 @@ def _inspect_verify(storage, as_json: bool) -> int:
     results = verify_store(storage)
     abandoned = abandoned_ids(storage)  # a restore passes over them, whatever their objects
     rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "abandoned": is_abandoned(v.id, abandoned),
-             "restorable": v.restorable and not is_abandoned(v.id, abandoned), "chain": list(v.chain),
-             "damage": list(v.damage)} for v in results]
+             "restorable": v.restorable, "chain": list(v.chain), "damage": list(v.damage)} for v in results]
+    for r in rows:
+        r["restorable"] = r["restorable"] and not r["abandoned"]
     restorable = [r["id"] for r in rows if r["restorable"]]
     if as_json:
         print(json.dumps({"uri": storage.uri, "checkpoints": rows, "restorable": restorable}, sort_keys=True))

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from typing import Any, Dict
 
 from cnr.errors import ConfigError
 from cnr.options import CheckpointOptions, shown
-from cnr.format.manifest import ROOT
+from cnr.format.manifest import ROOT, is_checkpoint_id
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage
@@ -60,11 +59,8 @@ def check_args(args: argparse.Namespace) -> None:
     need(args.threads >= 1, "--threads", args.threads, "it must be >= 1")
     need(math.isfinite(args.lease_ttl_s) and 1.0 <= args.lease_ttl_s <= 86400.0, "--lease-ttl-s", args.lease_ttl_s,
          "it must be from 1 to 86400 seconds")
-    need(args.checkpoint is None or bool(_CHECKPOINT_ID.match(args.checkpoint)), "--checkpoint", args.checkpoint,
+    need(args.checkpoint is None or is_checkpoint_id(args.checkpoint, merged=True), "--checkpoint", args.checkpoint,
          "give a checkpoint id as `cnr inspect` lists it (<step>-<nonce>, maybe with .merged)")
-
-
-_CHECKPOINT_ID = re.compile(r"^\d{10,}-[0-9a-z]+(\.merged)?$")  # cnr.format.manifest.make_id, merged_id
 
 
 def check_location(storage: Storage) -> None:
@@ -77,7 +73,7 @@ def check_location(storage: Storage) -> None:
     if not os.path.isdir(root):
         raise ConfigError(f"compact {storage.uri}: {'no such directory' if not os.path.exists(root) else 'not a directory'}; "
                           "give the job's storage location (its --storage)")
-    if os.path.basename(os.path.normpath(root)) == ROOT and any(_CHECKPOINT_ID.match(n) for n in os.listdir(root)):
+    if os.path.basename(os.path.normpath(root)) == ROOT and any(is_checkpoint_id(n, merged=True) for n in os.listdir(root)):
         raise ConfigError(f"compact {storage.uri} is the checkpoints folder of a location; give the location "
                           f"itself: {os.path.dirname(os.path.normpath(root))}")
 

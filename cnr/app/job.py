@@ -54,8 +54,8 @@ def _saved_config(manifest: Manifest) -> Dict[str, Any]:
 
 
 _CURSOR = " (the reader cursor would point at different samples)"
-_WHY = {"sparse_lr": " (a resume trains on at the checkpoint's learning rates, which it restores)",
-        "dense_lr": " (a resume trains on at the checkpoint's learning rates, which it restores)",
+_LR = " (a resume trains on at the checkpoint's learning rates, which it restores)"
+_WHY = {"sparse_lr": _LR, "dense_lr": _LR,
         **{k: _CURSOR for k in ("batch_size", "seed", "source", "tsv_paths", "ids_per_feature", "power_law_exponent")}}
 
 

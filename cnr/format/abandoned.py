@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AbstractSet, FrozenSet, Optional
 
-from cnr.errors import CheckpointError, KeyNotFoundError, redact
-from cnr.format.manifest import MERGED_SUFFIX
-from cnr.format.records import get_record, record_bytes
+from cnr.errors import CheckpointError, redact
+from cnr.format.manifest import CHECKPOINT_ID, MERGED_SUFFIX
+from cnr.format.records import read_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 ABANDONED_PREFIX = "abandoned"
 RECORD_FORMAT = "cnr.abandoned"
 RECORD_VERSION = 1
-_ID = r"\d{10,}-[0-9a-z]+"  # cnr.format.manifest.make_id
-_KEY = re.compile(rf"^{ABANDONED_PREFIX}/({_ID})\.json$")
+_KEY = re.compile(rf"^{ABANDONED_PREFIX}/({CHECKPOINT_ID})\.json$")
 _REASON_LIMIT = 2000  # characters of the reason kept in a record
 
 
@@ -100,14 +99,10 @@ def is_abandoned(ckpt_id: str, abandoned: AbstractSet[str]) -> bool:
 def read_abandoned(storage: Storage, ckpt_id: str) -> Optional[AbandonedRecord]:
     """``ckpt_id``'s record; None when there is none, or (with a warning) when it does not parse:
     the checkpoint is abandoned all the same (its name says so)."""
-    key = abandoned_key(ckpt_id)
-    try:
-        record = parse_record(get_record(storage, key), f"{storage.uri}/{key}")
+    def parse(blob: bytes, where: str) -> AbandonedRecord:
+        record = parse_record(blob, where)
         if record.id != ckpt_id:
-            raise CheckpointError(f"{storage.uri}/{key} names checkpoint {record.id!r}")
+            raise CheckpointError(f"{where} names checkpoint {record.id!r}")
         return record
-    except KeyNotFoundError:
-        return None
-    except CheckpointError as e:
-        logger.warning("a damaged abandoned record (its checkpoint stays abandoned): %s", e)
-        return None
+
+    return read_record(storage, abandoned_key(ckpt_id), parse, "a damaged abandoned record (its checkpoint stays abandoned)")

@@ -6,10 +6,10 @@ or replaced object is always reported as a damaged chunk (CorruptChunkError).
 
 from __future__ import annotations
 
-from cnr.codec.chunk_format import DecodedChunk, decode_chunk
-from cnr.errors import CorruptChunkError, InvalidKeyError
 from typing import Optional
 
+from cnr.codec.chunk_format import DecodedChunk, decode_chunk
+from cnr.errors import CorruptChunkError, InvalidKeyError
 from cnr.storage.base import Storage, from_sources
 from cnr.types import ByteRange, ChunkRef
 
@@ -35,12 +35,12 @@ def fetch_chunk(storage: Storage, ref: ChunkRef, dequantize: bool = True,
         tensor_rows=tensor_rows))
 
 
-def fetch_chunk_bytes(storage: Storage, ref: ChunkRef, tensor_rows: Optional[int] = None) -> bytes:
+def fetch_chunk_bytes(storage: Storage, ref: ChunkRef) -> bytes:
     """One chunk's stored bytes, verified (decoded) before they are handed out: a copy (cnr.write.merge)
     must not carry a damaged chunk, or bytes damaged on their way, into a new checkpoint."""
     def read(source: Storage) -> bytes:
         blob = read_range(source, ref.key, ByteRange(ref.offset, ref.nbytes))
-        decode_chunk(blob, ref, dequantize=False, tensor_rows=tensor_rows)
+        decode_chunk(blob, ref, dequantize=False)
         return blob
 
     return from_sources(storage, ref.key, read)

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import check_lineage, read_manifest
-from cnr.format.records import get_record, record_bytes
+from cnr.format.records import read_record as read_json_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
@@ -104,17 +104,13 @@ def record_names(storage: Storage) -> List[Tuple[int, str]]:
 def read_record(storage: Storage, seq: int, lineage: str) -> Optional[LineageRecord]:
     """The record ``(seq, lineage)``, or None (with a warning) when it does not parse, does not
     match its name or is gone."""
-    key = record_key(seq, lineage)
-    try:
-        record = parse_record(get_record(storage, key), f"{storage.uri}/{key}")
+    def parse(blob: bytes, where: str) -> LineageRecord:
+        record = parse_record(blob, where)
         if (record.seq, record.lineage) != (seq, lineage):
-            raise CheckpointError(f"{storage.uri}/{key} describes record {record.seq} of lineage {record.lineage!r}")
+            raise CheckpointError(f"{where} describes record {record.seq} of lineage {record.lineage!r}")
         return record
-    except KeyNotFoundError:
-        return None
-    except CheckpointError as e:
-        logger.warning("ignoring a damaged lineage record: %s", e)
-        return None
+
+    return read_json_record(storage, record_key(seq, lineage), parse, "ignoring a damaged lineage record")
 
 
 def record_activation(storage: Storage, lineage: str, restored_from: str, beside_others: bool) -> Optional[int]:

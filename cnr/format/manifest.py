@@ -104,8 +104,17 @@ def chain_links(ckpt_id: str, bases: Mapping[str, Optional[str]]) -> Tuple[List[
         link = bases[link]
 
 
+CHECKPOINT_ID = r"\d{10,}-[0-9a-f]+"  # make_id's form (a step, then a hex nonce); a merged one adds MERGED_SUFFIX
+
+
 def make_id(step: int, nonce: str) -> str:
     return f"{step:010d}-{nonce}"
+
+
+def is_checkpoint_id(text: str, merged: bool = False) -> bool:
+    """Whether ``text`` is an id of ``make_id``'s form (``merged``: or a merged baseline's)."""
+    suffix = f"({re.escape(MERGED_SUFFIX)})?" if merged else ""
+    return re.fullmatch(CHECKPOINT_ID + suffix, text) is not None
 
 
 def step_of(ckpt_id: str) -> int:

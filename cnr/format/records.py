@@ -9,10 +9,15 @@ fields, each of its declared type (a bool is no int).
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Mapping
+import logging
+from typing import Any, Callable, Dict, Mapping, Optional, TypeVar
 
-from cnr.errors import CheckpointError
+from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 RECORD_LIMIT = 64 * 1024  # bytes: a record holding more is refused unread
 
@@ -42,9 +47,16 @@ def record_bytes(fmt: str, version: int, fields: Mapping[str, Any]) -> bytes:
     return json.dumps({"format": fmt, "version": version, **fields}, sort_keys=True).encode()
 
 
-def get_record(storage: Storage, key: str) -> bytes:
-    """The bytes of the record at ``key``: CheckpointError when it holds more than RECORD_LIMIT
-    (KeyNotFoundError when it is gone, a storage error when the store cannot be read)."""
-    if storage.size(key) > RECORD_LIMIT:
-        raise CheckpointError(f"{storage.uri}/{key} holds more than {RECORD_LIMIT} bytes")
-    return storage.get(key)
+def read_record(storage: Storage, key: str, parse: Callable[[bytes, str], _R], damaged: str) -> Optional[_R]:
+    """``parse(bytes, where)`` of the record at ``key``; None when it is gone, or, with the warning
+    ``damaged: <why>``, when it holds more than RECORD_LIMIT or ``parse`` refuses it. A store that
+    cannot be read raises: that says nothing about the record."""
+    try:
+        if storage.size(key) > RECORD_LIMIT:
+            raise CheckpointError(f"{storage.uri}/{key} holds more than {RECORD_LIMIT} bytes")
+        return parse(storage.get(key), f"{storage.uri}/{key}")
+    except KeyNotFoundError:
+        return None
+    except CheckpointError as e:
+        logger.warning("%s: %s", damaged, e)
+        return None
