@@ -22,6 +22,9 @@ from cnr.types import CAPPED_POLICIES, POLICIES, STORED_QUANT_METHODS, BitPolicy
 MAX_SHOWN = 200  # characters of a bad value quoted in an error message
 TABLE_WIDTHS = (2, 3, 4, 8, 32)  # what a table's rows may be stored at
 PUBLISH_BITS = (4, 8, 32)
+# most threads of one kind a rank may run (puts, encodes, restore workers): a restore decodes up to
+# twice its workers' objects ahead, so a typo'd count would hold a whole chain in memory at once
+MAX_THREADS = 256
 COMPACTION_MODES = ("job", "external")  # who merges a consecutive chain: the job's own merge process, or `cnr compact`
 # The chain-bytes trigger's default (CheckpointOptions.compact_at_chain_ratio): merge once the increments since the
 # newest baseline hold a quarter of its bytes. A restore of the newest checkpoint reads about 1 + r + s * (1 + M)
@@ -190,8 +193,13 @@ def check_checkpoint(c: Any, names: Naming) -> None:
     names.one_of("policy", c.policy, POLICIES)
     names.one_of("on_overlap", c.on_overlap, values_of(OnOverlap))
     names.one_of("search_kernel", c.search_kernel, values_of(SearchKernel))
-    for name in ("upload_threads", "encode_threads", "restore_threads", "commit_timeout_s"):
-        names.positive(name, getattr(c, name))
+    for name in ("upload_threads", "encode_threads", "restore_threads"):
+        value = getattr(c, name)
+        names.require(0 < value <= MAX_THREADS, f"{names.subject(name)} = {value!r} is not allowed; allowed: 1.."
+                      f"{MAX_THREADS}")
+    names.require(0 < c.commit_timeout_s < math.inf, f"{names.subject('commit_timeout_s')} = {c.commit_timeout_s!r} is "
+                  "not allowed; it must be a number of seconds > 0 (an endless wait would hang every later save "
+                  "behind a checkpoint a dead rank never finishes)")
     names.require(c.bits in TABLE_WIDTHS, f"{names.subject('bits')} = {c.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     names.one_of("quant_method", c.quant_method, ("",) + STORED_QUANT_METHODS)
     names.require(c.optimizer_bits in (0, 8, 32), f"{names.subject('optimizer_bits')} = {c.optimizer_bits} is not "

@@ -123,8 +123,14 @@ def test_options_reject_bad_values_naming_them():
         cnr.CheckpointOptions(bits=5)
     with pytest.raises(ValueError, match="CheckpointOptions.policy = 'sometimes' is not allowed"):
         cnr.CheckpointOptions(policy="sometimes")
-    with pytest.raises(ValueError, match=r"CheckpointOptions.encode_threads = 0 is not allowed; it must be > 0"):
+    with pytest.raises(ValueError, match=r"CheckpointOptions.encode_threads = 0 is not allowed; allowed: 1..256"):
         cnr.CheckpointOptions(encode_threads=0)
+    with pytest.raises(ValueError, match=r"CheckpointOptions.restore_threads = 100000 is not allowed; allowed: 1..256"):
+        cnr.CheckpointOptions(restore_threads=100000)
+    with pytest.raises(ValueError, match=r"CheckpointOptions.commit_timeout_s = inf is not allowed; it must be a number "
+                                         r"of seconds > 0"):
+        cnr.CheckpointOptions(commit_timeout_s=float("inf"))
+    assert cnr.CheckpointOptions(upload_threads=256).upload_threads == 256
     with pytest.raises(ValueError, match="CheckpointOptions.search_kernel = 'fused' is not allowed; allowed: auto, eager, compiled"):
         cnr.CheckpointOptions(search_kernel="fused")
     with pytest.raises(ValueError, match="expected_steps"):

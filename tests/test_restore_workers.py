@@ -152,3 +152,10 @@ def test_run_in_order_raises_what_next_group_raises():
     with fetch_pool(2) as pool:
         with pytest.raises(ValueError, match="unreadable"):
             run_in_order(pool, broken, lambda g, k: k, lambda g, k, v: v)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 257, True, 2.0])
+def test_a_pool_of_a_bad_size_is_refused_naming_the_value(threads):
+    with pytest.raises(ValueError, match=rf"threads={threads!r} is not allowed; it must be an integer from 1 to 256"):
+        with fetch_pool(threads):
+            pass

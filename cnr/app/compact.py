@@ -16,7 +16,7 @@ import os
 from typing import Any, Dict
 
 from cnr.errors import ConfigError
-from cnr.options import CheckpointOptions, shown
+from cnr.options import MAX_THREADS, CheckpointOptions, shown
 from cnr.format.manifest import ROOT, is_checkpoint_id
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
@@ -56,7 +56,7 @@ def check_args(args: argparse.Namespace) -> None:
          "it must be a number >= 0")
     need(args.keep_last >= 0, "--keep-last", args.keep_last, "it must be >= 0 (0 deletes nothing)")
     need(args.chunk_bytes >= 4096, "--chunk-bytes", args.chunk_bytes, "it must be >= 4096")
-    need(args.threads >= 1, "--threads", args.threads, "it must be >= 1")
+    need(1 <= args.threads <= MAX_THREADS, "--threads", args.threads, f"allowed: 1..{MAX_THREADS}")
     need(math.isfinite(args.lease_ttl_s) and 1.0 <= args.lease_ttl_s <= 86400.0, "--lease-ttl-s", args.lease_ttl_s,
          "it must be from 1 to 86400 seconds")
     need(args.checkpoint is None or is_checkpoint_id(args.checkpoint, merged=True), "--checkpoint", args.checkpoint,

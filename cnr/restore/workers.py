@@ -32,6 +32,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tu
 
 import torch
 
+from cnr.options import MAX_THREADS
 from cnr.types import ChunkRef
 
 _T = TypeVar("_T")
@@ -43,9 +44,10 @@ _BATCH_BYTES = 1 << 20
 
 
 def check_threads(threads: int) -> None:
-    """Raise ValueError unless ``threads`` (objects fetched and decoded at once) is an int >= 1."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer >= 1")
+    """Raise ValueError unless ``threads`` (objects fetched and decoded at once) is an int from 1
+    to MAX_THREADS."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads={threads!r} is not allowed; it must be an integer from 1 to {MAX_THREADS}")
 
 
 @contextlib.contextmanager
