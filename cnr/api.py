@@ -195,7 +195,8 @@ class Checkpointer:
         if publish is not None:
             publish_uri = publish.uri or default_publish_uri(self.uri)
             check_publish_storage(publish_uri, self.uri)
-            self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker)
+            self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker,
+                                       lease=self._lease_ref, lease_uri=self.uri)
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
         # with a local tier per node, the writers hand each other indexes and manifests (collective)
         self._exchange_server, exchange = None, None

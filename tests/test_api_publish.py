@@ -68,3 +68,37 @@ def test_publish_options_reject_bad_values_and_publish_needs_them():
         cnr.PublishOptions(bits=5)
     with pytest.raises(ValueError, match="PublishOptions.full_every = 0 is not allowed"):
         cnr.PublishOptions(full_every=0)
+
+
+def _publish_after_losing_the_lease(rank, world_size, arg):
+    import time
+
+    from cnr.storage import open_storage
+    from cnr.write.lease import Lease
+
+    dmp, adam, sched = build(world_size)
+    app_state = {"model": dmp, "optim": adam}
+    publish = cnr.PublishOptions(bits=32)
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="full", keep_last=0),
+                          publish=publish) as ckpt:
+        first = ckpt.publish(1, wait=True)
+        # another job takes the location over (this one stalled past its ttl, as far as it knows)
+        Lease.acquire(open_storage(arg["uri"]), ttl_s=60, clock=lambda: time.time() + 3600)
+        with torch.no_grad():
+            next(iter(dmp.parameters())).add_(1.0)
+        second = ckpt.publish(2, wait=True)
+        stats = ckpt.publisher.stats
+    return {"first": first, "second": second, "published": stats.published, "failed": stats.failed}
+
+
+def test_a_job_that_lost_its_lease_publishes_nothing_more(tmp_path, caplog):
+    """A job whose location another job took over (a stalled job coming back) must not go on
+    feeding inference: its publishes would interleave with the new holder's, and subscribers
+    would follow whichever numbered higher."""
+    from cnr.publish.subscriber import committed_publishes
+    from cnr.storage import open_storage
+
+    uri = str(tmp_path / "ck")
+    out = launch(_publish_after_losing_the_lease, 1, {"uri": uri})
+    assert out["first"] and out["published"] == 1 and out["failed"] == 1
+    assert [pub_id for _seq, pub_id in committed_publishes(open_storage(uri + "/publish"))] == [out["first"]]

@@ -56,6 +56,7 @@ from cnr.storage.base import Storage
 from cnr.track.tracker import RowTracker
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
 from cnr.write.job import WriteJob
+from cnr.write.lease import LeaseRef
 from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,16 @@ class Publisher:
     have the ``"publish"`` view; it may be the Checkpointer's (one hook slot per module), whose
     views it leaves alone. ``writer_options``: the chunking, threads and commit timeout of its
     own background writer. ``interval``: the boundaries ``due`` reports (0: the caller decides
-    when to publish). The snapshot, hand-off and settling are cnr.write.handoff's, shared with the
+    when to publish). ``lease``: the job's lease (cnr.write.lease) on its checkpoint location
+    ``lease_uri``: rank 0's writer checks it right before each publish commits, so a job that lost
+    its location (another job resumed there) publishes nothing more; None: no lease (a job that
+    publishes without a Checkpointer). The snapshot, hand-off and settling are cnr.write.handoff's, shared with the
     checkpoint engine.
     """
 
     def __init__(self, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
-                 world_size: int, tracker: RowTracker, interval: int = 0) -> None:
+                 world_size: int, tracker: RowTracker, interval: int = 0, lease: Optional[LeaseRef] = None,
+                 lease_uri: str = "") -> None:
         if VIEW not in tracker.views:
             raise ValueError(f"the tracker has no {VIEW!r} view (it has {sorted(tracker.views)})")
         self.uri = uri
@@ -150,6 +155,7 @@ class Publisher:
         self.rank = rank
         self.world_size = world_size
         self.tracker = tracker
+        self.lease, self.lease_uri = lease, lease_uri
         self.stats = PublishStats()
         self.chain = _Chain(seq=_newest_seq(uri) if rank == 0 else 0)
         retain = functools.partial(retain_publishes, keep_bases=options.keep_bases)
@@ -266,7 +272,8 @@ class Publisher:
 
         def make_job(host) -> WriteJob:
             return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
-                            bits=p.bits, method=p.quant_method, compression=(zstd_spec(),))
+                            bits=p.bits, method=p.quant_method, compression=(zstd_spec(),), lease=self.lease,
+                            lease_uri=self.lease_uri if self.lease is not None else "")
 
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank, self.world_size)
         seconds = self.handoff.submit(chosen, row_ids, [captured], make_job, plan)

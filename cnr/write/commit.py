@@ -21,6 +21,7 @@ from cnr.format.manifest import (
 )
 from cnr.format.catalog import marker_error
 from cnr.storage.base import Storage, from_sources, read_document
+from cnr.storage.registry import open_storage
 from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind, Role
 
@@ -100,6 +101,13 @@ def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
     return needs
 
 
+@functools.lru_cache(maxsize=4)
+def _lease_store(uri: str) -> Storage:
+    """The store at ``uri``, opened once per writer process (a client per commit would cost a
+    connection each): where a publish's fence reads the job's lease."""
+    return open_storage(uri)
+
+
 def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union[str, Tuple[str, ...]]]) -> None:
     """Store ``job``'s manifest, fenced by its lease (a job that lost its storage's lease commits
     nothing). Over a local tier (cnr.storage.tiered) whose remote store is unreachable, the
@@ -108,6 +116,10 @@ def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union
     answers again, and stores nothing if another job took the lease meanwhile (issue #25, item 8)."""
     key = manifest_key(job.ckpt_id)
     if job.lease is None:
+        storage.commit(key, blob, requires)
+        return
+    if job.lease_uri:  # a publish: fenced by the job's lease on its checkpoint location
+        check_held(_lease_store(job.lease_uri), ref=job.lease)
         storage.commit(key, blob, requires)
         return
     fence = functools.partial(check_held, ref=job.lease)

@@ -23,7 +23,10 @@ class WriteJob:
     cnr.write.plan decides per piece); ``table_bits``: table id -> its rows' width, over both.
     ``lease``: the job's lease on the storage (cnr.write.lease, held by rank 0), which rank 0 checks
     right before the commit, and every rank's local tier before it flushes to the remote store
-    after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``exchange``:
+    after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``lease_uri``:
+    where ``lease`` is held when that is not the store this job writes to (a publish store: the
+    job's checkpoint location, so a job that lost its location publishes nothing either); "": this
+    store. ``exchange``:
     rank 0's store for the writers' commit objects (cnr.write.peer_exchange; with a local tier on
     several ranks), else None. ``retention``: the job's lineage and pinned checkpoints (set by
     cnr.Checkpointer; rank 0's manifest names the lineage, and its retention uses both,
@@ -43,6 +46,7 @@ class WriteJob:
     optimizer_bits: int = 32
     app: Dict[str, Any] = field(default_factory=dict)
     lease: Optional[LeaseRef] = None
+    lease_uri: str = ""
     compression: Tuple[CodecSpec, ...] = ()
     small_table_rows: int = 0
     small_table_bits: int = 8
