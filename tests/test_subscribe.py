@@ -255,3 +255,32 @@ def test_cli_subscribe_once_with_eval(history, tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["applied"]["seq"] == 6 and summary["applied"]["step"] == 60 and summary["reloads"] == 1
     assert summary["eval"]["logloss"] == pytest.approx(history["eval"]["logloss"], rel=1e-9)
+
+
+def test_a_store_that_went_back_is_reloaded_not_skipped_behind_the_stale_seq(history, tmp_path):
+    """The store loses the publish the model holds and everything after it (reset, rolled back,
+    another trainer publishing from seq 1 again): the subscriber, running or restarted from its
+    state file, reloads the newest listed chain instead of skipping every publish at or below its
+    old seq for good; a store that holds nothing leaves the model as it is, with an error."""
+    store = copy_store(history, tmp_path)
+    ids = ids_by_seq(store)
+    path = str(tmp_path / "sub.state")
+    model = InferenceModel(history["config"])
+    sub = Subscriber(store, model, state_path=path)
+    assert sub.poll() == [ids[4], ids[5], ids[6]]
+    storage = LocalStorage(store)
+    for seq in (4, 5, 6):
+        for key in storage.list(f"checkpoints/{ids[seq]}"):
+            storage.delete(key)
+    shutil.copy(path, str(tmp_path / "copy.state"))
+    restarted_model = InferenceModel(history["config"])
+    restarted = Subscriber(store, restarted_model, state_path=str(tmp_path / "copy.state"))
+    assert restarted.applied.seq == 6
+    for s, m in ((sub, model), (restarted, restarted_model)):
+        assert s.poll() == [ids[1], ids[2], ids[3]] and s.applied.id == ids[3]
+        assert digest(m.snapshot()) == history["expected"][3]
+    for key in storage.list(""):
+        storage.delete(key)
+    assert sub.poll() == [] and sub.applied.id == ids[3]
+    assert "holds no committed publish" in sub.stats.errors[-1]
+    assert digest(model.snapshot()) == history["expected"][3]

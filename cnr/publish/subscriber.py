@@ -13,7 +13,9 @@ if it is a full base, or an increment whose ``base`` is ``applied`` (sequence ``
 Anything else, an increment with a gap before it, or one whose base was garbage-collected, makes
 the subscriber *reload*: stage the newest publish's whole chain (its base, then every increment
 in order) and apply it in one go. Publishes at or below ``seq`` are skipped: re-applying one is
-harmless anyway, since an increment holds absolute row values, not deltas.
+harmless anyway, since an increment holds absolute row values, not deltas. A store that went back
+(the publish held is gone and nothing after it is listed: reset, rolled back) is reloaded from its
+newest chain too, with a warning, rather than skipped behind the stale seq.
 
 Resumable: ``applied`` is kept in memory, and with ``state_path`` also in one file together with
 the tensors it describes (``torch.save``, written to a temp file and renamed; read back with
@@ -131,6 +133,8 @@ class Subscriber:
         listing = committed_publishes(self.storage)
         now = _now_us()
         self._seen = {pub_id: self._seen.get(pub_id, now) for _seq, pub_id in listing}
+        if self._went_back(listing):
+            return []
         try:
             self._catch_up(listing, done)
         except CnrError as e:
@@ -189,6 +193,26 @@ class Subscriber:
         for seq, pub_id in listing:
             if seq > self.applied.seq and self.apply(pub_id):
                 done.append(pub_id)
+
+    def _went_back(self, listing: List[Tuple[int, str]]) -> bool:
+        """Whether the store went back behind the publish the model holds: that publish is gone
+        and nothing after it is listed (the store was reset, rolled back, or another trainer
+        publishes there from seq 1 again). Publishes at or below the held seq would be skipped
+        forever, so the model would stay on a publish the store no longer has without a word.
+        Instead the newest listed chain is reloaded on this poll (``applied`` is dropped, with a
+        warning); with nothing listed, the model stays and an error is recorded (True)."""
+        held = self.applied
+        if held is None or any(pub_id == held.id or seq > held.seq for seq, pub_id in listing):
+            return False
+        what = (f"the publish store {self.storage.uri} no longer holds publish {held.id} (seq {held.seq}), the one "
+                "the model holds, nor anything after it")
+        if not listing:
+            self._error(CheckpointError(f"{what}: it holds no committed publish; the model stays as it is"))
+            return True
+        logger.warning("%s (its newest is %s, seq %d): it went back; reloading its newest chain", what,
+                       listing[-1][1], listing[-1][0])
+        self.applied = None
+        return False
 
     def _reload(self, listing: List[Tuple[int, str]], cause: Optional[CnrError] = None) -> List[str]:
         """Stage and apply the newest committed publish's whole chain (base first).
