@@ -115,3 +115,58 @@ def test_manifests_record_their_lineage_and_older_ones_read_without(tmp_path):
     # ... and the field is refused there, never dropped silently
     with pytest.raises(CheckpointError, match="unknown fields \\['lineage'\\]"):
         parse_manifest(_v4(obj))
+
+
+def _foreign_copy_job(rank, world_size, arg):
+    """Save at ``steps`` on ``uri`` after shifting the model by ``shift``; or, with ``restore``,
+    restore (by ``by_id`` when given) and report what was restored."""
+    import torch
+
+    import cnr
+    from examples.two_tower import build
+
+    dmp, adam, _sched = build(world_size)
+    app = {"model": dmp, "optim": adam}
+    with cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="full", keep_last=0)) as ckpt:
+        if arg.get("restore"):
+            info = ckpt.restore(arg.get("by_id"))
+            return {"step": info.step, "skipped": [(s.id, s.reason) for s in ckpt.skipped_on_restore]}
+        with torch.no_grad():
+            for p in dmp.parameters():
+                p.add_(arg["shift"])
+        for step in arg["steps"]:
+            ckpt.save(step).wait()
+    return {}
+
+
+def test_a_checkpoint_copied_in_from_another_jobs_location_is_not_restored_as_the_newest(tmp_path):
+    """Another job's checkpoint directory copied into a location (a higher step, another
+    lineage, not recorded there) must not become the location's newest: restore(),
+    load_state_dict and the newest-committed readers pass over it with its reason; it is
+    restored only when named by id."""
+    import shutil
+
+    import torch
+
+    import cnr
+    from cnr.app.launch import launch
+
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+    launch(_foreign_copy_job, 1, {"uri": x, "shift": 0.5, "steps": [10, 20]})
+    launch(_foreign_copy_job, 1, {"uri": y, "shift": -0.25, "steps": [80]})
+    own = cnr.load_state_dict(x, "model")
+    theirs = cnr.load_state_dict(y, "model")
+    (foreign,) = os.listdir(os.path.join(y, "checkpoints"))
+    shutil.copytree(os.path.join(y, "checkpoints", foreign), os.path.join(x, "checkpoints", foreign))
+    assert restore_ids(LocalStorage(x))[0] == foreign  # by step it would come first
+
+    assert newest_committed(LocalStorage(x)).step == 20
+    got = cnr.load_state_dict(x, "model")
+    assert all(torch.equal(got[k], own[k]) for k in own)
+    out = launch(_foreign_copy_job, 1, {"uri": x, "restore": True})
+    assert out["step"] == 20
+    assert [s[0] for s in out["skipped"]] == [foreign] and "no lineage record of this location" in out["skipped"][0][1]
+    assert foreign not in restore_ids(LocalStorage(x))  # passed over: recorded as abandoned
+    by_id = launch(_foreign_copy_job, 1, {"uri": x, "restore": True, "by_id": foreign})
+    assert by_id["step"] == 80 and by_id["skipped"] == []
+    assert any(not torch.equal(theirs[k], own[k]) for k in own)

@@ -12,7 +12,7 @@ from cnr.format.manifest import (
     MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
 )
 from cnr.format.abandoned import abandoned_ids, is_abandoned
-from cnr.format.lineage import restore_order
+from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
@@ -164,12 +164,19 @@ def restore_ids(storage: Storage) -> List[str]:
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:
     """The committed checkpoint a restore tries first (``restore_ids``) whose manifest reads, or
-    None. A damaged newer manifest is skipped with a warning naming it."""
+    None. A damaged newer manifest, or one of another job's lineage (cnr.format.lineage.foreign_reason),
+    is skipped with a warning naming it."""
+    recorded = recorded_lineages(storage)
     for ckpt_id in restore_ids(storage):
         try:
-            return read_manifest(storage, ckpt_id)
+            manifest = read_manifest(storage, ckpt_id)
         except KeyNotFoundError:
             continue  # deleted by retention since the listing
         except CheckpointError as e:
             logger.warning("skipping damaged checkpoint %s: %s", ckpt_id, e)
+            continue
+        foreign = foreign_reason(manifest, recorded)
+        if not foreign:
+            return manifest
+        logger.warning("skipping checkpoint %s: %s", ckpt_id, foreign)
     return None

@@ -21,6 +21,10 @@ before. While no record says a second history was started (``beside_others``), e
 checkpoint is of one lineage and the order is the plain step order, read from the listing alone;
 otherwise every manifest is read once for its lineage (an unreadable one sorts last).
 
+A committed checkpoint whose lineage no record here names (``foreign_reason``: a checkpoint
+directory copied in from another job's location) is never restored unless named by id: a restore
+passes over it as it does over damage (cnr.restore.newest), and ``newest_committed`` skips it.
+
 Invariants: cnr never rewrites or deletes a record; a lineage's rank is its newest record's
 sequence number, read from the key; a record whose content does not parse is warned about and
 makes the order read every manifest (its ``beside_others`` is unknown).
@@ -37,7 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import check_lineage, read_manifest
+from cnr.format.manifest import Manifest, check_lineage, read_manifest
 from cnr.format.records import read_record as read_json_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
@@ -99,6 +103,26 @@ def record_names(storage: Storage) -> List[Tuple[int, str]]:
         if m:
             out.append((int(m.group(1)), "" if m.group(2) == _UNRECORDED_NAME else m.group(2)))
     return sorted(out)
+
+
+def recorded_lineages(storage: Storage) -> List[str]:
+    """The lineages this location's records name, and "" (manifests that record none: written
+    before lineages were); [] when it holds no record at all (a location from before records were
+    kept, or one whose records were not copied with it: any lineage may be its own)."""
+    names = record_names(storage)
+    return sorted({lineage for _seq, lineage in names} | {UNRECORDED}) if names else []
+
+
+def foreign_reason(manifest: Manifest, recorded: Sequence[str]) -> str:
+    """Why ``manifest`` is no checkpoint of the location whose ``recorded_lineages`` are
+    ``recorded`` ("" when it is one, or when the location records none): a checkpoint directory
+    copied in from another job's location names a lineage no record here names, and a restore
+    that took it as the newest would train on another job's state without a word."""
+    if not recorded or manifest.lineage in recorded:
+        return ""
+    return (f"checkpoint {manifest.id} is of lineage {manifest.lineage}, which no lineage record of this location "
+            f"names (it names {', '.join(repr(r) for r in recorded)}): it was written at another job's location "
+            "and copied here; a restore takes it only when named by id")
 
 
 def read_record(storage: Storage, seq: int, lineage: str) -> Optional[LineageRecord]:

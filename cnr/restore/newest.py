@@ -18,8 +18,10 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
   fallback would; an older checkpoint would not fit the application any better. A store that is unreachable is not
   damage: falling back would silently lose committed work.
 
-A checkpoint named by id (``restore_checkpoint``) gets the same attempt and agreement but is never
-replaced by another: when any rank finds it damaged, every rank raises.
+A checkpoint of a lineage that no record of the location names (copied in from another job's
+location, cnr.format.lineage.foreign_reason) is passed over as damage is: it is never restored
+unless named by id. A checkpoint named by id (``restore_checkpoint``) gets the same attempt and
+agreement but is never replaced by another: when any rank finds it damaged, every rank raises.
 
 A failed attempt may have written part of the state; the next attempt's full baseline covers
 every element again (restore checks that coverage), and the application's JSON state (optimizer
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, FrozenSet, List, Optional, Set, Tuple
+from typing import AbstractSet, Callable, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -43,6 +45,7 @@ from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.track.collectives import rank0_decides
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain, restore_ids
+from cnr.format.lineage import foreign_reason, recorded_lineages
 from cnr.storage.base import Storage
 from cnr.types import OnDamage
 from cnr.format.verify import DAMAGE, check_rank_indexes
@@ -60,11 +63,16 @@ class Skipped:
     reason: str
 
 
-def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str]) -> Tuple[Manifest, List[Manifest]]:
+def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str],
+                recorded: Sequence[str] = ()) -> Tuple[Manifest, List[Manifest]]:
     """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
     manifest itself, unless named in ``skip``); raises (as damage) unless its manifests and links
-    read and verify."""
+    read and verify, and unless it is of a lineage in ``recorded`` (cnr.format.lineage.foreign_reason;
+    empty: any)."""
     manifest = read_manifest(storage, ckpt_id)
+    foreign = foreign_reason(manifest, recorded)
+    if foreign:
+        raise CheckpointError(foreign)
     chain = resolve_chain(storage, manifest, skip)
     if rank == 0:
         for link in chain:
@@ -77,11 +85,11 @@ Problem = Tuple[str, str, Tuple[str, ...]]  # (DAMAGED or FAILED, why, the merge
 
 
 def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
-             partial: bool = False, skip: AbstractSet[str] = frozenset()
+             partial: bool = False, skip: AbstractSet[str] = frozenset(), recorded: Sequence[str] = ()
              ) -> Tuple[Optional[RestoredChain], Optional[Problem], Optional[BaseException]]:
     """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, problem, the exception)."""
     try:
-        manifest, chain = _read_chain(storage, ckpt_id, rank, skip)
+        manifest, chain = _read_chain(storage, ckpt_id, rank, skip, recorded)
     except DAMAGE as e:
         return None, (DAMAGED, str(e), ()), e
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
@@ -96,13 +104,13 @@ def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_siz
 
 
 def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
-                      partial: bool = False, skip: AbstractSet[str] = frozenset()
+                      partial: bool = False, skip: AbstractSet[str] = frozenset(), recorded: Sequence[str] = ()
                       ) -> Tuple[Optional[RestoredChain], str, FrozenSet[str]]:
     """One attempt on every rank, then agreement (collective): (restored, "", {}) when every rank
     restored ``ckpt_id``; (None, what is damaged, per rank, the merged baselines some rank found
     damaged) when some rank found damage. Raises on every rank when some rank failed otherwise:
     its own error there, a CheckpointError naming that rank's error on the others."""
-    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial, skip)
+    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial, skip, recorded)
     problems: List[Optional[Problem]] = [None] * world_size
     dist.all_gather_object(problems, problem)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -117,16 +125,16 @@ def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, 
 
 
 def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
-                        partial: bool = False) -> Tuple[Optional[RestoredChain], str]:
+                        partial: bool = False, recorded: Sequence[str] = ()) -> Tuple[Optional[RestoredChain], str]:
     """Attempts at ``ckpt_id`` on every rank (collective): (restored, "") or (None, what is
-    damaged). A merged baseline is a shortcut (cnr.format.catalog.resolve_chain): when some rank
+    damaged, or why it is another job's: ``recorded``, cnr.format.lineage.foreign_reason). A merged baseline is a shortcut (cnr.format.catalog.resolve_chain): when some rank
     finds its data damaged, every rank tries ``ckpt_id`` again through the links it merged, before
     the checkpoint counts as damaged (falling back past it would lose committed work)."""
     skip: Set[str] = set()
     reasons: List[str] = []
     while True:
         restored, reason, merges = _attempt_together(storage, ckpt_id, app, rank, world_size, threads, partial,
-                                                     frozenset(skip))
+                                                     frozenset(skip), recorded)
         if restored is not None:
             return restored, ""
         reasons.append(reason)
@@ -181,8 +189,9 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
     if on_damage not in allowed:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(allowed)}")
     skipped: List[Skipped] = []
+    recorded = ids_from_rank0(lambda: recorded_lineages(storage), rank)  # another job's checkpoint is passed over
     for ckpt_id in ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
-        restored, reason = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial)
+        restored, reason = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial, recorded)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)
             if skipped:
