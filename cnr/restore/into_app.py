@@ -1,9 +1,11 @@
 """Restore a committed checkpoint chain into an application's state (cnr.track.app_state.AppState).
 
 Collective. The order: check that the checkpoint fits the application (placements, per-rank
-state at another world size) before anything is written; create optimizer state the optimizers
-make lazily (Adam's); fill every tensor from the chain (cnr.restore.pieces); then give each optimizer
-its ``param_groups`` and each Stateful object its state; last, this rank's RNG state.
+state at another world size, each optimizer's class and param groups, matched by the parameters
+they hold) before anything is written; create optimizer state the optimizers make lazily (Adam's;
+taken back if the tensors cannot be read, so a fallback to an older checkpoint sees the optimizer
+as it was); fill every tensor from the chain (cnr.restore.pieces); then give each optimizer its
+``param_groups`` and each Stateful object its state; last, this rank's RNG state.
 
 Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
 restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
@@ -28,8 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, fused_group_tables, sharded_modules,
-                           stateful_name)
+from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, dense_groups, fused_group_tables,
+                                 dense_classes, group_values, sharded_modules, stateful_name)
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
@@ -107,8 +109,34 @@ def table_placement(table) -> str:
     return str(getattr(sharding, "sharding_type", "") or "")
 
 
-def _prepare_optimizers(manifest: Manifest, app: AppState) -> None:
-    """Create optimizer state tensors the checkpoint has and the optimizer has not made yet."""
+def _owner_state(opt: Any, param: torch.Tensor) -> Any:
+    """The state mapping (param -> its state dict) of the optimizer under ``opt`` that trains
+    ``param``: a torchrec CombinedOptimizer builds its ``state`` anew at every access, so its part
+    holding ``param`` is asked."""
+    parts = getattr(opt, "optimizers", None)
+    if isinstance(parts, list):
+        for _name, part in parts:
+            if any(p is param for g in part.param_groups for p in g["params"]):
+                return _owner_state(part, param)
+        raise CheckpointError(f"no part of {type(opt).__name__} holds the parameter cnr restores state into")
+    return opt.state
+
+
+def _param_state(opt: Any, param: torch.Tensor) -> Dict[str, Any]:
+    """The optimizer's own state dict of ``param``, made if it has none yet."""
+    state = _owner_state(opt, param)
+    if param not in state:
+        state[param] = {}
+    return state[param]
+
+
+Created = List[Tuple[Any, torch.Tensor, str]]  # (a state mapping, a parameter, a state key made for it there)
+
+
+def _prepare_optimizers(manifest: Manifest, app: AppState) -> Created:
+    """Create optimizer state tensors the checkpoint has and the optimizer has not made yet; return
+    what was made (``_forget``: an attempt that fails takes it back)."""
+    created: Created = []
     for key, kind in app.kinds.items():
         if kind != OPTIMIZER:
             continue
@@ -122,10 +150,25 @@ def _prepare_optimizers(manifest: Manifest, app: AppState) -> None:
             if param is None:
                 raise CheckpointError(f"checkpoint {manifest.id} has state of app_state[{key!r}] for parameter "
                                       f"{param_name!r}, which that optimizer does not hold now")
-            state = opt.state[param]
+            owner = _owner_state(opt, param)
+            state = _param_state(opt, param)
             if state_key not in state:
                 shape = tuple(entry.shape)
                 state[state_key] = torch.zeros(shape, dtype=DTYPES[entry.dtype], device=param.device if shape else "cpu")
+                created.append((owner, param, state_key))
+    return created
+
+
+def _forget(created: Created) -> None:
+    """Take back the optimizer state ``_prepare_optimizers`` made for an attempt that failed (and
+    a parameter's state left empty): a fallback to an older checkpoint saved before the optimizer
+    had state must find none."""
+    for owner, param, state_key in created:
+        state = owner.get(param)
+        if state is not None:
+            state.pop(state_key, None)
+            if not state:
+                del owner[param]
 
 
 def _stateful_targets(manifest: Manifest, app: AppState, rank: int, world_size: int) -> Dict[str, Tuple[int, List[StatePiece]]]:
@@ -148,30 +191,91 @@ def _stateful_targets(manifest: Manifest, app: AppState, rank: int, world_size: 
     return out
 
 
+def _assign(group: Dict[str, Any], values: Dict[str, Any]) -> None:
+    """Give ``group`` the saved ``values`` (not its parameters); a 0-d tensor value it holds now is
+    written in place, keeping its device and whoever holds it."""
+    for k, v in values.items():
+        now = group.get(k)
+        if k == "params":
+            continue
+        if isinstance(now, torch.Tensor) and isinstance(v, torch.Tensor) and now.dim() == 0:
+            now.copy_(v)
+        else:
+            group[k] = v
+
+
 def _set_groups(groups: List[Dict[str, Any]], saved: List[Any], where: str) -> None:
+    """By position: manifests before ``group_params``, and the fused optimizers' groups of
+    checkpoints before ``fused_table_groups``."""
+    _check_count(saved, groups, where)
+    for group, values in zip(groups, saved):
+        _assign(group, group_values(values))
+
+
+GroupPlan = Dict[str, List[Tuple[Dict[str, Any], Any]]]  # optimizer key -> (its group, the saved values)
+
+
+def _saved_json(manifest: Manifest, key: str, rank: int, world_size: int) -> Optional[Dict[str, Any]]:
+    """What ``manifest`` saved of app_state[key] for this rank (rank 0's at another world size)."""
+    if not manifest.app_ranks:
+        return None
+    return manifest.app_ranks[rank if manifest.world_size == world_size else 0].get(key)
+
+
+def _plan_groups(manifest: Manifest, app: AppState, rank: int, world_size: int) -> GroupPlan:
+    """Each optimizer's dense param groups matched with their saved values by the parameters they
+    hold (``group_params``), checked before anything is written: a group's lr goes to the group
+    of the same parameters, however the application lists its groups now. CheckpointError when
+    the optimizer's class changed or it groups its parameters otherwise."""
+    plan: GroupPlan = {}
+    for key, kind in app.kinds.items():
+        saved = _saved_json(manifest, key, rank, world_size) if kind == OPTIMIZER else None
+        if saved is None:
+            continue  # version 1 stored no param_groups
+        opt, where = app.objects[key], f"app_state[{key!r}]"
+        now_classes = dense_classes(opt)
+        if "classes" in saved and saved["classes"] != now_classes:
+            raise CheckpointError(f"{where} is {now_classes} now but checkpoint {manifest.id} saved it from "
+                                  f"{saved['classes']}: another optimizer's state does not mean the same")
+        if "group_params" not in saved:  # saved before group_params: by position
+            _check_count(saved["param_groups"], opt.param_groups, where)
+            plan[key] = list(zip(opt.param_groups, saved["param_groups"]))
+            continue
+        by_params = {frozenset(names): values for names, values in zip(saved["group_params"], saved["param_groups"])}
+        groups = dense_groups(opt)
+        now = [frozenset(app.group_param_names(opt, g)) for g in groups]
+        if sorted(map(sorted, now)) != sorted(map(sorted, by_params)) or len(set(now)) != len(now):
+            raise CheckpointError(
+                f"{where} groups its parameters otherwise than checkpoint {manifest.id} saved them (saved: "
+                f"{[sorted(n) for n in saved['group_params']]}; now: {[sorted(n) for n in now]}): the saved lr and "
+                "other group values cannot be matched to groups. Build the optimizer's param groups as they were")
+        plan[key] = [(g, by_params[names]) for g, names in zip(groups, now)]
+    return plan
+
+
+def _check_count(saved: List[Any], groups: List[Dict[str, Any]], where: str) -> None:
     if len(saved) != len(groups):
         raise CheckpointError(f"{where} had {len(saved)} param_groups when saved, {len(groups)} now")
-    for group, values in zip(groups, saved):
-        group.update({k: v for k, v in decode_tree(values, []).items() if k != "params"})
 
 
 def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int, List[StatePiece]]],
-                rank: int, world_size: int) -> None:
+                groups: GroupPlan, rank: int, world_size: int) -> None:
     for key, kind in app.kinds.items():
         obj = app.objects[key]
         if kind == STATEFUL:
             src, pieces = targets[key]
             obj.load_state_dict(decode_tree(manifest.app_ranks[src][key]["state"], [p.tensor for p in pieces]))
             continue
-        saved = manifest.app_ranks[rank if manifest.world_size == world_size else 0].get(key) if manifest.app_ranks else None
+        saved = _saved_json(manifest, key, rank, world_size)
         if saved is None:
             continue  # version 1 stored no param_groups
         if kind == OPTIMIZER:
-            _set_groups(obj.param_groups, saved["param_groups"], f"app_state[{key!r}]")
+            for group, values in groups[key]:
+                _assign(group, group_values(values))
             params = dict(app.optimizer_params(obj))
             for name, states in saved.get("state", {}).items():
                 if name in params:
-                    obj.state[params[name]].update({k: decode_tree(v, []) for k, v in states.items()})
+                    _param_state(obj, params[name]).update({k: decode_tree(v, []) for k, v in states.items()})
         elif kind == MODULE:
             by_table = _saved_table_groups(manifest, key)
             for path, sharded in sharded_modules(obj):
@@ -209,7 +313,7 @@ def _set_table_groups(manifest: Manifest, key: str, path: str, fused: Any, saved
                 f"tables {tables} share one fused optimizer param group now, but checkpoint {manifest.id} holds "
                 f"different values for them ({[decode_tree(v, []) for v in values]}); give them separate groups "
                 "(the plan that saved them) to restore each one's values")
-        group.update({k: v for k, v in decode_tree(values[0], []).items() if k != "params"})
+        _assign(group, group_values(values[0]))
 
 
 def _fused_groups(manifest: Manifest, key: str, path: str, rank: int, world_size: int, count: int):
@@ -275,15 +379,20 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
     check_placements(manifest, app)
     check_managed_collisions(manifest, {k: app.objects[k] for k in app.runtime_keys if k in app.kinds}, rank, world_size)
     targets = _stateful_targets(manifest, app, rank, world_size)
-    _prepare_optimizers(manifest, app)
-    pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
-    dropped = [n for n in manifest.tensors if n.split("/", 1)[0] in unused]  # saved state no entry takes
-    check_no_extra_tensors(manifest, global_names(pieces) + dropped)
-    check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
-    pieces += [p for _src, stateful in targets.values() for p in stateful]
-    nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
-    _apply_json(manifest, app, targets, rank, world_size)
-    restore_rng(storage, manifest, rank, world_size)
+    created = _prepare_optimizers(manifest, app)
+    try:
+        pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
+        dropped = [n for n in manifest.tensors if n.split("/", 1)[0] in unused]  # saved state no entry takes
+        check_no_extra_tensors(manifest, global_names(pieces) + dropped)
+        check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
+        groups = _plan_groups(manifest, app, rank, world_size)
+        pieces += [p for _src, stateful in targets.values() for p in stateful]
+        nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
+        restore_rng(storage, manifest, rank, world_size)
+    except BaseException:
+        _forget(created)  # the next attempt (an older checkpoint) must see the optimizer as it was
+        raise
+    _apply_json(manifest, app, targets, groups, rank, world_size)
     logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
     if (fresh or unused) and rank == 0:

@@ -175,12 +175,70 @@ def stateful_name(key: str, rank: int, i: int) -> str:
     return f"{key}/rank-{rank:05d}/t{i}"
 
 
-def _groups_json(key: str, groups: List[Dict[str, Any]]) -> List[Any]:
-    """param_groups without their parameters (restored into the optimizer's own groups)."""
-    out = []
-    for i, g in enumerate(groups):
-        out.append(encode_tree({k: v for k, v in g.items() if k != "params"}, f"app_state[{key!r}].param_groups[{i}]", []))
-    return out
+def group_values_json(group: Dict[str, Any], path: str) -> Any:
+    """A param group's values (lr, betas, ...; not its parameters) as JSON. A 0-d tensor (torch
+    takes ``lr=torch.tensor(0.01)``) stands as ``{"__scalar__": [value, dtype]}``, exact (a
+    Python float holds any float32 or float64); TypeError names any other tensor."""
+    found: List[torch.Tensor] = []
+    tree = encode_tree({k: v for k, v in group.items() if k != "params"}, path, found)
+    for t in found:
+        if t.dim() != 0:
+            raise TypeError(f"{path} holds a tensor of shape {tuple(t.shape)}; cnr stores a param group's values "
+                            "as numbers, strings, lists and 0-d tensors")
+
+    def tag(node: Any) -> Any:
+        if isinstance(node, list):
+            return [tag(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"__tensor__"}:
+            t = found[node["__tensor__"]]
+            return {"__scalar__": [t.item(), str(t.dtype).replace("torch.", "")]}
+        return {k: tag(v) for k, v in node.items()}
+
+    return tag(tree)
+
+
+def group_values(tree: Any) -> Any:
+    """The inverse of ``group_values_json``: JSON back to values, 0-d tensors made on the CPU."""
+    def untag(node: Any) -> Any:
+        if isinstance(node, list):
+            return [untag(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"__scalar__"}:
+            value, dtype = node["__scalar__"]
+            return torch.tensor(value, dtype=getattr(torch, dtype))
+        return {k: untag(v) for k, v in node.items()}
+
+    return decode_tree(untag(tree), [])
+
+
+def dense_groups(opt: Any) -> List[Dict[str, Any]]:
+    """The param groups of ``opt`` holding a parameter not owned by a fused table (all of a plain
+    torch optimizer's). The groups of a fused table optimizer inside a torchrec CombinedOptimizer
+    are the sharded module's (one per table a rank holds): they are stored and restored by table
+    with the module (``fused_table_groups``), never by their position here, which changes with
+    the plan and world size."""
+    return [g for g in opt.param_groups if not g["params"] or not all(_is_sharded(p) for p in g["params"])]
+
+
+def leaf_optimizers(opt: Any) -> List[Any]:
+    """The optimizers doing the work under torchrec's wrappers (CombinedOptimizer's parts,
+    KeyedOptimizerWrapper's and OptimizerWrapper's inner one), in order; ``opt`` itself if none."""
+    parts = getattr(opt, "optimizers", None)
+    if isinstance(parts, list):
+        return [leaf for _name, part in parts for leaf in leaf_optimizers(part)]
+    inner = getattr(opt, "_optimizer", None)
+    return leaf_optimizers(inner) if isinstance(inner, torch.optim.Optimizer) else [opt]
+
+
+def dense_classes(opt: Any) -> List[str]:
+    """The classes (``module.QualName``, sorted, each once) of the optimizers under ``opt``
+    (``leaf_optimizers``) that train a parameter not owned by a fused table: a fused table
+    optimizer's parts come and go with the plan and world size, and its tables' state is checked
+    by the sharded module's."""
+    return sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in leaf_optimizers(opt) if dense_groups(o)})
 
 
 def fused_group_tables(key: str, path: str, fused: Any) -> List[List[str]]:
@@ -202,8 +260,7 @@ def fused_table_groups(key: str, path: str, fused: Any) -> Dict[str, Any]:
     group per table a rank holds, so another world size or plan has other groups."""
     out: Dict[str, Any] = {}
     for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
-        values = encode_tree({k: v for k, v in group.items() if k != "params"},
-                             f"the fused optimizer of app_state[{key!r}].{path}.param_groups", [])
+        values = group_values_json(group, f"the fused optimizer of app_state[{key!r}].{path}.param_groups")
         out.update({table: values for table in tables})
     return out
 
@@ -258,6 +315,11 @@ class AppState:
                     out.append((self.param_names.get(id(param), f"group{g}.param{i}"), param))
         return out
 
+    def group_param_names(self, opt: torch.optim.Optimizer, group: Dict[str, Any]) -> List[str]:
+        """The stored names (``optimizer_params``) of ``group``'s parameters not owned by a fused table."""
+        ids = {id(p) for p in group["params"]}
+        return [name for name, param in self.optimizer_params(opt) if id(param) in ids]
+
     # ---- save side -------------------------------------------------------------------------------
 
     def pieces(self) -> List[StatePiece]:
@@ -306,9 +368,17 @@ class AppState:
                 if isinstance(value, torch.Tensor) and not _is_sharded(value):
                     pieces.append(whole_piece(f"{key}/{name}/{state_key}", value, Role.OPTIMIZER))
                 else:
-                    other.setdefault(name, {})[state_key] = encode_tree(
-                        value, f"app_state[{key!r}].state[{name!r}][{state_key!r}]", [])
-        return {"kind": OPTIMIZER, "param_groups": _groups_json(key, opt.param_groups), "state": other}
+                    path, nested = f"app_state[{key!r}].state[{name!r}][{state_key!r}]", []
+                    other.setdefault(name, {})[state_key] = encode_tree(value, path, nested)
+                    if nested:  # only a state value that is a tensor is stored as one
+                        raise TypeError(f"{path} holds tensors inside a {type(value).__name__}; cnr stores an "
+                                        "optimizer's per-parameter state tensors when they are the values themselves")
+        groups = dense_groups(opt)
+        return {"kind": OPTIMIZER, "state": other,
+                "param_groups": [group_values_json(g, f"app_state[{key!r}].param_groups[{i}]") for i, g in enumerate(groups)],
+                # each group's parameters by name: a restore matches groups by them, not by position
+                "group_params": [self.group_param_names(opt, g) for g in groups],
+                "classes": dense_classes(opt)}
 
     def _stateful(self, key: str, obj: Any, pieces: List[StatePiece]) -> Dict[str, Any]:
         tensors: List[torch.Tensor] = []
