@@ -22,6 +22,7 @@ from cnr.app.launch import RankFailed, launch
 from cnr.format.manifest import MERGED_SUFFIX, Manifest
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
+from cnr.track.json_tree import decode_tree  # the stored JSON keeps key order in tagged forms
 from cnr.track.state import whole_piece
 from cnr.storage.local import LocalStorage
 
@@ -140,11 +141,11 @@ def test_two_tower_killed_and_resumed_is_bit_exact(tmp_path):
     for name, tensor in stored.items():
         if manifest.tensors[name].role.value not in ("stateful", "rng"):
             assert torch.equal(one[name], tensor), name
-    assert one["lrs"] == [g["lr"] for g in manifest.app_ranks[0]["optim"]["param_groups"]]
+    assert one["lrs"] == [decode_tree(g)["lr"] for g in manifest.app_ranks[0]["optim"]["param_groups"]]
     ids = {t.name for t in manifest.tables}
     assert {"model/query.ebc.embedding_bags.t0.weight", "model/cand.ebc.embedding_bags.t0.weight",
             "model/history.embeddings.t0.weight", "model/cand.webc.embedding_bags.tags.weight"} <= ids
-    loader = [rank["loader"]["state"]["_num_yielded"] for rank in manifest.app_ranks]
+    loader = [decode_tree(rank["loader"]["state"])["_num_yielded"] for rank in manifest.app_ranks]
     assert loader == [12, 12]
     # inspect describes the real model: every EBC and EC table, and full checkpoints count all their rows
     tables = json.loads(_cnr("inspect", str(tmp_path / "a"), "--tables", "--json"))["tables"]
@@ -162,6 +163,6 @@ def test_dlrm_criteo_pipeline_killed_and_resumed_is_bit_exact(tmp_path):
     manifest = _kill_and_resume("dlrm_criteo.py", args, tmp_path, 12)
     # the stored position is after the last trained batch (12 global batches of 2 ranks), not
     # after the batches the pipeline had already pulled ahead
-    cursors = [rank["data"]["state"]["cursor"] for rank in manifest.app_ranks]
+    cursors = [decode_tree(rank["data"]["state"])["cursor"] for rank in manifest.app_ranks]
     assert all(c == cursors[0] for c in cursors) and cursors[0]["next_batch"] == 12 * 2
     assert len(manifest.tables) == 26

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from cnr.track.collectives import all_reduce_host
 from cnr.api import Checkpointer
 from cnr.track.app_state import collect_state
+from cnr.track.json_tree import decode_tree
 from cnr.write.engine import SaveStats
 from cnr.app.config import Config
 from cnr.app.data import BatchSource, open_source, to_device
@@ -81,7 +82,7 @@ class ReaderPosition:
 
 def _reader_cursor(manifest: Manifest) -> Optional[Dict[str, Any]]:
     """The global reader cursor a checkpoint of cnr train holds (every rank saved the same)."""
-    return manifest.app_ranks[0]["reader"]["state"] if manifest.app_ranks else None
+    return decode_tree(manifest.app_ranks[0]["reader"]["state"]) if manifest.app_ranks else None
 
 
 def check_reader_position(manifest: Manifest, batch_size: int) -> None:
@@ -91,8 +92,8 @@ def check_reader_position(manifest: Manifest, batch_size: int) -> None:
     if not manifest.app_ranks:
         return
     app = manifest.app_ranks[0]
-    cursor = app.get("reader", {}).get("state", {})
-    samples = app.get("progress", {}).get("state", {}).get("samples")
+    cursor = decode_tree(app.get("reader", {}).get("state", {}))  # the stored form may be tagged (cnr.track.json_tree)
+    samples = decode_tree(app.get("progress", {}).get("state", {})).get("samples")
     if isinstance(cursor, dict) and "next_batch" in cursor and isinstance(samples, int):
         if cursor["next_batch"] * batch_size != samples:
             raise CheckpointError(f"checkpoint {manifest.id}: its reader cursor names global batch {cursor['next_batch']!r:.40} "

@@ -18,7 +18,8 @@ Stored names (``/`` separates what a state_dict key never contains):
   ``<key>/<module key>.<parameter path>/<state key>``  optimizer state, e.g. ``optim/model.over.0.weight/sum``
   ``<key>/rank-<r>/t<i>``                             the i-th tensor of a Stateful object's state on rank r
 A table's id is the stored name of its weight, so two modules may both name a table ``t0``.
-Nothing is pickled: the JSON parts go into the manifest, tensors into chunks.
+Nothing is pickled: the JSON parts go into the manifest (in cnr.track.json_tree's form, which
+keeps dict key order and OrderedDict), tensors into chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from cnr.track.json_tree import decode_tree, encode_tree  # noqa: F401 (decode_tree: restores import it here)
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
 from cnr.track.modules import embedding_modules, is_managed_collision
 from cnr.track.state import StatePiece, pieces_of, whole_piece
@@ -122,53 +124,6 @@ def tables_of(key: str, module: torch.nn.Module) -> List[TableRef]:
 def app_tables(app_state: Mapping[str, Any]) -> List[TableRef]:
     """Every embedding table of every module in ``app_state``."""
     return [t for key, value in app_state.items() if isinstance(value, torch.nn.Module) for t in tables_of(key, value)]
-
-
-# ---- JSON trees with tensors ------------------------------------------------------------------------
-
-_SCALARS = (str, int, float, bool, type(None))
-
-
-def encode_tree(value: Any, path: str, tensors: List[torch.Tensor]) -> Any:
-    """``value`` as JSON; tensors are appended to ``tensors`` and stand as {"__tensor__": i}.
-
-    Tuples and dicts with non-string keys are tagged so they come back as they were. TypeError
-    names the key path of anything else.
-    """
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, torch.Tensor) and not _is_sharded(value):
-        tensors.append(value)
-        return {"__tensor__": len(tensors) - 1}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: encode_tree(v, f"{path}[{k!r}]", tensors) for k, v in value.items()}
-        bad = [k for k in value if not isinstance(k, _SCALARS)]
-        if bad:
-            raise TypeError(f"{path} has a key of type {type(bad[0]).__name__}; cnr stores dict keys that are "
-                            "str, int, float, bool or None")
-        return {"__dict__": [[k, encode_tree(v, f"{path}[{k!r}]", tensors)] for k, v in value.items()]}
-    raise TypeError(f"{path} holds a {type(value).__name__}, which cnr cannot store; allowed: dict, list, tuple, "
-                    "str, int, float, bool, None and (unsharded) tensors")
-
-
-def decode_tree(value: Any, tensors: List[torch.Tensor]) -> Any:
-    """The inverse of encode_tree, with ``tensors`` standing in for the stored ones."""
-    if isinstance(value, list):
-        return [decode_tree(v, tensors) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if set(value) == {"__tensor__"}:
-        return tensors[value["__tensor__"]]
-    if set(value) == {"__tuple__"}:
-        return tuple(decode_tree(v, tensors) for v in value["__tuple__"])
-    if set(value) == {"__dict__"}:
-        return {k: decode_tree(v, tensors) for k, v in value["__dict__"]}
-    return {k: decode_tree(v, tensors) for k, v in value.items()}
 
 
 def stateful_name(key: str, rank: int, i: int) -> str:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from cnr.track.json_tree import decode_tree
 from cnr.track.modules import embedding_modules, is_managed_collision
 from cnr.errors import CheckpointError
 
@@ -213,7 +214,8 @@ def check_restore(manifest: Any, runtimes: Dict[str, "RuntimeState"], rank: int,
                 f"state ({key}: the MCH remapping of raw ids to slots, sharded by rows); it cannot be restored at "
                 f"world size {world_size}, because which raw ids a rank's slots hold follows from the world size. "
                 f"Restore at world size {manifest.world_size}")
-        saved = ((manifest.app_ranks[rank].get(key) or {}).get("state") or {}) if manifest.app_ranks else {}
+        # decoded: a dict whose keys are out of sorted order is stored tagged (cnr.track.json_tree)
+        saved = decode_tree(((manifest.app_ranks[rank].get(key) or {}).get("state") or {}) if manifest.app_ranks else {})
         for path, mc in runtime.modules:
             for table in tables(mc):
                 shard = (saved.get(path) or {}).get(table, {}).get("shard")
