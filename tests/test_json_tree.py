@@ -1,7 +1,7 @@
 """The JSON part of app_state's state (cnr.track.json_tree) comes back exactly: dict key order and
 OrderedDict across a checkpoint, in Stateful objects and in optimizers' param groups and
-non-tensor state; manifests stay deterministic, and those written before order was kept read as
-they always did."""
+non-tensor state, and one tensor a Stateful names twice as one tensor; manifests stay
+deterministic, and those written before order was kept read as they always did."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import cnr
 from cnr.app.launch import launch
 from cnr.app.train import check_reader_position
 from cnr.errors import CheckpointError
+from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.format.manifest import Manifest, manifest_to_bytes, parse_manifest
+from cnr.storage.local import LocalStorage
 from cnr.track.managed_collision import check_restore
 from cnr.track.json_tree import decode_tree, encode_tree
 from cnr.types import CheckpointKind
@@ -64,6 +66,15 @@ def test_state_written_before_order_was_kept_reads_as_before():
     back = decode_tree(old, [])
     assert back == {"pending": FIFO, "t": (1, 2), "i": {1: 2}}
     assert list(back["pending"]) == sorted(FIFO) and type(back["pending"]) is dict
+
+
+def test_one_tensor_in_two_places_is_stored_once():
+    t, other = torch.arange(3.0), torch.arange(3.0)
+    tensors: list = []
+    encoded = encode_tree({"a": t, "b": [t, (other, t)]}, "$", tensors)
+    assert len(tensors) == 2 and tensors[0] is t and tensors[1] is other
+    back = decode_tree(json.loads(json.dumps(encoded, sort_keys=True)), [t.clone(), other.clone()])
+    assert back["a"] is back["b"][0] is back["b"][1][1] and back["b"][1][0] is not back["a"]
 
 
 def _manifest(app) -> Manifest:
@@ -123,6 +134,20 @@ class Queue:
         self.pending, self.od = state["pending"], state["od"]
 
 
+class Shared:
+    """A Stateful whose state names one tensor twice (a buffer and a view of the same object)."""
+
+    def __init__(self) -> None:
+        buf = torch.arange(4.0)
+        self.state = {"buf": buf, "alias": buf}
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state) -> None:
+        self.state = state
+
+
 def _objects():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -133,7 +158,7 @@ def _objects():
 def _save_then_restore(rank, world_size, arg):
     model, opt = _objects()
     queue = Queue(FIFO if arg["save"] else None)
-    app_state = {"model": model, "optim": opt, "queue": queue}
+    app_state = {"model": model, "optim": opt, "queue": queue, "shared": Shared()}
     with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="full")) as ckpt:
         if arg["save"]:
             opt.param_groups[0]["schedule"] = {"warmup": 5, "decay": OrderedDict(b=1, a=2)}
@@ -146,6 +171,8 @@ def _save_then_restore(rank, world_size, arg):
     out["schedule"] = [list(schedule), type(schedule["decay"]).__name__, list(schedule["decay"])]
     meta = opt.state[model.weight]["meta"]
     out["meta"] = [list(meta), type(meta["a"]).__name__, list(meta["a"][1])]
+    shared = app_state["shared"].state
+    out["aliased"] = shared["buf"] is shared["alias"] and shared["buf"].tolist() == [0.0, 1.0, 2.0, 3.0]
     return out
 
 
@@ -157,3 +184,7 @@ def test_a_checkpoint_gives_back_key_order_and_ordered_dicts(tmp_path):
     assert out["od"] == ["OrderedDict", ["shard-9", "shard-10", "shard-2"]]
     assert out["schedule"] == [["warmup", "decay"], "OrderedDict", ["b", "a"]]
     assert out["meta"] == [["z", "a"], "tuple", ["y", "x"]]
+    assert out["aliased"]  # one tensor named twice comes back as one tensor ...
+    stored = [n for n in read_manifest(LocalStorage(uri), list_checkpoints(LocalStorage(uri))[0].id).tensors
+              if n.startswith("shared/")]
+    assert stored == ["shared/rank-00000/t0"]  # ... stored once

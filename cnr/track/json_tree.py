@@ -4,7 +4,9 @@ A tree is dicts, lists, tuples, JSON scalars and (unsharded) tensors. ``encode_t
 into JSON that, written with ``json.dumps(..., sort_keys=True)`` (cnr.format.manifest) and read
 back, ``decode_tree`` turns into the same tree, dict key order and OrderedDict included:
 
-- a tensor: ``{"__tensor__": i}``, its index among the tree's tensors (stored as chunks);
+- a tensor: ``{"__tensor__": i}``, its index among the tree's tensors (stored as chunks); the
+  same tensor object in two places is one index, so it comes back as one tensor in both (views
+  of one storage that are different tensor objects come back as separate tensors);
 - a tuple: ``{"__tuple__": [items]}``;
 - a dict (exactly ``dict``) whose keys are strings not starting with ``__`` and already in sorted
   order: a JSON object, since the writer's ``sort_keys`` gives that order back;
@@ -21,7 +23,7 @@ never taken to hold any other order: JSON readers need not keep it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -42,24 +44,34 @@ def _plain_object(value: dict) -> bool:
 
 def encode_tree(value: Any, path: str, tensors: List[torch.Tensor]) -> Any:
     """``value`` as JSON (module docstring); tensors are appended to ``tensors`` and stand as
-    ``{"__tensor__": i}``. TypeError names the key path of anything else."""
+    ``{"__tensor__": i}``. A tensor object met twice (here or already in ``tensors``) is stored
+    once and both places name its index, so they come back as one tensor, aliased as they were.
+    TypeError names the key path of anything else."""
+    return _encode(value, path, tensors, {id(t): i for i, t in enumerate(tensors)})
+
+
+def _encode(value: Any, path: str, tensors: List[torch.Tensor], seen: Dict[int, int]) -> Any:
+    """encode_tree; ``seen``: id() of each tensor in ``tensors`` -> its index (``tensors`` holds
+    them, so no id is reused while it is in use)."""
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, torch.Tensor) and not _is_sharded(value):
-        tensors.append(value)
-        return {_TENSOR: len(tensors) - 1}
+        if id(value) not in seen:
+            seen[id(value)] = len(tensors)
+            tensors.append(value)
+        return {_TENSOR: seen[id(value)]}
     if isinstance(value, tuple):
-        return {_TUPLE: [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]}
+        return {_TUPLE: [_encode(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode_tree(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
+        return [_encode(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]
     if isinstance(value, dict):
         if _plain_object(value):
-            return {k: encode_tree(v, f"{path}[{k!r}]", tensors) for k, v in value.items()}
+            return {k: _encode(v, f"{path}[{k!r}]", tensors, seen) for k, v in value.items()}
         bad = [k for k in value if not isinstance(k, _SCALARS)]
         if bad:
             raise TypeError(f"{path} has a key of type {type(bad[0]).__name__}; cnr stores dict keys that are "
                             "str, int, float, bool or None")
-        pairs = [[k, encode_tree(v, f"{path}[{k!r}]", tensors)] for k, v in value.items()]
+        pairs = [[k, _encode(v, f"{path}[{k!r}]", tensors, seen)] for k, v in value.items()]
         return {_ODICT if isinstance(value, OrderedDict) else _DICT: pairs}
     raise TypeError(f"{path} holds a {type(value).__name__}, which cnr cannot store; allowed: dict (OrderedDict "
                     "too), list, tuple, str, int, float, bool, None and (unsharded) tensors")
