@@ -33,9 +33,13 @@ DTYPES: Dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int8": torch.int8,
     "uint8": torch.uint8,
+    "bool": torch.bool,
 }
-"""Stored dtypes by the name headers and manifests give them."""
+"""Stored dtypes by the name headers and manifests give them. Every one is stored by its bytes
+(cnr.codec.raw), so bit for bit: a bool is its one byte. A tensor of any other dtype is refused
+when a Checkpointer is built (cnr.track.coverage)."""
 DTYPE_NAMES: Dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 

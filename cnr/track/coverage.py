@@ -6,16 +6,21 @@ Each module's ``state_dict()`` value must be a tensor or a torchrec ShardedTenso
 their fused optimizer state, dense parameters and buffers, sharded buffers such as remapping
 state); its tables must be held by a kernel whose rows live in the table tensor (not a key-value
 store); its fused optimizer state must be tensors tied to the table's rows or elements. A value
-that is not a tensor would be dropped without a word, so it is refused instead.
+that is not a tensor would be dropped without a word, so it is refused instead. Every tensor,
+Stateful ones included, must be of a dtype cnr stores (cnr.codec.base.DTYPES); another would
+make every checkpoint fail in the background writer.
 """
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from cnr.track.app_state import MODULE, AppState, sharded_modules
+from cnr.codec.base import DTYPE_NAMES, DTYPES
+from cnr.track.app_state import MODULE, STATEFUL, AppState, sharded_modules
+from cnr.track.state import StatePiece
+from cnr.types import Role
 
 # torchrec's EmbeddingComputeKernel values whose rows live in the table tensors cnr copies
 # (UVM-cached tables flush their cache in state_dict(), which every snapshot calls)
@@ -76,6 +81,40 @@ def _module_problems(key: str, module: torch.nn.Module) -> List[str]:
     return out
 
 
+def _tensors_in(value: Any, path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(key path, tensor) of every tensor in a Stateful's state tree, as cnr.track.json_tree walks it."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors_in(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors_in(v, f"{path}[{k!r}]")
+
+
+def _dtype_problems(app: AppState, pieces: List[StatePiece]) -> List[str]:
+    """Every tensor of a dtype cnr does not store (cnr.codec.base.DTYPES): the writer would fail
+    on it at every checkpoint, in the background."""
+    allowed = f"cnr stores the dtypes {', '.join(DTYPES)}"
+    out: List[str] = []
+    walked: Dict[str, List[str]] = {}  # Stateful key -> its tensors of such dtypes, by their place in its state
+    for piece in pieces:
+        if piece.tensor.dtype in DTYPE_NAMES:
+            continue
+        key = piece.name.split("/", 1)[0]
+        if piece.role == Role.STATEFUL and app.kinds.get(key) == STATEFUL and key not in walked:
+            # named by their place in the state rather than their stored names <key>/rank-<r>/t<i>
+            walked[key] = [f"{path} has dtype {t.dtype}; {allowed}" for path, t in
+                           _tensors_in(app.objects[key].state_dict(), f"app_state[{key!r}].state_dict()")
+                           if t.dtype not in DTYPE_NAMES]
+        found = walked.get(key) if piece.role == Role.STATEFUL else None
+        for problem in found or [f"tensor {piece.name!r} of app_state[{key!r}] has dtype {piece.tensor.dtype}; {allowed}"]:
+            if problem not in out:  # once per tensor, not per shard or per Stateful piece
+                out.append(problem)
+    return out
+
+
 def check_supported(app: AppState) -> None:
     """Raise UnsupportedStateError naming every piece of ``app``'s state that cnr cannot
     checkpoint exactly (nothing is opened or written before this)."""
@@ -84,9 +123,11 @@ def check_supported(app: AppState) -> None:
         if kind == MODULE:
             problems += _module_problems(key, app.objects[key])
     try:
-        app.collect()  # the pieces themselves: fused state tied to rows, Stateful trees cnr can store
+        pieces = app.collect()[0]  # the pieces themselves: fused state tied to rows, Stateful trees cnr can store
     except (TypeError, ValueError) as e:
         problems.append(str(e))
+    else:
+        problems += _dtype_problems(app, pieces)
     if problems:
         raise UnsupportedStateError("cnr cannot checkpoint this app_state exactly, so it refuses it before training: "
                                     + "; ".join(problems))
