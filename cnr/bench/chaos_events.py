@@ -32,7 +32,7 @@ from cnr.bench.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
 from cnr.write.local_tier import open_checkpoint_store
-from cnr.format.manifest import chain_links
+from cnr.format.manifest import chain_links, id_order
 from cnr.options import CheckpointOptions
 from cnr.policy.retention import own_damage
 from cnr.storage.base import Storage
@@ -106,7 +106,7 @@ def await_in_flight(running: Callable[[], bool], list_ids: Callable[[], Sequence
     seen = set(list_ids())
     deadline = time.monotonic() + timeout
     while running() and time.monotonic() < deadline:
-        fresh = sorted(set(list_ids()) - seen)
+        fresh = sorted(set(list_ids()) - seen, key=id_order)
         if fresh:
             return fresh[0]
         time.sleep(0.1)

@@ -9,7 +9,8 @@ from typing import AbstractSet, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.format.manifest import (
-    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, manifest_key, merged_id, read_manifest, step_of,
+    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_manifest,
+    step_of,
 )
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order
@@ -20,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def checkpoint_ids(storage: Storage) -> List[str]:
-    """Ids of every checkpoint with anything stored, committed or not, oldest step first."""
+    """Ids of every checkpoint with anything stored, committed or not, oldest step first
+    (``id_order``: numerically, so step 10000000000 comes after 9999999999)."""
     ids = {k.split("/")[1] for k in storage.list(ROOT) if k.count("/") >= 2}
-    return sorted(ids)
+    return sorted(ids, key=id_order)
 
 
 def marker_error(storage: Storage, key: str) -> str:

@@ -8,8 +8,9 @@ Layout under the storage root (docs/format.md is the full specification):
     checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
     checkpoints/<id>/failed.json              the checkpoint will never commit (error text)
 
-``<id>`` is ``<step:010d>-<nonce>``, so ids sort by step and a rewrite of the same step never
-mixes with leftovers of an earlier attempt. A checkpoint without ``manifest.json`` is uncommitted.
+``<id>`` is ``<step:010d>-<nonce>``: ids order by step (``id_order``: past 10 digits not as
+strings), and a rewrite of the same step never mixes with leftovers of an earlier attempt. A
+checkpoint without ``manifest.json`` is uncommitted.
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ def step_of(ckpt_id: str) -> int:
     """The step a checkpoint id (``make_id``) names, or -1 for an id not of that form."""
     head = ckpt_id.split("-")[0]
     return int(head) if head.isdigit() else -1
+
+
+def id_order(ckpt_id: str) -> Tuple[int, str]:
+    """Sort key of checkpoint and publish ids: the step the id names, numerically, then the id.
+
+    Order ids with it, never as strings: the step is zero-padded to 10 digits only, so past
+    9999999999 a string sort puts ``10000000000-…`` before ``9999999999-…``. The id breaks ties,
+    which keeps a merged baseline (``<id>.merged``) right after the checkpoint it stands for.
+    A name not of ``make_id``'s form (``step_of`` -1) sorts before every id."""
+    return step_of(ckpt_id), ckpt_id
 
 
 @dataclass(frozen=True)
@@ -443,9 +454,9 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
     chain_bytes = r.get("chain_bytes", [])
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in chain_bytes):
         raise CheckpointError(f"{where}.chain_bytes must list byte counts, got {chain_bytes!r:.200}")
-    id_step = re.match(r"^(\d{10})-", r["id"])
-    check_manifest_fields(where, r["id"], r["step"], r["world_size"], counters,
-                          int(id_step.group(1)) if id_step else None)
+    # every digit of the step: an id past 10 digits names its step too
+    id_step = step_of(r["id"]) if is_checkpoint_id(r["id"], merged=True) else None
+    check_manifest_fields(where, r["id"], r["step"], r["world_size"], counters, id_step)
     tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
     if version == 1:
         tensors = v1_upgrade(tensors, where)

@@ -37,7 +37,7 @@ from cnr.format.chunk_coverage import check_coverage
 from cnr.codec.chunk_format import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
 from cnr.publish.module_target import ModuleTarget
-from cnr.format.manifest import ROOT, Manifest
+from cnr.format.manifest import ROOT, Manifest, id_order, step_of
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk
 from cnr.storage import open_storage
@@ -91,13 +91,10 @@ def _now_us() -> int:
 
 
 def committed_publishes(storage: Storage) -> List[Tuple[int, str]]:
-    """(sequence number, id) of every committed publish in the store, ascending."""
-    out = []
-    for key in storage.list(ROOT):
-        parts = key.split("/")
-        if len(parts) == 3 and parts[2] == "manifest.json" and parts[1].split("-")[0].isdigit():
-            out.append((int(parts[1].split("-")[0]), parts[1]))
-    return sorted(out)
+    """(sequence number, id) of every committed publish in the store, ascending (``id_order``)."""
+    ids = [parts[1] for parts in (key.split("/") for key in storage.list(ROOT))
+           if len(parts) == 3 and parts[2] == "manifest.json" and step_of(parts[1]) >= 0]
+    return [(step_of(pub_id), pub_id) for pub_id in sorted(ids, key=id_order)]
 
 
 class Subscriber:
@@ -149,7 +146,7 @@ class Subscriber:
         applied one). False if it is at or below the applied sequence number (a harmless no-op);
         GapError if it does not follow."""
         manifest = read_manifest(self.storage, pub_id)
-        if str(manifest.step) != pub_id.split("-")[0].lstrip("0"):
+        if manifest.step != step_of(pub_id):
             raise CheckpointError(f"publish {pub_id} says its sequence number is {manifest.step}")
         if self.applied is not None and manifest.step <= self.applied.seq:
             self.stats.skipped += 1

@@ -43,7 +43,9 @@ from cnr.write.commit import commit_requires
 from cnr.format.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
 from cnr.errors import ConfigError, StorageError
 from cnr.write.faults import maybe_crash
-from cnr.format.manifest import ROOT, RankIndex, checkpoint_prefix, manifest_key, rank_index_key, rank_index_to_bytes, step_of
+from cnr.format.manifest import (
+    ROOT, RankIndex, checkpoint_prefix, id_order, manifest_key, rank_index_key, rank_index_to_bytes, step_of,
+)
 from cnr.options import CheckpointOptions
 from cnr.write.peer_exchange import PeerExchange
 from cnr.policy.retention import plan_retention, remove_checkpoint, retain_checkpoints
@@ -301,11 +303,11 @@ def resume_flush(tier: TieredStorage, rank: int) -> List[str]:
     local tier (it was killed between the local and the remote commit): this rank's objects of
     checkpoints newer than the remote's newest commit, and on rank 0 their commits. Returns the
     checkpoint ids queued."""
-    remote_newest = next(iter(committed_ids(tier.remote)), "")
+    remote_newest = id_order(next(iter(committed_ids(tier.remote)), ""))  # (-1, "") when none: below every id
     queued = []
     for ckpt_id in checkpoint_ids(tier.local):
         index = rank_index_key(ckpt_id, rank)
-        if ckpt_id <= remote_newest or tier.remote.exists(manifest_key(ckpt_id)) or not tier.local.exists(index):
+        if id_order(ckpt_id) <= remote_newest or tier.remote.exists(manifest_key(ckpt_id)) or not tier.local.exists(index):
             continue
         own = checkpoint_prefix(ckpt_id) + f"/rank-{rank:05d}/"
         for key in tier.local.list(checkpoint_prefix(ckpt_id)):
