@@ -148,6 +148,63 @@ def test_one_dimensional_and_scalar_state(tmp_path):
     assert torch.equal(v2[5:], vec[5:]) and float(s2) == 3.5
 
 
+# Neighbours with elements first (a 0-d tensor has one), then every kind of tensor without any.
+SHAPES = [(), (4,), (4, 3), (2, 3, 2), (0,), (0, 3), (3, 0), (0, 0), (2, 0, 3), (0, 2, 3), (2, 3, 0)]
+
+
+def _whole(store, ckpt_id: str, tensor: torch.Tensor) -> TensorEntry:
+    """``tensor`` stored whole, as the writer stores a replicated tensor (rows of 12 bytes or
+    fewer per chunk: tensors with elements take several); its entry, checked as the commit checks it."""
+    from cnr.codec.base import dtype_name
+
+    shape = tuple(tensor.shape)
+    piece = StatePiece("x", shape, ShardRegion((0,) * len(shape), shape), tensor, True, Role.STATEFUL)
+    entry = TensorEntry(shape, dtype_name(tensor.dtype), True, tuple(write_piece_chunks(store, ckpt_id, 0, piece, 12)),
+                        Role.STATEFUL)
+    check_coverage({"x": entry}, CheckpointKind.FULL)
+    return entry
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_shape_restores_exactly_tensors_without_elements_too(tmp_path, shape, dtype):
+    """A tensor with a dimension of 0 commits and restores, alone and as the newest link of a
+    chain; one with elements whose chunks do not cover it is still refused."""
+    import dataclasses
+    import math
+
+    store = LocalStorage(str(tmp_path))
+    first = torch.arange(1, math.prod(shape) + 1).reshape(shape).to(dtype)
+    second = first * 7
+    base = _manifest("0000000001-t", CheckpointKind.FULL, {"x": _whole(store, "0000000001-t", first)})
+    inc = _manifest("0000000002-u", CheckpointKind.INCREMENTAL, {"x": _whole(store, "0000000002-u", second)}, base.id)
+    target = torch.full(shape, -1, dtype=dtype)
+    region = ShardRegion((0,) * len(shape), shape)
+    restore_pieces(store, base, [StatePiece("x", shape, region, target, True, Role.STATEFUL)])
+    assert target.shape == shape and torch.equal(target, first)
+    restore_chain(store, [base, inc], [StatePiece("x", shape, region, target, True, Role.STATEFUL)])
+    assert torch.equal(target, second)
+    if first.numel():
+        short = dataclasses.replace(base.tensors["x"], chunks=base.tensors["x"].chunks[1:])
+        kept = sum(c.rows for c in short.chunks) * (first[0].numel() if shape else 1)
+        with pytest.raises(CheckpointError, match=f"cover {kept} of {first.numel()} elements"):
+            check_coverage({"x": short}, CheckpointKind.FULL)
+
+
+@pytest.mark.parametrize("shape,copied,refused", [
+    ((), 1, False), ((), 0, True), ((4, 3), 12, False), ((4, 3), 9, True), ((4, 3), 13, True),
+    ((0,), 0, False), ((0, 3), 0, False), ((3, 0), 0, False), ((2, 0, 3), 0, False), ((3, 0), 1, True)])
+def test_a_piece_read_whole_must_get_exactly_its_elements(shape, copied, refused):
+    from cnr.restore.pieces import check_covered
+
+    piece = StatePiece("x", shape, ShardRegion((0,) * len(shape), shape), torch.zeros(shape), True)
+    if refused:
+        with pytest.raises(CheckpointError, match=f"checkpoint c covers {copied} of {piece.tensor.numel()} elements of 'x'"):
+            check_covered("c", piece, copied)
+    else:
+        check_covered("c", piece, copied)
+
+
 def test_missing_chunk_coverage_is_an_error(tmp_path):
     store = LocalStorage(str(tmp_path))
     full = torch.randn(ROWS, COLS)

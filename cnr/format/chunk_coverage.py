@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 
 from cnr.errors import CheckpointError
 from cnr.format.manifest import TensorEntry
-from cnr.types import TABLE_ROLES, CheckpointKind
+from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef
 
 
 def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> None:
@@ -15,6 +15,8 @@ def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> Non
 
     Exactly once: the chunks are disjoint rectangles (rows x columns) whose elements add up to the
     tensor's. Chunks holding explicit row ids (increments) must be table rows of an incremental.
+    A tensor with no elements (a dimension of 0) is covered by chunks holding none: one of no rows,
+    or, for a 2-D one of no columns, rows of 0 columns.
     """
     for name, entry in tensors.items():
         if kind == CheckpointKind.INCREMENTAL and entry.role in TABLE_ROLES:
@@ -23,12 +25,19 @@ def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> Non
             raise CheckpointError(f"checkpoint chunks of {name!r} hold row ids, which only incremental table rows may")
         numel = math.prod(entry.shape)
         trailing = math.prod(entry.shape[2:])
-        covered = sum(c.rows * (c.cols if c.cols else 1) * trailing for c in entry.chunks)
+        covered = sum(c.rows * _columns(c, entry) * trailing for c in entry.chunks)
         if covered != numel:
             raise CheckpointError(f"checkpoint chunks cover {covered} of {numel} elements of {name!r}")
         overlap = _overlap(entry)
         if overlap is not None:
             raise CheckpointError(f"checkpoint chunks of {name!r} overlap at {overlap}")
+
+
+def _columns(chunk: ChunkRef, entry: TensorEntry) -> int:
+    """The columns each row of ``chunk`` holds: its ``cols``, which a chunk of a 0-d or 1-D tensor
+    records as 0 for one value per row. A 2-D tensor's chunk records its width, 0 included: a
+    tensor of shape (n, 0) is n rows of no elements, not n elements."""
+    return chunk.cols if chunk.cols or len(entry.shape) >= 2 else 1
 
 
 def _overlap(entry: TensorEntry):

@@ -29,10 +29,11 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
-from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
 from cnr.restore.overlay import HeldRows, Span
-from cnr.restore.pieces import RestorePlan, apply_in_order, chunk_overlaps, chunk_span, piece_span, plan_restore, restore_pieces
+from cnr.restore.pieces import (
+    RestorePlan, apply_in_order, check_covered, chunk_overlaps, chunk_span, piece_span, plan_restore, restore_pieces,
+)
 from cnr.restore.workers import check_threads, fetch_pool
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage
@@ -137,9 +138,8 @@ class _NewestFirst:
         manifest = self.chain[position]
         for i, piece in enumerate(self.pieces):
             whole = self.source.get(i) == position if i in self.source else position == 0
-            if whole and copied[i] != max(1, piece.tensor.numel()):
-                raise CheckpointError(f"checkpoint {manifest.id} covers {copied[i]} of {piece.tensor.numel()} "
-                                      f"elements of {piece.name!r} held here")
+            if whole:
+                check_covered(manifest.id, piece, copied[i])
         if position == 0:
             self.held.check_written(manifest.id, [p.name for p in self.pieces])
 

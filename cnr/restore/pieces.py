@@ -389,11 +389,20 @@ def _check_results(plan: RestorePlan, applied: AppliedRestore) -> Tuple[int, Dic
         if pieces[i].role == Role.TABLE_ROWS:
             tables.setdefault(pieces[i].table, []).append(ids)
     for i, piece in enumerate(pieces):
-        partial_ok = plan.overlay and piece.role in TABLE_ROLES
-        if not partial_ok and applied.copied[i] != max(1, piece.tensor.numel()):
-            raise CheckpointError(f"checkpoint {manifest.id} covers {applied.copied[i]} of {piece.tensor.numel()} elements of {piece.name!r} held here")
+        if not (plan.overlay and piece.role in TABLE_ROLES):
+            check_covered(manifest.id, piece, applied.copied[i])
     rows = {t: torch.unique(torch.cat(parts)) for t, parts in tables.items()}
     return applied.bytes_read, rows
+
+
+def check_covered(ckpt_id: str, piece: StatePiece, copied: int) -> None:
+    """A piece filled whole from checkpoint ``ckpt_id`` got every element: ``copied`` (elements its
+    chunks wrote, each once: check_coverage makes them disjoint) equals its size, with no floor.
+    A 0-d tensor's size is 1 (its one row is copied as one element); a tensor with a dimension
+    of 0 has size 0 and no chunk writes into it."""
+    if copied != piece.tensor.numel():
+        raise CheckpointError(f"checkpoint {ckpt_id} covers {copied} of {piece.tensor.numel()} elements of "
+                              f"{piece.name!r} held here")
 
 
 def check_no_extra_tensors(manifest: Manifest, names: List[str]) -> None:
