@@ -47,15 +47,15 @@ def _batch(rank: int):
                              lengths=lengths)
 
 
-def _dmp(ranks):
-    """The model, tables table-wise on ``ranks`` (t0's, t1's), fused row-wise Adagrad."""
+def _dmp(ranks, kernel: str = "EXACT_ROWWISE_ADAGRAD"):
+    """The model, tables table-wise on ``ranks`` (t0's, t1's), fused ``kernel`` (row-wise Adagrad)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, kernel),
                                                           "learning_rate": 0.05, "eps": 1e-3})
     torch.manual_seed(3)
     model = _Model()
@@ -115,7 +115,7 @@ def test_a_combined_optimizer_gives_each_table_its_own_fused_lr_and_restores_laz
 
 
 def _dense_job(rank, world_size, arg):
-    dmp = _dmp((0, 0))
+    dmp = _dmp((0, 0), arg.get("kernel", "EXACT_ROWWISE_ADAGRAD"))
     w, b = dmp.module.over.weight, dmp.module.over.bias
     groups = {"split": [{"params": [w], "lr": 0.01}, {"params": [b], "lr": 0.5}],
               "swapped": [{"params": [b], "lr": 0.3}, {"params": [w], "lr": 0.3}],
@@ -149,6 +149,8 @@ def test_dense_param_groups_are_matched_by_their_parameters_not_their_order(tmp_
 @pytest.mark.parametrize("change,message", [
     ({"groups": "merged"}, "groups its parameters otherwise than checkpoint"),
     ({"groups": "split", "sgd": True}, "['torch.optim.sgd.SGD'] now but checkpoint"),
+    # the same state shapes, another meaning: an Adagrad sum read as an EMA
+    ({"groups": "split", "kernel": "EMAINPLACE_ROWWISE_ADAGRAD"}, "is ['ema_in_place_row_wise_adagrad'] now but"),
 ])
 def test_an_optimizer_grouped_otherwise_or_of_another_class_is_refused(tmp_path, change, message):
     uri = str(tmp_path / "ck")

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, dense_groups, fused_group_tables,
-                                 dense_classes, group_values, sharded_modules, stateful_name)
+                                 dense_classes, fused_table_optimizers, group_values, sharded_modules,
+                                 stateful_name)
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
@@ -253,6 +254,30 @@ def _plan_groups(manifest: Manifest, app: AppState, rank: int, world_size: int) 
     return plan
 
 
+def check_fused_optimizers(manifest: Manifest, app: AppState) -> None:
+    """CheckpointError when a table this rank holds is trained by another fused kernel optimizer
+    than the one that saved its state (``fused_table_optimizers``; checkpoints before it recorded
+    none: not checked)."""
+    saved: Dict[str, str] = {}
+    for ranks in manifest.app_ranks:
+        for key in app.kinds:
+            saved.update(((ranks.get(key) or {}).get("fused_table_optimizers") or {}))
+    if not saved:
+        return
+    for key, kind in app.kinds.items():
+        if kind != MODULE:
+            continue
+        for path, sharded in sharded_modules(app.objects[key]):
+            fused = getattr(sharded, "fused_optimizer", None)
+            now = fused_table_optimizers(key, path, fused) if fused is not None else {}
+            changed = {t: (saved[t], k) for t, k in now.items() if t in saved and saved[t] != k}
+            if changed:
+                raise CheckpointError(
+                    f"the fused optimizer of tables {sorted(changed)} is "
+                    f"{sorted({k for _s, k in changed.values()})} now but checkpoint {manifest.id} saved their state "
+                    f"under {sorted({s for s, _k in changed.values()})}: that state does not mean the same there")
+
+
 def _check_count(saved: List[Any], groups: List[Dict[str, Any]], where: str) -> None:
     if len(saved) != len(groups):
         raise CheckpointError(f"{where} had {len(saved)} param_groups when saved, {len(groups)} now")
@@ -386,6 +411,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
         check_no_extra_tensors(manifest, global_names(pieces) + dropped)
         check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
         groups = _plan_groups(manifest, app, rank, world_size)
+        check_fused_optimizers(manifest, app)
         pieces += [p for _src, stateful in targets.values() for p in stateful]
         nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
         restore_rng(storage, manifest, rank, world_size)

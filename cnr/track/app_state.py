@@ -220,6 +220,24 @@ def fused_table_groups(key: str, path: str, fused: Any) -> Dict[str, Any]:
     return out
 
 
+def fused_table_optimizers(key: str, path: str, fused: Any) -> Dict[str, str]:
+    """Table id -> the fused kernel's optimizer (fbgemm's OptimType, e.g. "exact_row_wise_adagrad")
+    for every table the fused optimizer of ``path`` trains on this rank. Two kernels may keep
+    state of one shape that means something else (row-wise Adagrad's sum, EMA row-wise Adagrad's
+    average): a restore checks the kind, not just the shapes."""
+    names = {id(p): name for name, p in fused.params.items()}
+    out: Dict[str, str] = {}
+    for leaf in leaf_optimizers(fused):
+        kind = getattr(getattr(leaf, "_emb_module", None), "optimizer", None)
+        if kind is None:
+            continue
+        for group in leaf.param_groups:
+            for p in group["params"]:
+                if id(p) in names:
+                    out[f"{key}/{path}.{names[id(p)]}" if path else f"{key}/{names[id(p)]}"] = str(kind)
+    return out
+
+
 # ---- the app state -----------------------------------------------------------------------------------
 
 class AppState:
@@ -304,6 +322,7 @@ class AppState:
             pieces += pieces_of(name, value, Role.TABLE_ROWS if name in tables else Role.DENSE,
                                 name if name in tables else None)
         fused_groups: Dict[str, Any] = {}  # table id -> its fused param group's values
+        kernels: Dict[str, str] = {}  # table id -> its fused kernel's optimizer
         for path, sharded in sharded_modules(module):
             fused = getattr(sharded, "fused_optimizer", None)
             if fused is None:
@@ -314,7 +333,8 @@ class AppState:
                 for state_key, value in states.items():
                     pieces += table_state_pieces(f"{weight}/{state_key}", value, weight, state_dict.get(weight_key))
             fused_groups.update(fused_table_groups(key, path, fused))
-        return {"kind": MODULE, "fused_table_groups": fused_groups}
+            kernels.update(fused_table_optimizers(key, path, fused))
+        return {"kind": MODULE, "fused_table_groups": fused_groups, "fused_table_optimizers": kernels}
 
     def _optimizer(self, key: str, opt: torch.optim.Optimizer, pieces: List[StatePiece]) -> Dict[str, Any]:
         other: Dict[str, Any] = {}
