@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -320,6 +320,29 @@ class Checkpointer:
                                    retention=RetentionScope(self.lineage, self._pinned))
         self._step_floor = (step, "the previous save()")
         return PendingCheckpoint(self, ckpt_id, step)
+
+    def mark_rows(self, table: str, rows: Union[torch.Tensor, Sequence[int]]) -> None:
+        """Record that the application wrote ``rows`` of ``table`` outside a lookup (re-initialised
+        the rows of evicted ids, say). The trackers see lookups only: without this the next
+        increment would leave those rows out and a restore would bring back their old values.
+
+        ``table``: its id or its torchrec name (when exactly one table has it); ``rows``: global row
+        ids (a 1-D integer tensor or sequence), each below the table's rows. Rows another rank
+        holds are ignored here, so every rank may be given the same ids. Not collective. ValueError
+        names a bad table or row before anything is marked."""
+        if self._closed:
+            raise RuntimeError("mark_rows() after close()")
+        (table_id,) = resolve_table_bits({table: 0}, [(t.id, t.name) for t in self.app.tables], "mark_rows table")
+        ids = torch.as_tensor(rows)
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise ValueError(f"rows must be a 1-D sequence of integer row ids, got {ids.dtype} of shape {tuple(ids.shape)}")
+        ids = ids.to(torch.int64).cpu()
+        size = next(t.rows for t in self.tables if t.name == table_id)
+        bad = ids[(ids < 0) | (ids >= size)]
+        if bad.numel():
+            raise ValueError(f"row {int(bad[0])} of table {table!r} is not allowed; its rows are 0..{size - 1}")
+        if self.tracker is not None:  # none: every checkpoint is full and holds every row
+            self.tracker.mark(table_id, ids)
 
     def check_history(self, what_to_do: str = "") -> None:
         """Raise CheckpointError unless this Checkpointer may save: it restored a checkpoint, was

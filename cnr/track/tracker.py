@@ -324,6 +324,16 @@ class RowTracker:
             inside = ids[(ids >= table.row_offset) & (ids < table.row_offset + table.rows)]
             set_bits(self.views[view], (inside - table.row_offset + table.bit_start).numpy())
 
+    def mark(self, table: str, ids: torch.Tensor) -> None:
+        """Set the bits of ``table``'s global rows ``ids`` (int64) that lie in this rank's row range,
+        as a lookup of them would: rows the application wrote outside a lookup. Others are ignored
+        (another rank holds them)."""
+        t = self.tables.get(table)
+        if t is None:
+            return
+        inside = ids[(ids >= t.row_offset) & (ids < t.row_offset + t.rows)]
+        set_bits(self.current, (inside - t.row_offset + t.bit_start).numpy())
+
     def row_ids(self, bits: np.ndarray, table: str) -> torch.Tensor:
         """Global ids (ascending) of ``table``'s rows set in ``bits`` (a view or a capture)."""
         return _rows_of(bits, self.tables[table])

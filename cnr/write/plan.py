@@ -22,17 +22,18 @@ from cnr.types import TABLE_ROLES, ChunkRef, Role
 from cnr.write.job import WriteJob
 
 
-def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str, str]]) -> Dict[str, int]:
+def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str, str]],
+                       what: str = "table_bits key") -> Dict[str, int]:
     """``table_bits`` keyed by table id. ``tables``: every table's (id, torchrec name). A key is a
     table's id, or the torchrec name of exactly one table; raises ValueError naming a key that
-    matches no table or several."""
+    matches no table or several (as ``what``)."""
     tables = list(tables)
     out: Dict[str, int] = {}
     for key, bits in table_bits.items():
         ids = [i for i, name in tables if key == i] or [i for i, name in tables if key == name]
         if len(ids) != 1:
-            what = "matches no table" if not ids else f"names {len(ids)} tables ({', '.join(sorted(ids))}); give the id"
-            raise ValueError(f"table_bits key {key!r} {what}; tables: {', '.join(i for i, _ in tables)}")
+            problem = "matches no table" if not ids else f"names {len(ids)} tables ({', '.join(sorted(ids))}); give the id"
+            raise ValueError(f"{what} {key!r} {problem}; tables: {', '.join(i for i, _ in tables)}")
         out[ids[0]] = bits
     return out
 
