@@ -309,9 +309,11 @@ def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int,
                 if by_table:
                     _set_table_groups(manifest, key, path, sharded.fused_optimizer, by_table)
                     continue
-                groups = _fused_groups(manifest, key, path, rank, world_size, len(sharded.fused_optimizer.param_groups))
-                if groups is not None:
-                    _set_groups(sharded.fused_optimizer.param_groups, groups, f"the fused optimizer of {path!r}")
+                # not ``groups``: that is the optimizers' plan, which a later optimizer key still needs
+                fused_groups = _fused_groups(manifest, key, path, rank, world_size,
+                                             len(sharded.fused_optimizer.param_groups))
+                if fused_groups is not None:
+                    _set_groups(sharded.fused_optimizer.param_groups, fused_groups, f"the fused optimizer of {path!r}")
 
 
 def _saved_table_groups(manifest: Manifest, key: str) -> Dict[str, List[Any]]:
