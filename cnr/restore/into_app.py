@@ -36,6 +36,7 @@ from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_t
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest
+from cnr.track.dense_kernel import saved_values
 from cnr.track.managed_collision import check_restore as check_managed_collisions
 from cnr.format.catalog import resolve_chain
 from cnr.restore.chain import restore_chain
@@ -91,9 +92,10 @@ def check_placements(manifest: Manifest, app: AppState) -> None:
         before = saved.get(table, "")
         if not before or not placement or (before == "data_parallel") == (placement == "data_parallel"):
             continue
-        had_fused = any(e.role == Role.TABLE_STATE and e.table == table for e in manifest.tensors.values())
-        param = table.replace("/", ".", 1)
-        had_dense = any(e.role == Role.OPTIMIZER and name.split("/")[1] == param for name, e in manifest.tensors.items())
+        had_fused = any(e.role == Role.TABLE_STATE and name.startswith(table + "/") for name, e in manifest.tensors.items())
+        param = table.replace("/", ".", 1)  # a dense optimizer's state of it (a dense-kernel shard's is table_state)
+        had_dense = any(e.role in (Role.OPTIMIZER, Role.TABLE_STATE) and name.split("/")[1] == param
+                        for name, e in manifest.tensors.items())
         if had_fused or had_dense:
             raise CheckpointError(
                 f"table {table!r} was {before} in checkpoint {manifest.id} but is {placement} now, and its optimizer "
@@ -144,17 +146,26 @@ def _prepare_optimizers(manifest: Manifest, app: AppState) -> Created:
         opt = app.objects[key]
         params = dict(app.optimizer_params(opt))
         for name, entry in manifest.tensors.items():
-            if entry.role != Role.OPTIMIZER or not name.startswith(key + "/"):
+            if entry.role not in (Role.OPTIMIZER, Role.TABLE_STATE) or not name.startswith(key + "/"):
                 continue
             param_name, state_key = name[len(key) + 1:].rsplit("/", 1)
             param = params.get(param_name)
             if param is None:
                 raise CheckpointError(f"checkpoint {manifest.id} has state of app_state[{key!r}] for parameter "
                                       f"{param_name!r}, which that optimizer does not hold now")
+            shape = tuple(entry.shape)
+            if entry.role == Role.TABLE_STATE:  # a dense-kernel table's: this rank's shard of it (cnr.track.dense_kernel)
+                tp = app.table_params.get(id(param))
+                if tp is None:
+                    raise CheckpointError(f"checkpoint {manifest.id} has state of app_state[{key!r}] for the sharded "
+                                          f"table {entry.table!r}, whose parameter {param_name!r} is not a sharded "
+                                          "table's local shard now")
+                if tp.region is None:
+                    continue  # no shard of the table here: no state
+                shape = tuple(param.shape)
             owner = _owner_state(opt, param)
             state = _param_state(opt, param)
             if state_key not in state:
-                shape = tuple(entry.shape)
                 state[state_key] = torch.zeros(shape, dtype=DTYPES[entry.dtype], device=param.device if shape else "cpu")
                 created.append((owner, param, state_key))
     return created
@@ -254,6 +265,34 @@ def _plan_groups(manifest: Manifest, app: AppState, rank: int, world_size: int) 
     return plan
 
 
+ValuePlan = Dict[str, List[Tuple[torch.Tensor, Any]]]  # optimizer key -> (a table parameter, its saved values)
+
+
+def _plan_table_values(manifest: Manifest, app: AppState) -> ValuePlan:
+    """The per-parameter optimizer values (Adam's step) of each dense-kernel table shard this
+    rank holds, from the saved shards overlapping its rows, whichever ranks saved them
+    (cnr.track.dense_kernel.saved_values), checked before anything is written."""
+    plan: ValuePlan = {}
+    for key, kind in app.kinds.items():
+        if kind != OPTIMIZER:
+            continue
+        saved: Dict[str, List[Dict[str, Any]]] = {}
+        for ranks in manifest.app_ranks:
+            for name, shard in ((ranks.get(key) or {}).get("table_values") or {}).items():
+                saved.setdefault(name, []).append(shard)
+        for name, param in app.optimizer_params(app.objects[key]):
+            tp = app.table_params.get(id(param))
+            if tp is None or name not in saved:
+                continue
+            try:
+                values = saved_values(saved[name], tp, name, f"checkpoint {manifest.id}, app_state[{key!r}]")
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            if values is not None:
+                plan.setdefault(key, []).append((param, group_values(values)))
+    return plan
+
+
 def check_fused_optimizers(manifest: Manifest, app: AppState) -> None:
     """CheckpointError when a table this rank holds is trained by another fused kernel optimizer
     than the one that saved its state (``fused_table_optimizers``; checkpoints before it recorded
@@ -284,7 +323,7 @@ def _check_count(saved: List[Any], groups: List[Dict[str, Any]], where: str) -> 
 
 
 def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int, List[StatePiece]]],
-                groups: GroupPlan, rank: int, world_size: int) -> None:
+                groups: GroupPlan, table_values: ValuePlan, rank: int, world_size: int) -> None:
     for key, kind in app.kinds.items():
         obj = app.objects[key]
         if kind == STATEFUL:
@@ -301,6 +340,8 @@ def _apply_json(manifest: Manifest, app: AppState, targets: Dict[str, Tuple[int,
             for name, states in saved.get("state", {}).items():
                 if name in params:
                     _param_state(obj, params[name]).update({k: decode_tree(v, []) for k, v in states.items()})
+            for param, values in table_values.get(key, []):
+                _assign(_param_state(obj, param), values)  # a 0-d step it holds now is written in place
         elif kind == MODULE:
             by_table = _saved_table_groups(manifest, key)
             for path, sharded in sharded_modules(obj):
@@ -413,6 +454,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
         check_no_extra_tensors(manifest, global_names(pieces) + dropped)
         check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
         groups = _plan_groups(manifest, app, rank, world_size)
+        table_values = _plan_table_values(manifest, app)
         check_fused_optimizers(manifest, app)
         pieces += [p for _src, stateful in targets.values() for p in stateful]
         nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
@@ -420,7 +462,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
     except BaseException:
         _forget(created)  # the next attempt (an older checkpoint) must see the optimizer as it was
         raise
-    _apply_json(manifest, app, targets, groups, rank, world_size)
+    _apply_json(manifest, app, targets, groups, table_values, rank, world_size)
     logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
     if (fresh or unused) and rank == 0:

@@ -15,7 +15,9 @@
 Stored names (``/`` separates what a state_dict key never contains):
   ``<key>/<state_dict key>``                          module tensors (role table_rows or dense)
   ``<key>/<table weight key>/<fused state key>``       e.g. ``model/ebc.embedding_bags.t0.weight/t0.momentum1``
-  ``<key>/<module key>.<parameter path>/<state key>``  optimizer state, e.g. ``optim/model.over.0.weight/sum``
+  ``<key>/<module key>.<parameter path>/<state key>``  optimizer state, e.g. ``optim/model.over.0.weight/sum``;
+                                                      of a dense-kernel table's shard: role table_state, the
+                                                      table's shape (cnr.track.dense_kernel)
   ``<key>/rank-<r>/t<i>``                             the i-th tensor of a Stateful object's state on rank r
 A table's id is the stored name of its weight, so two modules may both name a table ``t0``.
 Nothing is pickled: the JSON parts go into the manifest (in cnr.track.json_tree's form, which
@@ -29,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from cnr.track.dense_kernel import check_optimizer, split_state, table_params
 from cnr.track.json_tree import decode_tree, encode_tree  # noqa: F401 (decode_tree: restores import it here)
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
 from cnr.track.modules import embedding_modules, is_managed_collision
@@ -253,6 +256,8 @@ class AppState:
         self.runtime_keys = self._add_managed_collision_state()
         self.tables = app_tables(self.objects)
         self.param_names = self._param_names()
+        # id(parameter) -> the sharded table whose local shard it is (torchrec's dense kernel)
+        self.table_params = table_params(self.tables)
 
     def _add_managed_collision_state(self) -> List[str]:
         """Add a Stateful entry ``<key>.managed_collision`` per module holding managed-collision
@@ -338,7 +343,19 @@ class AppState:
 
     def _optimizer(self, key: str, opt: torch.optim.Optimizer, pieces: List[StatePiece]) -> Dict[str, Any]:
         other: Dict[str, Any] = {}
+        table_values: Dict[str, Any] = {}  # parameter name -> its shard's region and per-parameter values
+        check_optimizer(f"app_state[{key!r}]", opt, leaf_optimizers(opt), self.table_params)
         for name, param in self.optimizer_params(opt):
+            tp = self.table_params.get(id(param))
+            if tp is not None:  # a sharded table's local shard: its state is the table's (cnr.track.dense_kernel)
+                where = f"app_state[{key!r}].state[{name!r}]"
+                tensors, values = split_state(where, tp, param, opt.state.get(param, {}))
+                pieces += [StatePiece(f"{key}/{name}/{k}", tp.global_shape, tp.region, v, False, Role.TABLE_STATE,
+                                      tp.table) for k, v in tensors.items()]
+                if values and tp.region is not None:
+                    table_values[name] = {"region": [list(tp.region.offsets), list(tp.region.sizes)],
+                                          "values": group_values_json(values, where)}
+                continue
             for state_key, value in opt.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor) and not _is_sharded(value):
                     pieces.append(whole_piece(f"{key}/{name}/{state_key}", value, Role.OPTIMIZER))
@@ -349,7 +366,7 @@ class AppState:
                         raise TypeError(f"{path} holds tensors inside a {type(value).__name__}; cnr stores an "
                                         "optimizer's per-parameter state tensors when they are the values themselves")
         groups = dense_groups(opt)
-        return {"kind": OPTIMIZER, "state": other,
+        return {"kind": OPTIMIZER, "state": other, "table_values": table_values,
                 "param_groups": [group_values_json(g, f"app_state[{key!r}].param_groups[{i}]") for i, g in enumerate(groups)],
                 # each group's parameters by name: a restore matches groups by them, not by position
                 "group_params": [self.group_param_names(opt, g) for g in groups],
@@ -403,21 +420,25 @@ def _sparse_safe(opt: torch.optim.Optimizer, param: torch.Tensor) -> bool:
 
 
 def whole_tables(app: AppState) -> List[str]:
-    """Data-parallel tables whose rows may change without a lookup: stored whole in increments.
+    """Tables whose rows may change without a lookup: stored whole in increments.
 
-    A data-parallel table is trained by a dense optimizer (torchrec fuses optimizers into
-    sharded tables only). It is safe to track only when every optimizer holding its weight,
-    in app_state or applied in backward, is sparse-safe; one not in app_state is unknown.
+    A table trained by a dense optimizer (a data-parallel table, or a sharded one in torchrec's
+    dense kernel, whose local shard is a parameter) is safe to track only when every optimizer
+    holding its weight, in app_state or applied in backward, is sparse-safe; one not in
+    app_state is unknown. A sharded table's fused kernel optimizer (applied in backward) updates
+    looked-up rows only.
     """
     out = []
     optimizers = [o for k, o in app.objects.items() if app.kinds[k] == OPTIMIZER]
     for table in app.tables:
-        if hasattr(table.module.state_dict()[table.local_key], "local_shards"):
-            continue  # sharded: its fused optimizer updates looked-up rows only
-        params = dict(table.module.named_parameters())
-        param = params.get(table.local_key)
+        param = dict(table.module.named_parameters()).get(table.local_key)
         holders = [o for o in optimizers if param is not None and any(p is param for g in o.param_groups for p in g["params"])]
-        holders += list(getattr(param, "_in_backward_optimizers", []) or [])
+        in_backward = list(getattr(param, "_in_backward_optimizers", []) or [])
+        if hasattr(table.module.state_dict()[table.local_key], "local_shards"):
+            if param is None or (in_backward and not holders):
+                continue  # the fused kernel's optimizer alone
+        else:
+            holders += in_backward
         if not holders or not all(_sparse_safe(o, param) for o in holders):
             out.append(table.id)
     return out
