@@ -42,7 +42,7 @@ def _writer_store(tmp_path):
 
 def _job(ckpt_id: str, lease: Lease) -> SimpleNamespace:
     return SimpleNamespace(ckpt_id=ckpt_id, step=int(ckpt_id.split("-")[0]), kind=CheckpointKind.FULL, base=None,
-                           world_size=1, rank=0, lease=lease.ref, manifest_fields=None, retention=None)
+                           world_size=1, rank=0, lease=lease.ref, lease_uri="", manifest_fields=None, retention=None)
 
 
 def _commit_in_outage(tier: TieredStorage, remote: DownStore, lease: Lease, step: int) -> str:
