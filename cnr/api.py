@@ -35,7 +35,7 @@ from cnr.track.app_state import AppState, TableRef, whole_tables
 from cnr.policy.bit_width import BitWidthPlanner
 from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
-from cnr.track.pipeline import check_loaders
+from cnr.track.pipeline import check_lookahead, check_loaders
 from cnr.errors import CheckpointError, CnrError
 from cnr.format.abandoned import record_abandoned
 from cnr.format.catalog import restore_ids
@@ -306,6 +306,8 @@ class Checkpointer:
         error: Optional[Exception] = None
         try:
             check_loaders(self.app.objects, self.app.kinds)  # a data position ahead of training
+            if self.tracker is not None:  # increments: rows a pipeline looked up ahead would be missed
+                check_lookahead(self.app.objects, self.app.kinds)
             pieces, app_json = self.app.collect()
         except (TypeError, ValueError) as e:
             error = e

@@ -1,10 +1,11 @@
-"""Optimizer param groups and state across a checkpoint: each group's values (lr, ...) go to the
-group of the same parameters, fused per-table values to their tables wherever they land, the
-optimizer's class is checked, lazily made state (Adam's) restores under torchrec's wrappers and is
-taken back when an attempt fails, and 0-d tensor values (``lr=torch.tensor(...)``) restore.
+"""Optimizer param groups and state across a checkpoint: dense groups restore group by group,
+each checked to hold the parameters it held and to be trained by the class that trained it (an LR
+scheduler's state follows group positions), fused per-table values go to their tables wherever
+they land, lazily made state (Adam's) restores under torchrec's wrappers and is taken back when
+an attempt fails, and 0-d tensor values (``lr=torch.tensor(...)``) restore.
 
-Found by attacking the library (stop 38): before, groups were matched by position, so a
-CombinedOptimizer holding the fused optimizer gave one table's lr to another after the tables
+Found by attacking the library (stop 38): before, groups were matched by position over every group,
+so a CombinedOptimizer holding the fused optimizer gave one table's lr to another after the tables
 moved between ranks, and a dense optimizer listing its groups in another order swapped their lrs,
 both without a word."""
 
@@ -138,17 +139,19 @@ def _dense_job(rank, world_size, arg):
             "state": {names[id(p)]: {k: v.tolist() for k, v in s.items()} for p, s in opt.state.items()}}
 
 
-def test_dense_param_groups_are_matched_by_their_parameters_not_their_order(tmp_path):
+def test_dense_param_groups_restore_group_by_group(tmp_path):
     uri = str(tmp_path / "ck")
     saved = launch(_dense_job, 1, {"uri": uri, "save": True, "groups": "split"})
-    restored = launch(_dense_job, 1, {"uri": uri, "save": False, "groups": "swapped"})
+    restored = launch(_dense_job, 1, {"uri": uri, "save": False, "groups": "split"})
     assert saved["lr"] == {"weight": 0.01, "bias": 0.5} and restored["lr"] == saved["lr"]
     assert restored["state"] == saved["state"]
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"groups": "merged"}, "groups its parameters otherwise than checkpoint"),
-    ({"groups": "split", "sgd": True}, "['torch.optim.sgd.SGD'] now but checkpoint"),
+    ({"groups": "merged"}, "holds other parameters in its param groups than checkpoint"),
+    # the same groups in another order: an LR scheduler's state follows positions, so refused
+    ({"groups": "swapped"}, "holds other parameters in its param groups than checkpoint"),
+    ({"groups": "split", "sgd": True}, "are trained by ['torch.optim.sgd.SGD', 'torch.optim.sgd.SGD'] now but"),
     # the same state shapes, another meaning: an Adagrad sum read as an EMA
     ({"groups": "split", "kernel": "EMAINPLACE_ROWWISE_ADAGRAD"}, "is ['ema_in_place_row_wise_adagrad'] now but"),
 ])
@@ -231,4 +234,56 @@ def test_a_restore_of_mismatched_groups_is_refused_on_every_rank_alike(tmp_path)
         out = launch(_dense_job, 2, {"uri": uri, "save": False, "groups": "merged"})
     except RankFailed as e:  # pragma: no cover - shown if it ever happens
         raise AssertionError(f"a rank failed instead of refusing: {e}") from None
-    assert "groups its parameters otherwise" in out["error"]
+    assert "holds other parameters in its param groups" in out["error"]
+
+
+def _combined_parts_job(rank, world_size, arg):
+    """A CombinedOptimizer of two wrapped dense optimizers, Adam on one parameter and SGD on the
+    other; ``swap`` gives each the other's parameter."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    dmp = _dmp((0, 0))
+    w, b = dmp.module.over.weight, dmp.module.over.bias
+    first, second = ({"w": w}, {"b": b}) if not arg["swap"] else ({"b": b}, {"w": w})
+    adam, sgd = (lambda ps: torch.optim.Adam(ps, lr=0.01)), (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    if arg.get("swap_classes"):  # the same parameters in the same groups, each under the other's class
+        adam, sgd = sgd, adam
+    opt = CombinedOptimizer([("adam", KeyedOptimizerWrapper(first, adam)), ("sgd", KeyedOptimizerWrapper(second, sgd))])
+    with cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": opt}, cnr.CheckpointOptions(policy="full")) as ckpt:
+        if arg["save"]:
+            ckpt.save(1).wait()
+            return {}
+        try:
+            ckpt.restore()
+        except cnr.CheckpointError as e:
+            return {"error": str(e)}
+    return {"restored": True}
+
+
+def test_parts_of_a_combined_optimizer_swapped_between_parameters_are_refused(tmp_path):
+    uri = str(tmp_path / "ck")
+    launch(_combined_parts_job, 1, {"uri": uri, "save": True, "swap": False})
+    assert launch(_combined_parts_job, 1, {"uri": uri, "save": False, "swap": False}) == {"restored": True}
+    out = launch(_combined_parts_job, 1, {"uri": uri, "save": False, "swap": True})
+    assert "holds other parameters in its param groups" in out["error"]
+    out = launch(_combined_parts_job, 1, {"uri": uri, "save": False, "swap": False, "swap_classes": True})
+    assert ("param groups are trained by ['torch.optim.sgd.SGD', 'torch.optim.adam.Adam'] now but checkpoint"
+            in out["error"]), out
+
+
+def _free_parameter_job(rank, world_size, arg):
+    dmp = _dmp((0, 0))
+    free = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([{"params": dmp.module.over.parameters()}, {"params": [free]}], lr=0.01)
+    try:
+        cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": opt}, cnr.CheckpointOptions(policy="full")).close()
+    except cnr.UnsupportedStateError as e:
+        return {"refused": str(e)}
+    return {}
+
+
+def test_an_optimizer_training_a_parameter_no_app_state_module_holds_is_refused(tmp_path):
+    """Its values would not be stored (a module stores them) while its optimizer state would."""
+    out = launch(_free_parameter_job, 1, {"uri": str(tmp_path / "ck")})
+    assert "app_state['optim'] trains param_groups[1]['params'][0] (shape [3]), which no module in app_state holds" \
+        in out["refused"]

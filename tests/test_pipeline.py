@@ -83,3 +83,77 @@ def test_a_loader_put_straight_into_app_state_under_a_pipeline_is_refused(tmp_pa
                            "out": str(tmp_path / "x.pt")})
     assert "app_state['loader'] is a StatefulDataLoader read by a torchrec train pipeline" in out["error"]
     assert "cnr.PipelineFeed(loader)" in out["error"]
+
+
+# ---- the checks behind save(), on stand-ins (found by attacking the library, stop 38) -------------
+
+
+class _Loader:
+    """A Stateful loader whose iterator draws its base seed from the global RNG, as torch's
+    DataLoader does when it has no generator of its own."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        torch.empty((), dtype=torch.int64).random_()  # the base seed draw, when the iterator is made
+        return self._batches()
+
+    def _batches(self):
+        while True:
+            self.position += 1
+            yield self.position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_restored_feed_makes_its_iterator_without_moving_the_global_rng():
+    feed = cnr.PipelineFeed(_Loader())
+    next(feed)  # a fresh feed draws, as the job that saved did
+    feed.load_state_dict({"position": 5})
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    assert next(feed) == 6
+    assert torch.equal(torch.rand(3), expected)  # the resumed job's random numbers are the saved job's
+
+
+def _pipelined_module(forward_class):
+    from torch import nn
+
+    inner = nn.Linear(1, 1)
+    inner.__dict__["forward"] = object.__new__(forward_class)  # as a pipeline attaching swaps it in
+    return nn.Sequential(inner)
+
+
+def test_an_incremental_save_under_a_pipeline_that_looks_ahead_is_refused():
+    from torchrec.distributed.train_pipeline.runtime_forwards import (EmbeddingPipelinedForward,
+                                                                      InSyncEmbeddingPipelinedForward, PipelinedForward)
+
+    from cnr.track.pipeline import check_lookahead
+
+    kinds = {"model": "module"}
+    with pytest.raises(ValueError, match=r"app_state\['model'\] is driven by a torchrec train pipeline that looks up "
+                                         r"the next batch's embeddings before that batch trains"):
+        check_lookahead({"model": _pipelined_module(EmbeddingPipelinedForward)}, kinds)
+    for fine in (InSyncEmbeddingPipelinedForward, PipelinedForward):
+        check_lookahead({"model": _pipelined_module(fine)}, kinds)
+
+
+def test_a_feed_whose_pipeline_was_driven_directly_is_refused_at_once():
+    from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+
+    from cnr.track.pipeline import check_loaders
+
+    feed = cnr.PipelineFeed(_Loader())
+    objects, kinds = {"model": _pipelined_module(PipelinedForward), "loader": feed}, {"model": "module", "loader": "stateful"}
+    check_loaders(objects, kinds)  # nothing pulled yet
+    next(feed), next(feed)  # pipeline.progress(feed): batches pulled, none recorded as trained
+    with pytest.raises(ValueError, match=r"app_state\['loader'\] has 2 batches pulled and not recorded as trained"):
+        check_loaders(objects, kinds)
+    feed.trained()
+    check_loaders(objects, kinds)  # feed.progress(pipeline) records each trained batch

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, dense_groups, fused_group_tables,
-                                 dense_classes, fused_table_optimizers, group_values, sharded_modules,
+                                 fused_table_optimizers, group_classes, group_values, sharded_modules,
                                  stateful_name)
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
@@ -235,33 +235,37 @@ def _saved_json(manifest: Manifest, key: str, rank: int, world_size: int) -> Opt
 
 
 def _plan_groups(manifest: Manifest, app: AppState, rank: int, world_size: int) -> GroupPlan:
-    """Each optimizer's dense param groups matched with their saved values by the parameters they
-    hold (``group_params``), checked before anything is written: a group's lr goes to the group
-    of the same parameters, however the application lists its groups now. CheckpointError when
-    the optimizer's class changed or it groups its parameters otherwise."""
+    """Each optimizer's dense param groups with their saved values, checked before anything is
+    written: group i must hold the parameters saved group i held (``group_params``) and be
+    trained by an optimizer of the class that trained it (``group_classes``). Group by group, in
+    order: an LR scheduler's state (a Stateful) follows group positions, so groups listed in
+    another order would take the right lr now and the wrong one at the scheduler's next step.
+    CheckpointError names what differs."""
     plan: GroupPlan = {}
     for key, kind in app.kinds.items():
         saved = _saved_json(manifest, key, rank, world_size) if kind == OPTIMIZER else None
         if saved is None:
             continue  # version 1 stored no param_groups
         opt, where = app.objects[key], f"app_state[{key!r}]"
-        now_classes = dense_classes(opt)
-        if "classes" in saved and saved["classes"] != now_classes:
-            raise CheckpointError(f"{where} is {now_classes} now but checkpoint {manifest.id} saved it from "
-                                  f"{saved['classes']}: another optimizer's state does not mean the same")
         if "group_params" not in saved:  # saved before group_params: by position
             _check_count(saved["param_groups"], opt.param_groups, where)
             plan[key] = list(zip(opt.param_groups, saved["param_groups"]))
             continue
-        by_params = {frozenset(names): values for names, values in zip(saved["group_params"], saved["param_groups"])}
         groups = dense_groups(opt)
-        now = [frozenset(app.group_param_names(opt, g)) for g in groups]
-        if sorted(map(sorted, now)) != sorted(map(sorted, by_params)) or len(set(now)) != len(now):
+        now = [sorted(app.group_param_names(opt, g)) for g in groups]
+        was = [sorted(names) for names in saved["group_params"]]
+        if now != was:
             raise CheckpointError(
-                f"{where} groups its parameters otherwise than checkpoint {manifest.id} saved them (saved: "
-                f"{[sorted(n) for n in saved['group_params']]}; now: {[sorted(n) for n in now]}): the saved lr and "
-                "other group values cannot be matched to groups. Build the optimizer's param groups as they were")
-        plan[key] = [(g, by_params[names]) for g, names in zip(groups, now)]
+                f"{where} holds other parameters in its param groups than checkpoint {manifest.id} saved (group by "
+                f"group, saved: {was}; now: {now}): the groups' lr and other values, and an LR scheduler's state, "
+                "which follows group positions, would go to other parameters. Build the optimizer's groups as "
+                "they were, in the same order")
+        classes = group_classes(opt, groups)
+        if saved.get("group_classes", classes) != classes:
+            raise CheckpointError(f"{where}'s param groups are trained by {classes} now but checkpoint {manifest.id} "
+                                  f"saved them from {saved['group_classes']}: another optimizer's state does not "
+                                  "mean the same")
+        plan[key] = list(zip(groups, saved["param_groups"]))
     return plan
 
 
@@ -291,6 +295,7 @@ def _plan_table_values(manifest: Manifest, app: AppState) -> ValuePlan:
             if values is not None:
                 plan.setdefault(key, []).append((param, group_values(values)))
     return plan
+
 
 
 def check_fused_optimizers(manifest: Manifest, app: AppState) -> None:

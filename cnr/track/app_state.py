@@ -191,12 +191,12 @@ def leaf_optimizers(opt: Any) -> List[Any]:
     return leaf_optimizers(inner) if isinstance(inner, torch.optim.Optimizer) else [opt]
 
 
-def dense_classes(opt: Any) -> List[str]:
-    """The classes (``module.QualName``, sorted, each once) of the optimizers under ``opt``
-    (``leaf_optimizers``) that train a parameter not owned by a fused table: a fused table
-    optimizer's parts come and go with the plan and world size, and its tables' state is checked
-    by the sharded module's."""
-    return sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in leaf_optimizers(opt) if dense_groups(o)})
+def group_classes(opt: Any, groups: List[Dict[str, Any]]) -> List[str]:
+    """The class (``module.QualName``) of the optimizer under ``opt`` (``leaf_optimizers``) that
+    owns each of ``groups``: inside a torchrec CombinedOptimizer each group is trained by one part,
+    and two parts swapped between groups would hand one's state to the other."""
+    owner = {id(g): f"{type(o).__module__}.{type(o).__qualname__}" for o in leaf_optimizers(opt) for g in o.param_groups}
+    return [owner.get(id(g), f"{type(opt).__module__}.{type(opt).__qualname__}") for g in groups]
 
 
 def fused_group_tables(key: str, path: str, fused: Any) -> List[List[str]]:
@@ -368,9 +368,9 @@ class AppState:
         groups = dense_groups(opt)
         return {"kind": OPTIMIZER, "state": other, "table_values": table_values,
                 "param_groups": [group_values_json(g, f"app_state[{key!r}].param_groups[{i}]") for i, g in enumerate(groups)],
-                # each group's parameters by name: a restore matches groups by them, not by position
+                # each group's parameters by name and its optimizer's class: a restore checks both, group by group
                 "group_params": [self.group_param_names(opt, g) for g in groups],
-                "classes": dense_classes(opt)}
+                "group_classes": group_classes(opt, groups)}
 
     def _stateful(self, key: str, obj: Any, pieces: List[StatePiece]) -> Dict[str, Any]:
         tensors: List[torch.Tensor] = []

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 
 from cnr.codec.base import DTYPE_NAMES, DTYPES
-from cnr.track.app_state import MODULE, STATEFUL, AppState, sharded_modules
+from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, sharded_modules
 from cnr.track.state import StatePiece
 from cnr.types import Role
 
@@ -115,6 +115,17 @@ def _dtype_problems(app: AppState, pieces: List[StatePiece]) -> List[str]:
     return out
 
 
+def _free_parameters(key: str, app: AppState) -> List[str]:
+    """Parameters the optimizer app_state[key] trains that no module in app_state holds: their
+    values would not be stored (a module stores them) while their optimizer state would, named by
+    position only."""
+    opt = app.objects[key]
+    return [f"app_state[{key!r}] trains param_groups[{g}]['params'][{i}] (shape {list(p.shape)}), which no module in "
+            "app_state holds: cnr stores a parameter's values with its module; put that module in app_state"
+            for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
+            if not hasattr(p, "local_shards") and id(p) not in app.param_names][:3]
+
+
 def check_supported(app: AppState) -> None:
     """Raise UnsupportedStateError naming every piece of ``app``'s state that cnr cannot
     checkpoint exactly (nothing is opened or written before this)."""
@@ -122,6 +133,8 @@ def check_supported(app: AppState) -> None:
     for key, kind in app.kinds.items():
         if kind == MODULE:
             problems += _module_problems(key, app.objects[key])
+        elif kind == OPTIMIZER:
+            problems += _free_parameters(key, app)
     try:
         pieces = app.collect()[0]  # the pieces themselves: fused state tied to rows, Stateful trees cnr can store
     except (TypeError, ValueError) as e:

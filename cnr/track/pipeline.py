@@ -52,6 +52,7 @@ class PipelineFeed:
         self._trained_state: Dict[str, Any] = copy.deepcopy(loader.state_dict())
         self._pulled: Deque[Dict[str, Any]] = collections.deque()  # states after batches pulled, not trained
         self._iterator: Optional[Iterator[Any]] = None
+        self._restored = False  # load_state_dict ran: the next iterator is made without drawing from the RNG
         self.trained_batches = 0
 
     def __iter__(self) -> "PipelineFeed":
@@ -59,7 +60,14 @@ class PipelineFeed:
 
     def __next__(self) -> Any:
         if self._iterator is None:
-            self._iterator = iter(self.loader)
+            if self._restored:
+                # a loader draws its base seed from the global RNG when its iterator is made; the
+                # job that saved drew it before the RNG state cnr restored, so drawing it again here
+                # would shift every random number the resumed job draws from then on
+                with torch.random.fork_rng(devices=[]):
+                    self._iterator = iter(self.loader)
+            else:
+                self._iterator = iter(self.loader)
         batch = next(self._iterator)
         self._pulled.append(copy.deepcopy(self.loader.state_dict()))
         return batch
@@ -92,6 +100,7 @@ class PipelineFeed:
         self._trained_state = copy.deepcopy(state)
         self._pulled.clear()
         self._iterator = None
+        self._restored = True
 
 
 def pipelined(module: torch.nn.Module) -> bool:
@@ -100,6 +109,29 @@ def pipelined(module: torch.nn.Module) -> bool:
     from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 
     return any(isinstance(m.__dict__.get("forward"), BaseForward) for m in module.modules())
+
+
+def looks_ahead(module: torch.nn.Module) -> bool:
+    """Whether a torchrec train pipeline that looks up the next batch's embeddings inside
+    ``progress``, before that batch's turn to train (TrainPipelineSemiSync), drives ``module``.
+    The trackers then count those rows in the interval that is ending while the next interval
+    updates them, so an increment would leave them out."""
+    from torchrec.distributed.train_pipeline.runtime_forwards import (EmbeddingPipelinedForward,
+                                                                      InSyncEmbeddingPipelinedForward)
+
+    return any(isinstance(f, EmbeddingPipelinedForward) and not isinstance(f, InSyncEmbeddingPipelinedForward)
+               for f in (m.__dict__.get("forward") for m in module.modules()))
+
+
+def check_lookahead(objects: Dict[str, Any], kinds: Dict[str, str]) -> None:
+    """Refuse (ValueError naming the key) an incremental checkpoint of a module driven by a
+    pipeline that ``looks_ahead``: its increments would miss rows. A full policy stores every row."""
+    keys = [k for k, v in objects.items() if kinds[k] == "module" and looks_ahead(v)]
+    if keys:
+        raise ValueError(f"app_state[{keys[0]!r}] is driven by a torchrec train pipeline that looks up the next "
+                         "batch's embeddings before that batch trains (TrainPipelineSemiSync): the rows it looks up "
+                         "ahead are updated in the next checkpoint interval unseen, so an increment would miss them. "
+                         "Use policy='full', or TrainPipelineSparseDist")
 
 
 def check_loaders(objects: Dict[str, Any], kinds: Dict[str, str]) -> None:
@@ -111,7 +143,8 @@ def check_loaders(objects: Dict[str, Any], kinds: Dict[str, str]) -> None:
     problems: List[str] = []
     for key, value in objects.items():
         if isinstance(value, PipelineFeed):
-            if value.in_flight > _MAX_IN_FLIGHT:
+            # batches pulled but none ever recorded as trained: the pipeline was driven directly
+            if value.in_flight > _MAX_IN_FLIGHT or (value.in_flight and not value.trained_batches):
                 problems.append(f"app_state[{key!r}] has {value.in_flight} batches pulled and not recorded as "
                                 "trained: call feed.progress(pipeline) instead of pipeline.progress(...), so the "
                                 "feed knows which batch was trained")
