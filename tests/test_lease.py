@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cli_helpers import TINY, run_cnr
+from cli_helpers import TINY, run_cnr, train
 from cnr.errors import CheckpointError, StorageError
 from cnr.write.lease import (PROBE_KEY, ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError,
                        check_held, generations, holder, lease_key, machine_id)
@@ -288,3 +288,25 @@ def test_a_live_record_garbled_in_transit_is_read_again_not_taken_over(storage):
         assert garbling.garbled == 1
     finally:
         first.release()
+
+
+def test_a_resume_on_s3_that_restores_nothing_exits_and_frees_the_lease(tmp_path, moto, s3_bucket):
+    """A --resume whose every checkpoint fails to restore (here the base's only rank index is gone)
+    must say so and exit: it hung for good in the S3 store's shutdown at interpreter exit, where
+    its transfer threads are gone, after failing to release the lease there (found by attack, stop
+    38). run_cnr's timeout fails the test if it hangs."""
+    from cnr.storage.s3 import S3Storage
+
+    uri = f"s3://{s3_bucket}/jobs/run-1"
+    env = {"AWS_ENDPOINT_URL": moto.endpoint}
+    train(str(tmp_path), uri, "--set", "train.steps=40", env=env)
+    store = S3Storage(s3_bucket, "jobs/run-1")
+    try:
+        index = next(k for k in store.list("checkpoints/") if k.endswith("rank-00000.json"))
+        store.delete(index)  # the base's: every checkpoint of the chain needs it
+        rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--resume", "--set", "train.steps=60"],
+                               str(tmp_path), env=env, timeout=240)
+        assert rc == 2 and "no committed checkpoint in" in err and "restores" in err, err[-3000:]
+        assert "could not release the lease" not in err, err[-3000:]  # released before exit, not at it
+    finally:
+        store.close()

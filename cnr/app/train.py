@@ -192,6 +192,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     # The writer process starts first: its imports (seconds of CPU) overlap the model build.
     rows_per_rank = sum(t.rows for t in config.model.tables) // world_size  # AUTO's search kernel
     writer = Writer(job.storage_uri, _options(config).for_writer(rows_per_rank)) if needs_checkpointer else None
+    ckpt = None
     try:
         sharded = build_sharded_model(config, device)
         heap.freeze()  # the model's objects live as long as the job: full collections skip them
@@ -199,7 +200,6 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
             logger.info("sharding plan:\n%s", sharded.plan_text)
         progress = Progress()
         app_state = {"model": sharded.model, "optim": sharded.dense_optimizer, "progress": progress, "reader": position}
-        ckpt = None
         if writer is not None:
             ckpt = Checkpointer(job.storage_uri, app_state, _options(config), metadata={"config": config.to_dict()},
                                 writer=writer, publish=_publish_options(job.storage_uri, config),
@@ -218,7 +218,9 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         source = readers.source
         trace = _open_trace(config, rank, step)
     except BaseException:
-        if writer is not None:
+        if ckpt is not None:  # a failed restore: the lease goes back and the store closes now, not at exit,
+            ckpt.abort()      # where an S3 store's transfer threads are already gone (the job hung there)
+        elif writer is not None:
             writer.close()
         raise
     # publishing shares the Checkpointer's tracker; a job that only publishes gets a tracker of its own
