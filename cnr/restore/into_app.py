@@ -1,11 +1,12 @@
 """Restore a committed checkpoint chain into an application's state (cnr.track.app_state.AppState).
 
 Collective. The order: check that the checkpoint fits the application (placements, per-rank
-state at another world size, each optimizer's class and param groups, matched by the parameters
-they hold) before anything is written; create optimizer state the optimizers make lazily (Adam's;
-taken back if the tensors cannot be read, so a fallback to an older checkpoint sees the optimizer
-as it was); fill every tensor from the chain (cnr.restore.pieces); then give each optimizer its
-``param_groups`` and each Stateful object its state; last, this rank's RNG state.
+state at another world size, each optimizer's param groups and their optimizers' classes, each
+table's fused kernel) before anything is written; create optimizer state the optimizers make
+lazily (Adam's; taken back if the attempt fails before its JSON state is applied, so a fallback to
+an older checkpoint sees the optimizer as it was); fill every tensor from the chain
+(cnr.restore.pieces) and this rank's RNG state; last, give each optimizer its ``param_groups``
+and each Stateful object its state.
 
 Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
 restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
@@ -164,7 +165,7 @@ def _prepare_optimizers(manifest: Manifest, app: AppState) -> Created:
                     continue  # no shard of the table here: no state
                 shape = tuple(param.shape)
             owner = _owner_state(opt, param)
-            state = _param_state(opt, param)
+            state = owner[param] if param in owner else owner.setdefault(param, {})
             if state_key not in state:
                 state[state_key] = torch.zeros(shape, dtype=DTYPES[entry.dtype], device=param.device if shape else "cpu")
                 created.append((owner, param, state_key))
@@ -207,9 +208,9 @@ def _assign(group: Dict[str, Any], values: Dict[str, Any]) -> None:
     """Give ``group`` the saved ``values`` (not its parameters); a 0-d tensor value it holds now is
     written in place, keeping its device and whoever holds it."""
     for k, v in values.items():
-        now = group.get(k)
         if k == "params":
             continue
+        now = group.get(k)
         if isinstance(now, torch.Tensor) and isinstance(v, torch.Tensor) and now.dim() == 0:
             now.copy_(v)
         else:
