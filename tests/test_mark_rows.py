@@ -9,7 +9,7 @@ import torch
 
 import cnr
 from cnr.app.launch import launch
-from test_optimizer_groups import _batch, _dmp
+from test_optimizer_groups import _dmp, _step
 
 ROWS = list(range(5, 10))
 
@@ -27,10 +27,7 @@ def _job(rank, world_size, arg):
             ckpt.restore()
             return {"t0": _t0_shard(dmp).tolist()}
         for step in (1, 2):
-            loss = dmp(_batch(rank + step))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _step(dmp, opt, rank + step)
             if step == 2:
                 with torch.no_grad():
                     _t0_shard(dmp)[ROWS] = 0.0  # written outside a lookup

@@ -70,6 +70,14 @@ def _dmp(ranks, kernel: str = "EXACT_ROWWISE_ADAGRAD"):
                                         sharders=[sharder])
 
 
+def _step(dmp, opt, rank: int) -> None:
+    """One training step of ``dmp`` (its fused tables) and ``opt``."""
+    loss = dmp(_batch(rank))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def _table_lrs(dmp) -> dict:
     fused = dmp.fused_optimizer
     mine = {name.split(".")[-2]: g["lr"] for g in fused.param_groups for name, p in fused.params.items()
@@ -93,10 +101,7 @@ def _combined_job(rank, world_size, arg):
                 for name, p in dmp.fused_optimizer.params.items():
                     if any(p is q for q in group["params"]):
                         group["lr"] = FUSED_LR[name.split(".")[-2]]
-            loss = dmp(_batch(rank))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _step(dmp, opt, rank)
             ckpt.save(1).wait()
         else:
             ckpt.restore()
@@ -124,10 +129,7 @@ def _dense_job(rank, world_size, arg):
     opt = (torch.optim.SGD if arg.get("sgd") else torch.optim.Adam)(groups)
     with cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": opt}, cnr.CheckpointOptions(policy="full")) as ckpt:
         if arg["save"]:
-            loss = dmp(_batch(rank))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _step(dmp, opt, rank)
             ckpt.save(1).wait()
         else:
             try:
@@ -197,10 +199,7 @@ def _fallback_job(rank, world_size, arg):
     if arg["save"]:
         with cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="full", keep_last=0)) as ckpt:
             first = ckpt.save(1).wait().id  # before any step: Adam holds no state
-            loss = dmp(_batch(rank))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _step(dmp, opt, rank)
             newest = ckpt.save(2).wait().id
         storage = open_storage(arg["uri"])
         rng = next(e for n, e in read_manifest(storage, newest).tensors.items() if n.startswith(RNG_PREFIX))

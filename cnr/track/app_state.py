@@ -27,7 +27,7 @@ keeps dict key order and OrderedDict), tensors into chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -144,32 +144,31 @@ def group_values_json(group: Dict[str, Any], path: str) -> Any:
             raise TypeError(f"{path} holds a tensor of shape {tuple(t.shape)}; cnr stores a param group's values "
                             "as numbers, strings, lists and 0-d tensors")
 
-    def tag(node: Any) -> Any:
-        if isinstance(node, list):
-            return [tag(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        if set(node) == {"__tensor__"}:
-            t = found[node["__tensor__"]]
-            return {"__scalar__": [t.item(), str(t.dtype).replace("torch.", "")]}
-        return {k: tag(v) for k, v in node.items()}
+    def scalar(node: Dict[str, Any]) -> Any:
+        t = found[node["__tensor__"]]
+        return {"__scalar__": [t.item(), str(t.dtype).replace("torch.", "")]}
 
-    return tag(tree)
+    return _replace_tagged(tree, "__tensor__", scalar)
+
+
+def _replace_tagged(node: Any, tag: str, replace: Callable[[Dict[str, Any]], Any]) -> Any:
+    """``node`` (JSON) with every dict whose only key is ``tag`` replaced by ``replace(it)``."""
+    if isinstance(node, list):
+        return [_replace_tagged(v, tag, replace) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if set(node) == {tag}:
+        return replace(node)
+    return {k: _replace_tagged(v, tag, replace) for k, v in node.items()}
 
 
 def group_values(tree: Any) -> Any:
     """The inverse of ``group_values_json``: JSON back to values, 0-d tensors made on the CPU."""
-    def untag(node: Any) -> Any:
-        if isinstance(node, list):
-            return [untag(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        if set(node) == {"__scalar__"}:
-            value, dtype = node["__scalar__"]
-            return torch.tensor(value, dtype=getattr(torch, dtype))
-        return {k: untag(v) for k, v in node.items()}
+    def tensor(node: Dict[str, Any]) -> torch.Tensor:
+        value, dtype = node["__scalar__"]
+        return torch.tensor(value, dtype=getattr(torch, dtype))
 
-    return decode_tree(untag(tree), [])
+    return decode_tree(_replace_tagged(tree, "__scalar__", tensor), [])
 
 
 def dense_groups(opt: Any) -> List[Dict[str, Any]]:
