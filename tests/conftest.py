@@ -173,6 +173,10 @@ SLOW_TESTS = {
     "tests/test_publish.py::test_publishing_continues_across_a_resume",
     "tests/test_train_background.py::test_failed_baseline_makes_the_next_checkpoint_full",
     "tests/test_train_crash.py::test_sigkill_during_checkpoint[after_commit-40]",
+    # dense-kernel tables: the table-wise and column-wise plans and Adam's increments stay in
+    "tests/test_dense_kernel.py::test_dense_kernel_tables_and_their_adam_state_restore_at_another_world_size_and_plan[rw]",
+    "tests/test_dense_kernel.py::test_dense_kernel_tables_and_their_adam_state_restore_at_another_world_size_and_plan[twrw]",
+    "tests/test_dense_kernel.py::test_increments_of_dense_kernel_tables_restore_exactly[adagrad]",
 }
 
 
