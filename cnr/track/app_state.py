@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from cnr.track.dense_kernel import check_optimizer, split_state, table_params
-from cnr.track.json_tree import decode_tree, encode_tree  # noqa: F401 (decode_tree: restores import it here)
+from cnr.track.json_tree import decode_tree, encode_tree, is_sharded  # noqa: F401 (decode_tree: restores import it here)
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
 from cnr.track.modules import embedding_modules, is_managed_collision
 from cnr.track.state import StatePiece, pieces_of, whole_piece
@@ -40,10 +40,6 @@ from cnr.types import Role
 
 MODULE, OPTIMIZER, STATEFUL = "module", "optimizer", "stateful"
 _TABLE_PARENTS = ("embedding_bags", "embeddings")
-
-
-def _is_sharded(value: Any) -> bool:
-    return hasattr(value, "local_shards")
 
 
 def kind_of(key: str, value: Any) -> str:
@@ -177,7 +173,7 @@ def dense_groups(opt: Any) -> List[Dict[str, Any]]:
     are the sharded module's (one per table a rank holds): they are stored and restored by table
     with the module (``fused_table_groups``), never by their position here, which changes with
     the plan and world size."""
-    return [g for g in opt.param_groups if not g["params"] or not all(_is_sharded(p) for p in g["params"])]
+    return [g for g in opt.param_groups if not g["params"] or not all(is_sharded(p) for p in g["params"])]
 
 
 def leaf_optimizers(opt: Any) -> List[Any]:
@@ -288,7 +284,7 @@ class AppState:
         out = []
         for g, group in enumerate(opt.param_groups):
             for i, param in enumerate(group["params"]):
-                if not _is_sharded(param):
+                if not is_sharded(param):
                     out.append((self.param_names.get(id(param), f"group{g}.param{i}"), param))
         return out
 
@@ -356,7 +352,7 @@ class AppState:
                                           "values": group_values_json(values, where)}
                 continue
             for state_key, value in opt.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and not _is_sharded(value):
+                if isinstance(value, torch.Tensor) and not is_sharded(value):
                     pieces.append(whole_piece(f"{key}/{name}/{state_key}", value, Role.OPTIMIZER))
                 else:
                     path, nested = f"app_state[{key!r}].state[{name!r}][{state_key!r}]", []
@@ -392,9 +388,9 @@ def table_state_pieces(name: str, value: Any, table: str, weight: Any) -> List[S
     rows a lookup touched, and such state has no rows.
     """
     pieces = pieces_of(name, value, Role.TABLE_STATE, table)
-    if not _is_sharded(value):
+    if not is_sharded(value):
         return pieces
-    shards = weight.local_shards() if _is_sharded(weight) else []
+    shards = weight.local_shards() if is_sharded(weight) else []
     paired = len(shards) == len(pieces) and all(
         p.region.sizes[0] == s.metadata.shard_sizes[0] for p, s in zip(pieces, shards))
     if not paired:

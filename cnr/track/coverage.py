@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 
 from cnr.codec.base import DTYPE_NAMES, DTYPES
-from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, sharded_modules
+from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, is_sharded, sharded_modules
 from cnr.track.state import StatePiece
 from cnr.types import Role
 
@@ -34,12 +34,8 @@ class UnsupportedStateError(TypeError):
     """app_state holds state cnr cannot checkpoint exactly (raised when a Checkpointer is built)."""
 
 
-def _is_sharded(value: Any) -> bool:
-    return hasattr(value, "local_shards")
-
-
 def _value_problem(where: str, value: Any) -> List[str]:
-    if _is_sharded(value):
+    if is_sharded(value):
         return []
     if type(value).__name__ == "DTensor":
         return [f"{where} is a DTensor; cnr stores torch tensors and torchrec ShardedTensors"]
@@ -123,7 +119,7 @@ def _free_parameters(key: str, app: AppState) -> List[str]:
     return [f"app_state[{key!r}] trains param_groups[{g}]['params'][{i}] (shape {list(p.shape)}), which no module in "
             "app_state holds: cnr stores a parameter's values with its module; put that module in app_state"
             for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
-            if not hasattr(p, "local_shards") and id(p) not in app.param_names][:3]
+            if not is_sharded(p) and id(p) not in app.param_names][:3]
 
 
 def check_supported(app: AppState) -> None:

@@ -31,7 +31,8 @@ _SCALARS = (str, int, float, bool, type(None))
 _TENSOR, _TUPLE, _DICT, _ODICT = "__tensor__", "__tuple__", "__dict__", "__odict__"
 
 
-def _is_sharded(value: Any) -> bool:
+def is_sharded(value: Any) -> bool:
+    """Whether ``value`` is a torchrec ShardedTensor (stored through its shards, never as one tensor)."""
     return hasattr(value, "local_shards")
 
 
@@ -55,7 +56,7 @@ def _encode(value: Any, path: str, tensors: List[torch.Tensor], seen: Dict[int, 
     them, so no id is reused while it is in use)."""
     if isinstance(value, _SCALARS):
         return value
-    if isinstance(value, torch.Tensor) and not _is_sharded(value):
+    if isinstance(value, torch.Tensor) and not is_sharded(value):
         if id(value) not in seen:
             seen[id(value)] = len(tensors)
             tensors.append(value)
