@@ -278,9 +278,11 @@ class CheckpointOptions:
     - ``bit_policy`` (cnr.types.BitPolicy): "fixed" (``bits``) or "failures" (chosen from the
       expected failures over ``expected_steps`` steps within ``failures``: a FailureBudget or a
       dict of its fields).
-    - ``keep_last``: after each commit, keep the newest ``keep_last`` checkpoints of the job's
-      history whose chains verify and every checkpoint their chains need, delete older ones of
-      that history (cnr.policy.retention; 0: keep everything). ``merge_every``: with the
+    - ``keep_last``: after each commit, keep the newest ``keep_last`` states of the job's
+      history whose restores verify (an increment and its merged baseline are one state) and
+      every checkpoint their restores need, and older states while damage to one stored object
+      could otherwise leave nothing restorable; delete older ones of that history
+      (cnr.policy.retention; 0: keep everything). ``merge_every``: with the
       consecutive policy, merge the chain into a new full baseline in the background once this
       many increments followed the newest one (cnr.write.merge; 0: never).
       ``compact_at_chain_ratio``: with the consecutive policy, merge it once the increments since

@@ -51,17 +51,32 @@ def test_a_damaged_record_still_abandons_and_secrets_are_not_stored(tmp_path):
     assert read_abandoned(storage, OLD) is None and abandoned_ids(storage) == {OLD}
 
 
-@pytest.mark.parametrize("bad", ["../x", OLD + ".merged", "", "0000000006"])
+@pytest.mark.parametrize("bad", ["../x", OLD + ".merged.merged", "", "0000000006"])
 def test_only_checkpoint_ids_can_be_recorded(tmp_path, bad):
     with pytest.raises(CheckpointError, match="is not a checkpoint id"):
         record_abandoned(LocalStorage(str(tmp_path)), bad, BEFORE, "why")
+
+
+def test_a_merged_baseline_passed_over_is_recorded_by_its_state(tmp_path):
+    """Issue #38 defect 2: a restore that passed over a damaged merged baseline could not record it
+    ("'….merged' is not a checkpoint id an abandoned record can name") and exited 2 after a correct
+    fallback. Its record names the increment it stands for: both forms of one state are one branch."""
+    storage = LocalStorage(str(tmp_path))
+    assert record_abandoned(storage, OLD + ".merged", BEFORE, "chunk fails its CRC-32 check")
+    assert abandoned_ids(storage) == {OLD}
+    assert is_abandoned(OLD, abandoned_ids(storage)) and is_abandoned(OLD + ".merged", abandoned_ids(storage))
+    assert read_abandoned(storage, OLD).id == OLD
+    assert not record_abandoned(storage, OLD, BEFORE, "again")  # one record per state
 
 
 def test_restore_order_leaves_out_an_abandoned_checkpoint_that_sorts_first(tmp_path):
     storage = LocalStorage(str(tmp_path))
     for ckpt_id in (BEFORE, NEW, OLD, OLD + ".merged"):
         storage.put(manifest_key(ckpt_id), b"{}")  # listed as committed; the order reads no manifest
-    assert restore_ids(storage) == [OLD + ".merged", OLD, NEW, BEFORE]
+    assert restore_ids(storage) == [OLD, NEW, BEFORE]  # one id per state: OLD's restore takes OLD.merged
+    storage.delete(manifest_key(OLD))
+    assert restore_ids(storage) == [OLD + ".merged", NEW, BEFORE]  # a merged baseline alone stands for its state
+    storage.put(manifest_key(OLD), b"{}")
     record_abandoned(storage, OLD, BEFORE, "damaged")
     assert restore_ids(storage) == [NEW, BEFORE]
 
@@ -72,14 +87,16 @@ def test_retention_never_keeps_an_abandoned_checkpoint_as_the_newest_chain(tmp_p
     import cnr.policy.retention as retention
 
     storage = LocalStorage(str(tmp_path))
+    between = "0000000006-77777777"  # a failed checkpoint between the two 6s: purged only when older than the newest
     infos = [CheckpointInfo(BEFORE, 4, CheckpointKind.FULL, CheckpointStatus.COMMITTED, 2, 10, 100, None),
              *(CheckpointInfo(i, 6, CheckpointKind.INCREMENTAL, CheckpointStatus.COMMITTED, 2, 3, 30, BEFORE)
-               for i in (NEW, OLD))]
+               for i in (NEW, OLD)),
+             CheckpointInfo(between, 6, CheckpointKind.FULL, CheckpointStatus.FAILED, 2, 0, 10, None)]
     monkeypatch.setattr(retention, "verified", lambda _storage, ids: {i: True for i in ids})  # every object intact
-    assert plan_on_storage(storage, infos, 1, RetentionScope()).delete == (NEW,)  # what it did before the record
+    assert plan_on_storage(storage, infos, 1, RetentionScope()).purge == (between,)  # OLD counted as the newest
     record_abandoned(storage, OLD, BEFORE, "damaged")
     plan = plan_on_storage(storage, infos, 1, RetentionScope())
-    assert plan.delete == () and NEW in plan.keep
+    assert plan.delete == () and plan.purge == () and NEW in plan.keep
 
 
 def _restore_then_save(rank, world_size, arg):

@@ -133,7 +133,9 @@ def test_training_keeps_only_the_newest_chain_and_failure_markers(tmp_path, base
     assert s["checkpoints"] == 5 and s["failed_checkpoints"] == 1
     listed = {c["step"]: c for c in inspect(str(tmp_path), "ck")}
     committed = sorted(step for step, c in listed.items() if c["committed"])
-    assert committed == [10, 60]  # the newest increment and its baseline; 20, 40, 50 are gone
+    # the newest increment and its baseline, and 50, which restores if 60 is damaged (keep_last=1 keeps
+    # older states that survive some single damage the kept ones do not: cnr.policy.retention); 20 and 40 are gone
+    assert committed == [10, 50, 60]
     assert listed[30]["status"] == "failed" and "injected failure" in listed[30]["error"]
     store = LocalStorage(str(tmp_path / "ck"))
     failed_keys = store.list(f"checkpoints/{listed[30]['id']}")
@@ -147,7 +149,8 @@ def test_nothing_is_deleted_when_the_new_checkpoint_does_not_commit(tmp_path):
     s = train(str(tmp_path), "ck", *opts, env={"CNR_FAULT_INJECT": "raise:before_commit@60"}, expect_rc=3)
     assert s["failed_checkpoints"] == 1 and s["no_commit_since_step"] == 50  # the last one failed: exit 3
     listed = {c["step"]: c for c in inspect(str(tmp_path), "ck")}
-    assert sorted(step for step, c in listed.items() if c["committed"]) == [10, 50]
+    # 40 stays beside 50 (keep_last=1): it restores if 50 is damaged (cnr.policy.retention)
+    assert sorted(step for step, c in listed.items() if c["committed"]) == [10, 40, 50]
     assert listed[60]["status"] == "failed" and listed[60]["bytes"] > 1000  # newer than any commit: untouched
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import AbstractSet, FrozenSet, Optional
 
 from cnr.errors import CheckpointError, redact
-from cnr.format.manifest import CHECKPOINT_ID, MERGED_SUFFIX
+from cnr.format.manifest import CHECKPOINT_ID, state_id
 from cnr.format.records import read_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
@@ -74,13 +74,16 @@ def parse_record(blob: bytes, where: str) -> AbandonedRecord:
 def record_abandoned(storage: Storage, ckpt_id: str, restored_instead: str, reason: str) -> bool:
     """Record that a restore passed over ``ckpt_id`` (``reason``: what is damaged) and took
     ``restored_instead``; False when a record of it is there already (records are never rewritten).
-    Rank 0's trainer calls it under the lease."""
-    record = AbandonedRecord(ckpt_id, restored_instead, redact(reason)[:_REASON_LIMIT], time.time(),
+    A merged baseline is recorded by the state it holds, its increment's id
+    (cnr.format.manifest.state_id): both forms of one state are one branch. Rank 0's trainer calls
+    it under the lease."""
+    state = state_id(ckpt_id)
+    record = AbandonedRecord(state, restored_instead, redact(reason)[:_REASON_LIMIT], time.time(),
                              socket.gethostname())
-    stored = storage.put_if_absent(abandoned_key(ckpt_id), record.to_bytes())
+    stored = storage.put_if_absent(abandoned_key(state), record.to_bytes())
     if stored:
         logger.warning("checkpoint %s is recorded as abandoned at %s: a restore passed over it (%s) and took %s; "
-                       "no restore takes it again unless named by id", ckpt_id, storage.uri, record.reason[:300],
+                       "no restore takes it again unless named by id", state, storage.uri, record.reason[:300],
                        restored_instead)
     return stored
 
@@ -92,8 +95,7 @@ def abandoned_ids(storage: Storage) -> FrozenSet[str]:
 
 def is_abandoned(ckpt_id: str, abandoned: AbstractSet[str]) -> bool:
     """Whether ``ckpt_id`` is recorded, or is the merged baseline of a recorded increment."""
-    plain = ckpt_id[:-len(MERGED_SUFFIX)] if ckpt_id.endswith(MERGED_SUFFIX) else ckpt_id
-    return plain in abandoned
+    return state_id(ckpt_id) in abandoned
 
 
 def read_abandoned(storage: Storage, ckpt_id: str) -> Optional[AbandonedRecord]:

@@ -10,7 +10,7 @@ from typing import AbstractSet, List, Optional, Tuple
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.format.manifest import (
     MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_manifest,
-    step_of,
+    state_id, step_of,
 )
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order
@@ -157,11 +157,16 @@ def committed_ids(storage: Storage) -> List[str]:
 
 
 def restore_ids(storage: Storage) -> List[str]:
-    """Ids of every checkpoint with a manifest in the order a restore tries them: the current
+    """Ids of every state with a manifest in the order a restore tries them: the current
     history's first, each history's highest step first (cnr.format.lineage.restore_order); none
-    that a restore passed over as damaged (cnr.format.abandoned)."""
+    that a restore passed over as damaged (cnr.format.abandoned). One id per state: an
+    increment with a committed merged baseline is listed once, by the increment's id (its
+    restore takes the merged baseline as its shortcut, cnr.restore.newest), a merged baseline
+    alone only once its increment is gone."""
     abandoned = abandoned_ids(storage)
-    return restore_order(storage, [i for i in committed_ids(storage) if not is_abandoned(i, abandoned)])
+    ids = [i for i in committed_ids(storage) if not is_abandoned(i, abandoned)]
+    listed = set(ids)
+    return restore_order(storage, [i for i in ids if not (i.endswith(MERGED_SUFFIX) and state_id(i) in listed)])
 
 
 def newest_committed(storage: Storage) -> Optional[Manifest]:

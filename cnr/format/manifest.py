@@ -21,7 +21,7 @@ import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
 from cnr.codec import array_encoding, check_chain_names
 from cnr.codec.spec import spec_from_json, spec_to_json
@@ -87,16 +87,26 @@ def merged_id(ckpt_id: str) -> str:
     return ckpt_id + MERGED_SUFFIX
 
 
-def chain_links(ckpt_id: str, bases: Mapping[str, Optional[str]]) -> Tuple[List[str], bool]:
+def state_id(ckpt_id: str) -> str:
+    """The id of the training state ``ckpt_id`` holds: a merged baseline holds its increment's
+    state (bit for bit, cnr.write.merge), so both forms of one state share the increment's id.
+    Retention counts states, abandoned records name them (cnr.format.abandoned)."""
+    return ckpt_id[:-len(MERGED_SUFFIX)] if ckpt_id.endswith(MERGED_SUFFIX) else ckpt_id
+
+
+def chain_links(ckpt_id: str, bases: Mapping[str, Optional[str]],
+                skip: AbstractSet[str] = frozenset()) -> Tuple[List[str], bool]:
     """The ids a restore of ``ckpt_id`` reads, newest first, walked as ``resolve_chain`` walks
     storage but over ``bases`` (committed id -> its base id, None for a full checkpoint): base
-    links, and a link with a committed merged baseline ends at that baseline, in its place.
+    links, and a link with a committed merged baseline not in ``skip`` ends at that baseline, in
+    its place (a restore passes over a merged baseline it finds damaged: ``skip``).
     Also whether the walk reached a full checkpoint (a missing link or a loop ends it early)."""
     out: List[str] = []
     link = ckpt_id
     while True:
-        if merged_id(link) in bases:  # checked before the link itself is needed
-            return out + [merged_id(link)], True
+        shortcut = merged_id(state_id(link))
+        if shortcut != link and shortcut in bases and shortcut not in skip:  # checked before the link itself is needed
+            return out + [shortcut], True
         if link not in bases or link in out:
             return out, False
         out.append(link)

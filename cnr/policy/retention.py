@@ -1,25 +1,32 @@
 """Retention: after a commit, delete only what is provably not needed to restore.
 
 Checkpoint retention (``retain_checkpoints``) is a pure planner over the store's catalog
-(``plan_verified_retention``: the listing, each manifest's lineage, and which checkpoints
-verified), carried out on storage by ``retain_after_commit``. Its rules, for a job of lineage L
-(cnr.format.lineage) keeping ``keep_last`` chains:
+(cnr.policy.retention_plan.plan_verified_retention: the listing, each manifest's lineage, and
+which checkpoints verified), carried out on storage by ``retain_after_commit``. Its rules, for a
+job of lineage L (cnr.format.lineage) keeping ``keep_last`` states:
 
-- a chain *verifies* when every link is committed and every object of every link was read back
-  and checked (cnr.format.verify: manifest seal, rank indexes, every chunk's CRC); a checkpoint is
+- a *state* is what a checkpoint holds; an increment and the merged baseline standing for it
+  (cnr.write.merge) are two forms of one state, so ``keep_last`` counts distinct states, never
+  both forms of one;
+- a state *restores* when a restore's path to it (cnr.format.manifest.chain_links: each committed
+  merged baseline as a shortcut, passed over for the links it stands for when it does not
+  verify) reaches a full checkpoint over committed links that all verify: every object read back
+  and checked (cnr.format.verify: manifest seal, rank indexes, every chunk's CRC). A checkpoint is
   verified at most once per process (``verified``), in the background writer, never on the
-  training thread. A damaged or unverifiable chain never counts as the newest one;
-- the newest ``keep_last`` checkpoints of L whose chains verify are kept with their chains;
-  call the newest of them V. Without V nothing is deleted or purged;
-- a committed checkpoint is deleted only when it is of lineage L, older than V (by step, then
-  id) and in no kept chain. Kept besides: every chain of the ``pinned`` checkpoints (what the job
-  restored when that was not the newest: a fallback past damage, or a restore by id), every
-  chain of a checkpoint newer than V (in flight, unverified, or damaged and left for a person),
-  and every chain of another lineage's checkpoint (never deleted: another history's retention
-  is its own);
-- a committed merged baseline (cnr.write.merge) stands for the increment it is named after and that
-  increment's chain: a chain reaching that increment needs the merged baseline instead
-  (cnr.format.manifest.chain_links walks as a restore does);
+  training thread. A merged baseline replaces nothing until it verified;
+- the newest ``keep_last`` states of L that restore are kept with their paths; call the newest V.
+  Without V nothing is deleted or purged. Then, since any one stored object may be damaged,
+  older states are kept too while the damage of a single checkpoint could leave no kept state
+  restorable and the older state survives that damage; and a kept state's merged baseline keeps
+  the links it stands for while no other kept state survives its damage. So the chain a merge
+  replaced stays until a state whose path shares no object with the merged baseline is kept,
+  and an intermittent job keeps the newest state of the baseline before the newest one;
+- a committed checkpoint is deleted only when it is of lineage L, of a state older than V (by
+  step, then id) and kept by none of the above. Kept besides, with every path (merged baselines
+  passed over too): the chains of the ``pinned`` checkpoints (what the job restored when that
+  was not the newest: a fallback past damage, or a restore by id), of a checkpoint newer than V
+  (in flight, unverified, or damaged and left for a person), and of another lineage's
+  checkpoint (never deleted: another history's retention is its own);
 - a checkpoint that never committed (failed, or cut off by a crash) and is older than V loses
   its data but keeps a ``failed.json`` marker, so ``inspect`` still shows it; an uncommitted merged
   baseline only once a newer full one committed, since a merge runs beside later checkpoints.
@@ -27,9 +34,10 @@ verified), carried out on storage by ``retain_after_commit``. Its rules, for a j
 - a checkpoint whose manifest does not read is left for a person to look at.
 
 So after retention the newest checkpoint that restored before it (in restore order,
-cnr.format.lineage), or a newer one, still restores: if it is of L it is V or newer than V, and if not
-it is another lineage's, whose chains are kept whole (tests/test_retention_property.py checks
-this over generated histories of commits, damage, fallbacks, crashes and second jobs).
+cnr.format.lineage), or a newer one, still restores; and once two states whose paths share no
+checkpoint exist, damage to any one stored object leaves one that restores
+(tests/test_retention_property.py checks both over generated histories of commits, merges,
+external compactions, damage, fallbacks, crashes and second jobs).
 
 ``plan_retention`` is the listing-only plan of the node-local tier (whose copies the remote
 store backs) and of publishes (cnr.publish.publisher): the newest ``keep_last`` committed checkpoints and
@@ -50,149 +58,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from cnr.errors import KeyNotFoundError
-from cnr.format.manifest import MERGED_SUFFIX, chain_links, checkpoint_prefix, deleting_key, failed_key, manifest_key
+from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, manifest_key
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
+from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planners' home before the split
+    RetentionPlan, chain_ids, chain_verifies, plan_retention, plan_verified_retention, plan_with, to_verify,
+)
 from cnr.storage.base import Storage
-from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
+from cnr.types import CheckpointInfo, RetentionScope
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RetentionPlan:
-    """``delete``: committed checkpoints to remove whole; ``purge``: uncommitted checkpoints
-    whose data goes (their failure marker stays); ``keep``: the committed ones kept."""
-
-    keep: Tuple[str, ...]
-    delete: Tuple[str, ...]
-    purge: Tuple[str, ...]
-
-
-def chain_ids(ckpt_id: str, bases: Dict[str, Optional[str]]) -> List[str]:
-    """``ckpt_id`` and every committed checkpoint a restore of it reads (cnr.format.manifest.chain_links:
-    a missing link ends the walk, retention never invents a chain)."""
-    links, _complete = chain_links(ckpt_id, bases)
-    return [ckpt_id] + [i for i in links if i != ckpt_id]
-
-
-def _purgeable(info: CheckpointInfo, committed: Sequence[CheckpointInfo]) -> bool:
-    """Whether an uncommitted checkpoint older than the newest committed one is dead. A merge
-    (cnr.write.merge) runs beside the checkpoints of its job and may still be writing, until a newer
-    full checkpoint commits: merges run one at a time, so a newer committed full or merged
-    baseline means this one was cut off."""
-    if not info.id.endswith(MERGED_SUFFIX):
-        return True
-    return any(c.kind == CheckpointKind.FULL and (c.step, c.id) > (info.step, info.id) for c in committed)
-
-
-def plan_retention(infos: Sequence[CheckpointInfo], keep_last: int) -> RetentionPlan:
-    """What to delete from ``infos`` (a listing, any order) keeping ``keep_last`` (>= 1) chains."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    committed = sorted((i for i in infos if i.status == CheckpointStatus.COMMITTED), key=lambda i: (i.step, i.id))
-    if not committed:
-        return RetentionPlan((), (), ())
-    bases = {i.id: i.base for i in committed}
-    needed: Set[str] = set()
-    for info in committed[-keep_last:]:
-        needed.update(chain_ids(info.id, bases))
-    newest = committed[-1]
-    older = [i for i in infos if (i.step, i.id) < (newest.step, newest.id)]
-    delete = tuple(sorted(i.id for i in older if i.status == CheckpointStatus.COMMITTED and i.id not in needed))
-    # a damaged checkpoint (unreadable manifest) is left for a person to look at
-    purge = tuple(sorted(i.id for i in older if i.status in (CheckpointStatus.FAILED, CheckpointStatus.UNCOMMITTED)
-                         and _purgeable(i, committed)))
-    return RetentionPlan(tuple(sorted(needed)), delete, purge)
-
-
-# ---- the verified plan (checkpoints) -----------------------------------------------------------
-
-_Key = Tuple[int, str]
-
-
-def _key(info: CheckpointInfo) -> _Key:
-    return (info.step, info.id)
-
-
-def _own_newest_first(infos: Sequence[CheckpointInfo], lineage: str) -> List[CheckpointInfo]:
-    return sorted((i for i in infos if i.status == CheckpointStatus.COMMITTED and i.lineage == lineage),
-                  key=_key, reverse=True)
-
-
-def _bases(infos: Sequence[CheckpointInfo]) -> Dict[str, Optional[str]]:
-    return {i.id: i.base for i in infos if i.status == CheckpointStatus.COMMITTED}
-
-
-def chain_verifies(ckpt_id: str, bases: Mapping[str, Optional[str]], intact: Mapping[str, bool]) -> bool:
-    """Whether ``ckpt_id``'s chain reaches a full checkpoint over committed links that all verified."""
-    links, complete = chain_links(ckpt_id, bases)
-    return complete and all(intact.get(link) is True for link in links)
-
-
-def to_verify(infos: Sequence[CheckpointInfo], keep_last: int, scope: RetentionScope,
-              intact: Mapping[str, bool]) -> List[str]:
-    """The checkpoints the plan needs verified next (empty: it has all it needs): the links of
-    the newest chain of the scope's lineage not verified yet, walking newest first until
-    ``keep_last`` chains verify. Pure; verify them and ask again."""
-    bases = _bases(infos)
-    found = 0
-    for info in _own_newest_first(infos, scope.lineage):
-        links, complete = chain_links(info.id, bases)
-        unknown = [link for link in links if link not in intact]
-        if unknown:
-            return unknown
-        if complete and all(intact[link] for link in links):
-            found += 1
-            if found >= keep_last:
-                break
-    return []
-
-
-def plan_verified_retention(infos: Sequence[CheckpointInfo], keep_last: int, scope: RetentionScope,
-                            intact: Mapping[str, bool]) -> RetentionPlan:
-    """What checkpoint retention deletes from ``infos`` (a listing with lineages, any order) for a
-    job of ``scope`` keeping ``keep_last`` (>= 1) verified chains; ``intact``: checkpoint id ->
-    whether all of its own objects verified (absent: not verified, so not counted). Pure; the
-    rules are the module docstring's."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    bases = _bases(infos)
-    committed = [i for i in infos if i.status == CheckpointStatus.COMMITTED]
-    verified = [i for i in _own_newest_first(infos, scope.lineage) if chain_verifies(i.id, bases, intact)][:keep_last]
-    if not verified:
-        return RetentionPlan(tuple(sorted(bases)), (), ())
-    newest, counted = _key(verified[0]), {i.id for i in verified}
-    keep: Set[str] = set()
-    for info in committed:
-        if info.id in counted or info.lineage != scope.lineage or _key(info) > newest:
-            keep.update(chain_ids(info.id, bases))
-    for ckpt_id in scope.pinned:
-        keep.update(chain_ids(ckpt_id, bases))
-    delete = tuple(sorted(i.id for i in committed if i.lineage == scope.lineage and _key(i) < newest
-                          and i.id not in keep))
-    purge = tuple(sorted(i.id for i in infos if i.status in (CheckpointStatus.FAILED, CheckpointStatus.UNCOMMITTED)
-                         and _key(i) < newest and _purgeable(i, committed)))
-    return RetentionPlan(tuple(sorted(set(bases) - set(delete))), delete, purge)
-
-
-def plan_with(infos: Sequence[CheckpointInfo], keep_last: int, scope: RetentionScope,
-              verify: Callable[[List[str]], Mapping[str, bool]]) -> RetentionPlan:
-    """``plan_verified_retention``, asking ``verify`` (ids -> whether each verifies) for what
-    ``to_verify`` names until it names nothing. Nothing is verified, and nothing deleted, when the
-    plan would delete and purge nothing even if every checkpoint verified (a consecutive chain
-    that is all needed, a job's first ``keep_last`` commits): only a damaged checkpoint could go
-    then, and a later commit's retention takes it."""
-    every = {i.id: True for i in infos if i.status == CheckpointStatus.COMMITTED}
-    best = plan_verified_retention(infos, keep_last, scope, every)
-    if not best.delete and not best.purge:
-        return best
-    intact: Dict[str, bool] = {}
-    while True:
-        needed = to_verify(infos, keep_last, scope, intact)
-        if not needed:
-            return plan_verified_retention(infos, keep_last, scope, intact)
-        intact.update(verify(needed))
 
 
 def remove_checkpoint(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:

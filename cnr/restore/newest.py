@@ -11,7 +11,9 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
   object or chain link): when the damage is in a merged baseline that stands for part of its
   chain (compaction, cnr.write.merge), every rank tries the same checkpoint again through the
   links that merge stood for (a merged manifest that does not verify is passed over when the
-  chain is resolved); else, with ``on_damage="fallback"`` every rank moves on to the next older
+  chain is resolved); when the increment itself is damaged (its manifest, a rank index) and its
+  merged baseline was not found damaged, every rank tries that merged baseline alone, the same
+  state (restore order lists one id per state, the increment's: cnr.format.catalog.restore_ids); else, with ``on_damage="fallback"`` every rank moves on to the next older
   checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
 - some rank failed otherwise (the checkpoint does not fit the model, app_state and the checkpoint
   hold different keys, the store cannot be read): every rank raises, as a restore without
@@ -43,7 +45,7 @@ from cnr.track.app_state import AppState
 from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.track.collectives import rank0_decides
-from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key
+from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain, restore_ids
 from cnr.format.lineage import foreign_reason, recorded_lineages
 from cnr.storage.base import Storage
@@ -139,10 +141,27 @@ def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int
             return restored, ""
         reasons.append(reason)
         if not merges - skip:
-            return None, "; then, the long way: ".join(reasons)
+            break
         logger.warning("checkpoint %s: its merged baseline %s is damaged (%s); restoring it through the links "
                        "that merge stood for", ckpt_id, ", ".join(sorted(merges - skip)), reason)
         skip |= merges
+    standalone = merged_id(ckpt_id)
+    if ckpt_id.endswith(MERGED_SUFFIX) or standalone in skip or not _committed_on_rank0(storage, standalone, rank):
+        return None, "; then, the long way: ".join(reasons)
+    # the increment itself is damaged (its manifest, a rank index) where its merged baseline, the
+    # same state, was never read: that form alone restores it
+    logger.warning("checkpoint %s is damaged (%s); restoring its merged baseline %s, which holds the same state",
+                   ckpt_id, reasons[-1], standalone)
+    restored, reason, _merges = _attempt_together(storage, standalone, app, rank, world_size, threads, partial,
+                                                  frozenset(), recorded)
+    if restored is not None:
+        return restored, ""
+    return None, "; then, the long way: ".join(reasons) + f"; then, its merged baseline {standalone}: {reason}"
+
+
+def _committed_on_rank0(storage: Storage, ckpt_id: str, rank: int) -> bool:
+    """Whether ``ckpt_id`` has a manifest, as rank 0 sees it (collective)."""
+    return bool(ids_from_rank0(lambda: [ckpt_id] if storage.exists(manifest_key(ckpt_id)) else [], rank))
 
 
 def ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
