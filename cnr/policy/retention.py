@@ -62,7 +62,7 @@ from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, 
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planners' home before the split
-    RetentionPlan, chain_ids, chain_verifies, plan_retention, plan_verified_retention, plan_with, to_verify,
+    RetentionPlan, chain_ids, plan_retention, plan_verified_retention, plan_with, to_verify,
 )
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, RetentionScope

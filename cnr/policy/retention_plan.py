@@ -217,13 +217,6 @@ def _kept_states(infos: Sequence[CheckpointInfo], keep_last: int, lineage: str, 
     return _Kept(frozenset(kept), newest)
 
 
-def chain_verifies(ckpt_id: str, bases: Mapping[str, Optional[str]], intact: Mapping[str, bool]) -> bool:
-    """Whether a restore of ``ckpt_id`` reaches a full checkpoint over committed links that all
-    verified (merged baselines that do not verify passed over, as a restore passes over them)."""
-    infos = [CheckpointInfo(i, 0, CheckpointKind.FULL, CheckpointStatus.COMMITTED, 0, 0, 0, b) for i, b in bases.items()]
-    return _Walk(infos, intact, ask=False).path(ckpt_id) is not None
-
-
 def to_verify(infos: Sequence[CheckpointInfo], keep_last: int, scope: RetentionScope,
               intact: Mapping[str, bool]) -> List[str]:
     """The checkpoints the plan needs verified next (empty: it has all it needs), in the order its
