@@ -42,10 +42,11 @@ def test_nothing_committed_in_a_fresh_or_resumed_run():
 
 # ---- issue #25, item 8: checkpoints committed only on the node-local tier ---------------------
 
-def _with_report(saving, local_only, fenced_out=None):
+def _with_report(saving, local_only, fenced_out=None, remote_newest=None):
     from cnr.write.writer import FlushReport
 
-    saving.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out)
+    saving.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out, remote_newest,
+                                      remote_newest is not None)
     saving.options, saving.uri = SimpleNamespace(local_dir="/nvme/cnr"), "s3://bucket/job"
     return saving
 
@@ -61,7 +62,7 @@ def test_newest_only_on_the_local_tier_exits_3_saying_remote_and_local():
 
 
 def test_a_lease_lost_during_the_outage_says_so_and_an_all_flushed_run_is_fine():
-    s = commit_status(_with_report(_saving((20, OK)), [20], "this job lost the lease on s3://bucket/job"), 10)
+    s = commit_status(_with_report(_saving((20, OK)), [20], "this job lost the lease on s3://bucket/job", 10), 10)
     assert s["no_commit_since_step"] == 10 and "another job holds the storage's lease now" in s["commit_failure"]
     lost = commit_status(_with_report(_saving((20, OK), (40, OK), (60, FAILED)), [40], "lost the lease"), None)
     assert (lost["no_commit_since_step"], lost["local_only_checkpoints"]) == (20, ["0000000040-beef"])
@@ -70,3 +71,18 @@ def test_a_lease_lost_during_the_outage_says_so_and_an_all_flushed_run_is_fine()
         in lost["commit_failure"]
     fine = commit_status(_with_report(_saving((20, OK), (40, OK)), []), None)
     assert fine["commit_failure"] is None and fine["local_only_checkpoints"] == [] and fine["last_remote_step"] == 40
+
+
+def test_last_remote_step_is_what_the_storage_holds_never_the_restored_step():
+    # issue #38, defect 6: restored from a node-only checkpoint (step 60) whose flush failed; the
+    # storage, as listed after the flush, holds step 40 of another branch
+    s = commit_status(_with_report(_saving((80, OK)), [60, 80], remote_newest=40), 60)
+    assert (s["last_remote_step"], s["no_commit_since_step"]) == (40, 40)
+    assert s["local_only_checkpoints"] == ["0000000060-beef", "0000000080-beef"]
+    unknown = commit_status(_with_report(_saving((80, OK)), [60, 80]), 60)  # not listed: unknown, not 60
+    assert unknown["last_remote_step"] is None and unknown["commit_failure"].startswith(
+        "no checkpoint committed to the storage s3://bucket/job since step 0")
+    # an older node-only branch beside the storage's newer history is named, exit 3 too
+    older = commit_status(_with_report(_saving(), [40], remote_newest=60), 60)
+    assert older["commit_failure"].startswith("0000000040-beef (step 40) committed only on the node-local tier, not "
+                                              "on the storage s3://bucket/job (which holds step 60 of another branch)")

@@ -92,6 +92,7 @@ def test_a_writer_starting_in_an_outage_carries_on_committing_locally(tmp_path):
     from cnr.write.writer import _resume_flush
 
     tier, _plain, remote, lease = _writer_store(tmp_path)
+    tier.local.put(manifest_key(make_id(10, "abcdef00")), b"{}")  # left by a killed writer: the flush asks the store
     remote.down.set()
     _resume_flush(tier, 0)
     assert tier.remote_down

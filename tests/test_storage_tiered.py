@@ -148,6 +148,21 @@ def test_close_gives_up_on_a_stuck_remote_after_its_timeout(tmp_path):
     assert local.exists("c/1/manifest") and not remote.exists("c/1/manifest")
 
 
+def test_a_commit_whose_base_nothing_here_will_store_fails_at_once_not_after_the_timeout(tmp_path):
+    # issue #38, defect 6: a base manifest only this tier writes, never queued and absent from the
+    # remote, can never arrive; on b845da5 the commit waited out commit_timeout_s (the job's hang)
+    local, remote = LocalStorage(str(tmp_path / "local")), FlakyStore(str(tmp_path / "remote"))
+    tier = TieredStorage(local, remote, commit_timeout_s=60, only_here=lambda key: key.endswith("/manifest"))
+    tier.commit("c/1/manifest", b"base")  # queued here: the commit after it waits for it, as before
+    tier.commit("c/2/manifest", b"m", requires=[("c/1/manifest", "c/1.merged/manifest")])
+    tier.commit("c/3/manifest", b"m", requires=[("c/0/manifest", "c/0.merged/manifest")])  # c/0: never queued
+    started = time.monotonic()
+    assert tier.flush(timeout=30) and time.monotonic() - started < 10
+    assert remote.exists("c/2/manifest") and not remote.exists("c/3/manifest")
+    assert tier.unflushed_commits() == ["c/3/manifest"] and local.exists("c/3/manifest")
+    tier.close(timeout=5)
+
+
 def test_over_s3(tmp_path, s3_bucket):
     from cnr.storage.s3 import S3Storage
 

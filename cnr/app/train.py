@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -27,7 +28,7 @@ from cnr.app.evaluate import evaluate
 from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
-from cnr.format.manifest import Manifest
+from cnr.format.manifest import Manifest, step_of
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_uri
@@ -268,11 +269,14 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     taken after it all failed, ``no_commit_since_step`` (that step, 0 for none) and
     ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise.
 
-    With a local tier, ``local_only_checkpoints`` names the checkpoints committed only on the node
-    (the remote store was unreachable until the job's bounded end, or another job took the lease)
-    and ``last_remote_step`` the newest step the storage itself holds. When the newest committed
-    checkpoint is local only, the storage lacks this run's newest state: ``commit_failure`` says so
-    (exit 3 too) and how to resume from the node, and ``no_commit_since_step`` is the remote one."""
+    With a local tier, ``local_only_checkpoints`` names the checkpoints committed only on the node,
+    this run's and those an earlier run left there, that its writer could not flush (the remote
+    store was unreachable until the job's bounded end, a remote write failed, or another job took
+    the lease), and ``last_remote_step`` the newest step the storage holds committed, as listed
+    after the flush (None when it holds none or could not be listed: then this run's flushed
+    checkpoints' newest). When any checkpoint is local only, the storage lacks state the node
+    holds: ``commit_failure`` says so (exit 3 too) and how to resume from the node, and
+    ``no_commit_since_step`` is the remote step."""
     outcomes = saving.outcomes if saving is not None else []
     last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
     since = last if last is not None else 0
@@ -287,13 +291,15 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     report = saving.flush_report if saving is not None else None
     if report is None:
         return out
-    local_only = [i for i in outcomes if i.id in set(report.local_only) and i.status == CheckpointStatus.COMMITTED]
-    remote = [i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED and i.id not in set(report.local_only)]
-    out["local_only_checkpoints"] = [i.id for i in local_only]
-    out["last_remote_step"] = max(remote, default=restored_step)
-    if local_only and (failed or local_only[-1].step == last):
+    local_ids = list(report.local_only)
+    local_only = [SimpleNamespace(id=i, step=step_of(i)) for i in local_ids]
+    remote = [i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED and i.id not in set(local_ids)]
+    out["local_only_checkpoints"] = local_ids
+    # what the storage holds, as listed after the flush; unknown (None) when it could not be listed
+    out["last_remote_step"] = report.remote_newest if report.remote_listed else max(remote, default=None)
+    if local_only:
         out["no_commit_since_step"] = out["last_remote_step"] or 0
-        line = _local_only_line(saving, local_only, out["no_commit_since_step"], report.fenced_out)
+        line = _local_only_line(saving, local_only, out["last_remote_step"], report.fenced_out)
         if failed:  # after a lost lease, every later checkpoint fails
             line += (f"; the {len(failed)} checkpoint(s) taken after them failed, the newest ({failed[-1].id}, step "
                      f"{failed[-1].step}) with: {(failed[-1].error or 'no reason given')[:300]}")
@@ -301,8 +307,11 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     return out
 
 
-def _local_only_line(saving: Checkpointer, local_only: List[Any], since: int, fenced_out: Optional[str]) -> str:
-    """The final line for checkpoints committed only on the node-local tier (issue #25, item 8)."""
+def _local_only_line(saving: Checkpointer, local_only: List[Any], remote_step: Optional[int],
+                     fenced_out: Optional[str]) -> str:
+    """The final line for checkpoints committed only on the node-local tier (issue #25, item 8; an
+    older branch than the storage's newest, issue #38): ``remote_step``, the storage's newest step
+    (None: none, or unknown)."""
     ids = ", ".join(f"{i.id} (step {i.step})" for i in local_only) if len(local_only) <= 3 else \
         f"{len(local_only)} checkpoints, {local_only[0].id} (step {local_only[0].step}) to {local_only[-1].id} (step " \
         f"{local_only[-1].step}),"
@@ -312,11 +321,18 @@ def _local_only_line(saving: Checkpointer, local_only: List[Any], since: int, fe
                "nothing of theirs was written there")
         todo = f"they stay in {where}; resuming from them would flush them into that job's location"
     else:
-        why = "the storage was still unreachable when the job ended, after its bounded wait for the flush"
+        why = ("they had not reached the storage when the job ended, after its bounded wait for the flush (it was "
+               "unreachable, or their flush failed: the warnings above say why)")
         todo = (f"they stay in {where}: resume on this node with --resume and the same checkpoint.local_dir, and "
                 "the resumed job flushes them to the storage first")
-    return (f"no checkpoint committed to the storage {saving.uri} since step {since}: {ids} committed only on the "
-            f"node-local tier; {why}; {todo}")
+    since = remote_step or 0
+    if remote_step is None or local_only[-1].step > remote_step:
+        head = f"no checkpoint committed to the storage {saving.uri} since step {since}: {ids} committed only on the " \
+               "node-local tier"
+    else:  # the storage holds a newer step of another branch: this node's is not there
+        head = f"{ids} committed only on the node-local tier, not on the storage {saving.uri} (which holds step " \
+               f"{remote_step} of another branch)"
+    return f"{head}; {why}; {todo}"
 
 
 def _check_fresh_start(ckpt: Checkpointer) -> None:

@@ -141,10 +141,20 @@ _SCOPE = RetentionScope()
 from each job, so retention run from a hook (cnr.write.local_tier) knows it too."""
 
 
+_SCOPE_SET = False  # whether a job set the scope in this process (``scope_known``)
+
+
 def use_scope(scope: Optional[RetentionScope]) -> None:
     """Set this process's retention scope (None: lineage "", nothing pinned)."""
-    global _SCOPE
+    global _SCOPE, _SCOPE_SET
     _SCOPE = scope if scope is not None else RetentionScope()
+    _SCOPE_SET = True
+
+
+def scope_known() -> bool:
+    """Whether ``use_scope`` ran in this process: a writer's hook before its first job does not
+    know which checkpoints the job pins, so it runs no checkpoint retention."""
+    return _SCOPE_SET
 
 
 def own_damage(storage: Storage, ckpt_id: str) -> List[str]:

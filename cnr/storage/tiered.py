@@ -85,16 +85,20 @@ class TieredStorage(WrapperStorage):
     ``before_remote_commit`` / ``on_remote_commit``: called in the flusher thread with this
     store and the commit's key right before / after it is stored on the remote (fault
     injection, retention). ``outage_wait_s``: how long ``close`` waits for the flush once the
-    remote store is found down (None: the commit timeout).
+    remote store is found down (None: the commit timeout). ``only_here``: whether a key reaches the
+    remote through this store alone; a commit requiring such keys that this store has not queued
+    (or has settled) and the remote lacks fails at once instead of waiting for the timeout.
     """
 
     def __init__(self, local: Storage, remote: Storage, commit_timeout_s: float = 600.0, group_depth: int = 2,
                  flush_threads: int = 2, before_remote_commit: Optional[CommitHook] = None,
-                 on_remote_commit: Optional[CommitHook] = None, outage_wait_s: Optional[float] = None) -> None:
+                 on_remote_commit: Optional[CommitHook] = None, outage_wait_s: Optional[float] = None,
+                 only_here: Optional[Callable[[str], bool]] = None) -> None:
         super().__init__(remote)  # the remote store answers what this class leaves to it: uri, put_if_absent
         self.local = local
         self._commit_timeout_s, self._group_depth = commit_timeout_s, group_depth
         self._before_remote_commit, self._on_remote_commit = before_remote_commit, on_remote_commit
+        self._only_here = only_here
         self._queue: Deque[_Flush] = deque()
         self._in_flight: List[str] = []  # keys taken off the queue and not yet stored (or failed)
         self._flush_threads = flush_threads
@@ -416,11 +420,22 @@ class TieredStorage(WrapperStorage):
             if not missing:
                 return
             failed = [keys for keys in missing if all(self.group(k) in self._remote_failed for k in keys)]
-            if failed or time.monotonic() > deadline or self._abandon:
-                why = f"{failed[0][0]} failed to reach it" if failed else f"it lacks {missing[0][0]} after " \
-                      f"{self._commit_timeout_s:.0f} s"
+            never = [keys for keys in missing if self._never_comes(keys)]
+            if failed or never or time.monotonic() > deadline or self._abandon:
+                why = f"{failed[0][0]} failed to reach it" if failed else \
+                      f"it lacks {never[0][0]}, which nothing queued here will store there" if never else \
+                      f"it lacks {missing[0][0]} after {self._commit_timeout_s:.0f} s"
                 raise StorageError(f"{key} is not committed on {self.remote.uri}: {why}")
             time.sleep(_POLL_SECONDS)
+
+    def _never_comes(self, keys: Tuple[str, ...]) -> bool:
+        """Whether none of ``keys`` (absent from the remote) can still reach it: each goes through
+        this store alone (``only_here``) and none is queued or going out now."""
+        if self._only_here is None or not all(self._only_here(k) for k in keys):
+            return False
+        with self._cond:
+            pending = {item.key for item in self._queue} | set(self._in_flight)
+        return not any(k in pending for k in keys)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Flush what is queued (up to ``timeout`` s, default the commit timeout; at most

@@ -125,6 +125,9 @@ class CheckpointEngine:
         self.retention: Optional[RetentionScope] = None
         self.exchange = exchange
         self.table_bits: Dict[str, int] = dict(table_bits or {})
+        open_tier = getattr(self.handoff.writer, "open_tier", None)  # a benchmark's stand-in writer has none
+        if options.local_dir and open_tier is not None:  # flush what earlier writers left on the node now, even
+            open_tier(rank, lease, exchange)  # if this job takes no checkpoint
 
     def _merger(self, storage_uri: str) -> Optional[Merger]:
         """Rank 0's merges (cnr.write.compact), when this job compacts its own consecutive chains:

@@ -1,9 +1,9 @@
 """Checkpoints over a node-local tier (``checkpoint.local_dir``, cnr.storage.tiered).
 
 What the tier's generic rules mean in cnr's layout: opening a checkpoint store with its tier, what
-a checkpoint's remote commit requires, the writer's hooks (fault injection and retention after
-a remote commit), the local tier's retention, the flush a new writer resumes after a crash, and
-where each checkpoint is committed (``cnr inspect --local-dir``).
+a checkpoint's remote commit requires, the writer's hooks (fault injection, and the flush record
+and retention after a remote commit), the local tier's retention, and where each checkpoint is
+committed (``cnr inspect --local-dir``).
 
 The tier is keyed by the storage location: ``local_dir/<key>/``, where ``<key>`` is a digest of the
 location (``storage_location``: a local directory's real path, an S3 bucket and prefix with a
@@ -39,16 +39,16 @@ import time
 import uuid
 from typing import Callable, Dict, List, Optional, Sequence
 
-from cnr.write.commit import commit_requires
-from cnr.format.catalog import checkpoint_ids, committed_ids, list_checkpoints, read_manifest
+from cnr.format.catalog import checkpoint_ids, list_checkpoints
 from cnr.errors import ConfigError, StorageError
 from cnr.write.faults import maybe_crash
 from cnr.format.manifest import (
-    ROOT, RankIndex, checkpoint_prefix, id_order, manifest_key, rank_index_key, rank_index_to_bytes, step_of,
+    ROOT, RankIndex, checkpoint_prefix, manifest_key, rank_index_to_bytes, step_of,
 )
 from cnr.options import CheckpointOptions
+from cnr.write.local_flush import is_manifest as _is_manifest, record_flushed, resume_flush  # noqa: F401 (re-export)
 from cnr.write.peer_exchange import PeerExchange
-from cnr.policy.retention import plan_retention, remove_checkpoint, retain_checkpoints
+from cnr.policy.retention import plan_retention, remove_checkpoint, retain_checkpoints, scope_known
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.spec import StorageTarget
@@ -81,9 +81,12 @@ def open_checkpoint_store(uri: StorageTarget, options: CheckpointOptions, rank: 
         before = functools.partial(_fault_before_remote_commit, rank)
         if rank == 0:
             after = functools.partial(_retain_after_remote_commit, options.keep_last, options.local_keep_last)
+    # manifests reach the storage through rank 0's tier only (a merged baseline once its chain is
+    # there): a base manifest it never queued and the storage lacks will never come
     return TieredStorage(local, remote, options.commit_timeout_s, flush_threads=options.upload_threads,
                          before_remote_commit=before, on_remote_commit=after,
-                         outage_wait_s=min(options.commit_timeout_s, OUTAGE_WAIT_S))
+                         outage_wait_s=min(options.commit_timeout_s, OUTAGE_WAIT_S),
+                         only_here=_is_manifest if rank == 0 else None)
 
 
 OUTAGE_WAIT_S = 30.0  # at a writer's end, the longest wait for a remote store found down (or the commit timeout)
@@ -243,19 +246,20 @@ def _within(path: str, other: str) -> bool:
         current = parent
 
 
-def _is_manifest(key: str) -> bool:
-    return key.count("/") == 2 and key == manifest_key(key.split("/")[1])
-
-
 def _fault_before_remote_commit(rank: int, tier: TieredStorage, key: str) -> None:
     if _is_manifest(key):  # rank indexes are commits of the tier too
         maybe_crash("before_remote_commit", step_of(key.split("/")[1]), rank)
 
 
 def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: TieredStorage, key: str) -> None:
+    """Rank 0, after each remote commit: record a manifest's flush (cnr.write.local_flush), then
+    retention. The storage's retention waits for a job's scope (its lineage and pinned
+    checkpoints): a commit the resumed flush makes before the job's first checkpoint leaves it to
+    that checkpoint's commit."""
     if not _is_manifest(key):
         return
-    if keep_last:
+    record_flushed(tier, key)
+    if keep_last and scope_known():
         retain_checkpoints(tier.remote, keep_last)
     retain_local(tier, local_keep_last)
 
@@ -296,32 +300,6 @@ def _inside_tier(local: Storage, ckpt_id: str) -> bool:
     root = os.path.realpath(local.root)
     real = os.path.realpath(os.path.join(local.root, *checkpoint_prefix(ckpt_id).split("/")))
     return os.path.commonpath([real, root]) == root
-
-
-def resume_flush(tier: TieredStorage, rank: int) -> List[str]:
-    """Queue again, for the remote store, what an earlier writer of ``rank`` left only on the
-    local tier (it was killed between the local and the remote commit): this rank's objects of
-    checkpoints newer than the remote's newest commit, and on rank 0 their commits. Returns the
-    checkpoint ids queued."""
-    remote_newest = id_order(next(iter(committed_ids(tier.remote)), ""))  # (-1, "") when none: below every id
-    queued = []
-    for ckpt_id in checkpoint_ids(tier.local):
-        index = rank_index_key(ckpt_id, rank)
-        if id_order(ckpt_id) <= remote_newest or tier.remote.exists(manifest_key(ckpt_id)) or not tier.local.exists(index):
-            continue
-        own = checkpoint_prefix(ckpt_id) + f"/rank-{rank:05d}/"
-        for key in tier.local.list(checkpoint_prefix(ckpt_id)):
-            if key.startswith(own):
-                tier.resend(key)
-        tier.commit(index, tier.local.get(index))  # after this rank's objects, as the writer stores it
-        if rank == 0 and tier.local.exists(manifest_key(ckpt_id)):
-            manifest = read_manifest(tier.local, ckpt_id)
-            tier.commit(manifest_key(ckpt_id), tier.local.get(manifest_key(ckpt_id)), commit_requires(manifest))
-        queued.append(ckpt_id)
-    if queued:
-        logger.warning("rank %d: flushing checkpoints %s, left on the local tier by an earlier writer, to %s",
-                       rank, queued, tier.remote.uri)
-    return queued
 
 
 def committed_in(storage: Storage, infos: Sequence[CheckpointInfo]) -> Dict[str, List[str]]:

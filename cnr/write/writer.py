@@ -22,7 +22,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -36,17 +35,18 @@ from cnr.write.job import WriteJob, WriteResult, row_blocks
 from cnr.write.plan import encode_block, searched_rows
 from cnr.codec.chunk_format import dtype_name
 from cnr.write.encode_pool import EncodePool
-from cnr.errors import Cancelled, CnrError, StorageError, redact, redact_logging
+from cnr.errors import Cancelled, CnrError, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.track.snapshot import HostPiece
-from cnr.write.local_tier import Peers, local_only_checkpoints, open_checkpoint_store, resume_flush, retain_local
+from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
+from cnr.write.local_flush import FlushReport, OpenTier, flush_report, resume_flush_or_note as _resume_flush  # noqa: F401 (FlushReport re-exported)
 from cnr.storage import open_storage
 from cnr.storage.spec import StorageSpec, StorageTarget
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import ChunkRef, SearchKernel, WriteStatus
+from cnr.types import ChunkRef, ExchangeAddress, LeaseRef, SearchKernel, WriteStatus
 from cnr.write.puts import Packer, Uploader
 from cnr.write.proc import WRITER, die_with_spawner, name_this_process
 from cnr.write.mainguard import EXIT_UNGUARDED, UNGUARDED_DEATH
@@ -196,21 +196,22 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     maybe_crash("writer_start", 0, -1, cancel)  # a slow start-up, for tests (cnr.write.faults)
     if ready is not None:
         ready.set()
-    job = jobs.get()
-    if job is None:
+    first = jobs.get()  # a WriteJob, or an OpenTier sent ahead of any job over a local tier
+    if first is None:
         return
-    # opened once the first job names this writer's rank: a local tier's hooks and resumed flush need it
-    storage = open_checkpoint_store(storage_uri, options, job.rank, wrap_remote)
+    # opened once the first item names this writer's rank: a local tier's hooks and resumed flush need it
+    storage = open_checkpoint_store(storage_uri, options, first.rank, wrap_remote)
     if isinstance(storage, TieredStorage):
-        _resume_flush(storage, job.rank)
+        _resume_flush(storage, first.rank, first.lease)
+    # after an OpenTier: the first checkpoint, or None (a job that takes none still flushes, at close)
+    job = jobs.get() if isinstance(first, OpenTier) else first
     uploader = Uploader(storage, options.upload_threads)
     # Measured on a full 2-bit checkpoint of 3.0M rows x 64, 2 cores: eager 11.8 s on 1 thread and
     # 7.7 s on 2; compiled 5.2 s on 1, 4.4 s with one encoding thread whose kernels run on 2
     # cores, and 7.0 s with 2 encoding threads (the GIL; cnr.codec.quant.range_search).
     encoders = (EncodePool(options.encode_threads),)
     encoders += (EncodePool(1) if options.encode_threads > 1 else encoders[0],)
-    peers = Peers.connect(job.exchange, storage, options.commit_timeout_s)
-    rank = job.rank
+    peers = Peers.connect(first.exchange, storage, options.commit_timeout_s)
     try:
         while job is not None:
             use_scope(job.retention)  # this job's retention, also where a hook runs it (cnr.write.local_tier)
@@ -228,30 +229,8 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
             encoder.close()
         uploader.close()
         storage.close()
-        if isinstance(storage, TieredStorage) and rank == 0:
-            results.put(FlushReport(tuple(local_only_checkpoints(storage)), storage.fenced_out))
-
-
-def _resume_flush(storage: TieredStorage, rank: int) -> None:
-    """Queue what an earlier writer left only on the local tier (cnr.write.local_tier.resume_flush); a
-    writer starting in a remote outage (a restarted one) carries on without: it commits locally."""
-    try:
-        resume_flush(storage, rank)
-    except StorageError as e:
-        storage.note_unreachable()
-        logger.warning("rank %d: cannot list %s (%s); checkpoints an earlier writer left only on the local tier "
-                       "are flushed by the next writer that reaches it", rank, storage.remote.uri, e)
-
-
-@dataclass(frozen=True)
-class FlushReport:
-    """What rank 0's writer over a local tier reports as it ends (after the bounded flush of its
-    close, cnr.storage.tiered): ``local_only``, the checkpoints committed only on the node-local
-    tier, oldest first; ``fenced_out``, why nothing more was flushed when another job took the
-    location's lease (None otherwise)."""
-
-    local_only: Tuple[str, ...] = ()
-    fenced_out: Optional[str] = None
+        if isinstance(storage, TieredStorage) and first.rank == 0:
+            results.put(flush_report(storage, storage_uri))
 
 
 def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, retain: Optional[Retain]) -> None:
@@ -370,6 +349,13 @@ class Writer:
                 _mark_failed(self._marker_storage, job, _death(process.exitcode))
             except Exception as e:  # noqa: BLE001 - the next wait still reports the death
                 logger.warning("could not mark checkpoint %s failed after its writer died: %s", job.ckpt_id, e)
+
+    def open_tier(self, rank: int, lease: Optional[LeaseRef], exchange: Optional[ExchangeAddress] = None) -> None:
+        """Over a local tier: have the writer open it for ``rank`` now and flush, under ``lease``,
+        what earlier writers left only on it (cnr.write.local_flush.OpenTier), before any job and
+        also when none comes. A writer started after a death opens it with its first job."""
+        if self._options.local_dir and self._process.is_alive():
+            self._jobs.put(OpenTier(rank, lease, exchange))
 
     def submit(self, job: WriteJob) -> None:
         if self.in_flight is not None:
