@@ -82,7 +82,11 @@ def test_last_remote_step_is_what_the_storage_holds_never_the_restored_step():
     unknown = commit_status(_with_report(_saving((80, OK)), [60, 80]), 60)  # not listed: unknown, not 60
     assert unknown["last_remote_step"] is None and unknown["commit_failure"].startswith(
         "no checkpoint committed to the storage s3://bucket/job since step 0")
-    # an older node-only branch beside the storage's newer history is named, exit 3 too
-    older = commit_status(_with_report(_saving(), [40], remote_newest=60), 60)
-    assert older["commit_failure"].startswith("0000000040-beef (step 40) committed only on the node-local tier, not "
-                                              "on the storage s3://bucket/job (which holds step 60 of another branch)")
+    # restored from node-only step 40, no checkpoint taken, its flush failed; the storage holds step
+    # 60 of another branch: exit 3, and the line says which step the storage holds
+    branch = commit_status(_with_report(_saving(), [40], remote_newest=60), 40)
+    assert branch["commit_failure"].startswith("0000000040-beef (step 40) committed only on the node-local tier, not "
+                                               "on the storage s3://bucket/job (which holds step 60 of another branch)")
+    # an older node-only checkpoint below the job's newest state on the storage is named, not fatal
+    older = commit_status(_with_report(_saving((60, OK)), [40], remote_newest=60), None)
+    assert older["local_only_checkpoints"] == ["0000000040-beef"] and older["commit_failure"] is None

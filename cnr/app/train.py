@@ -274,9 +274,9 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     store was unreachable until the job's bounded end, a remote write failed, or another job took
     the lease), and ``last_remote_step`` the newest step the storage holds committed, as listed
     after the flush (None when it holds none or could not be listed: then this run's flushed
-    checkpoints' newest). When any checkpoint is local only, the storage lacks state the node
-    holds: ``commit_failure`` says so (exit 3 too) and how to resume from the node, and
-    ``no_commit_since_step`` is the remote step."""
+    checkpoints' newest). When the newest committed checkpoint (this run's, or the restored one)
+    is among them, the storage lacks the job's newest state: ``commit_failure`` says so (exit 3
+    too) and how to resume from the node, and ``no_commit_since_step`` is the remote step."""
     outcomes = saving.outcomes if saving is not None else []
     last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
     since = last if last is not None else 0
@@ -297,7 +297,7 @@ def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) 
     out["local_only_checkpoints"] = local_ids
     # what the storage holds, as listed after the flush; unknown (None) when it could not be listed
     out["last_remote_step"] = report.remote_newest if report.remote_listed else max(remote, default=None)
-    if local_only:
+    if local_only and (failed or last is None or local_only[-1].step >= last):  # the newest state is not there
         out["no_commit_since_step"] = out["last_remote_step"] or 0
         line = _local_only_line(saving, local_only, out["last_remote_step"], report.fenced_out)
         if failed:  # after a lost lease, every later checkpoint fails
