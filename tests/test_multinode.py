@@ -71,8 +71,11 @@ def test_two_nodes_resume_bit_exact_and_restore_on_one_node(tmp_path):
     ckpt = list_checkpoints(storage)[-1].id
     for node in (0, 1):  # each node's tier holds its own ranks' objects and the manifest (cnr.write.peer_exchange)
         held = LocalStorage(local_tier_root(os.path.join(cwd, f"node-{node}"), storage)).list(f"checkpoints/{ckpt}")
-        assert {k.split("/")[2][:10] for k in held} - {"manifest.j"} == {f"rank-{r:05d}" for r in (2 * node, 2 * node + 1)}
+        assert {k.split("/")[2][:10] for k in held} - {"manifest.j", "flushed.js"} == \
+            {f"rank-{r:05d}" for r in (2 * node, 2 * node + 1)}
         assert f"checkpoints/{ckpt}/manifest.json" in held
+        # rank 0's tier records that the manifest reached the storage (cnr.write.local_flush)
+        assert (f"checkpoints/{ckpt}/flushed.json" in held) == (node == 0)
     per_rank = [sum(c.nbytes for t in parse_rank_index(storage.get(rank_index_key(ckpt, r))).tensors.values()
                     for c in t.chunks) for r in range(4)]
     assert per_rank[0] <= 1.2 * sum(per_rank) / 4, per_rank
