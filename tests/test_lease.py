@@ -226,6 +226,49 @@ def test_checkpointer_that_lost_its_lease_commits_nothing(tmp_path):
     assert [(i.step, i.status.value) for i in infos if i.status.value == "committed"] == [(1, "committed")]
 
 
+def test_a_released_lease_is_taken_without_a_takeover_warning(storage, caplog):
+    """#38.8: a record its holder released is handed on, not taken over: no warning."""
+    Lease.acquire(storage, ttl_s=30).release()
+    with caplog.at_level("DEBUG", logger="cnr.write.lease"):
+        second = Lease.acquire(storage, ttl_s=30)
+    assert second.record.generation == 1
+    assert "took over" not in caplog.text and "the previous holder released it" in caplog.text
+    second.release()
+
+
+def _save_close_restart(rank, world_size, arg):
+    import cnr
+    from cnr.storage import open_storage
+    from examples.two_tower import build
+
+    dmp, adam, _sched = build(world_size)
+    options = cnr.CheckpointOptions(policy="full", keep_last=0)
+    ckpt = cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": adam}, options)
+    ckpt.save(1).wait()
+    ckpt.close()
+    after_close = holder(open_storage(arg["uri"]))
+    again = cnr.Checkpointer(arg["uri"], {"model": dmp, "optim": adam}, options)
+    restored = again.restore()
+    again.close()
+    return {"released": after_close.released, "generation": after_close.generation, "restored": restored.step}
+
+
+def test_a_restart_after_a_clean_close_takes_the_lease_quietly(tmp_path, caplog):
+    """#38.8: save, wait, close, then a new Checkpointer on the location: the closed job's record
+    is free (released) and the next job takes it without the "took over the lease" warning
+    (before: every restart after a clean close warned as if the previous job had crashed)."""
+    from cnr.app.launch import launch
+    from cnr.storage import open_storage
+
+    uri = str(tmp_path / "store")
+    with caplog.at_level("INFO", logger="cnr"):
+        out = launch(_save_close_restart, 1, {"uri": uri})
+    assert out == {"released": True, "generation": 0, "restored": 1}
+    assert "took over" not in caplog.text, caplog.text
+    final = holder(open_storage(uri))
+    assert final.generation == 1 and final.released
+
+
 def test_second_train_job_on_one_location_is_refused(tmp_path):
     """The issue's case: a job starts (fresh, or --resume) while another one writes to its
     location. This test process holds the lease, as a running job does; the new job is refused

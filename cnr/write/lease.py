@@ -42,7 +42,8 @@ is the probe below; any other key under ``lease/`` is unknown (see *Unknown*).
   ttl and another job took over) the lease is lost for good: renewals stop.
 - **Fence**: rank 0's writer calls ``check_held`` right before it writes a manifest, so a job
   that lost its lease never commits and never runs retention again.
-- **Release**: ``close()`` marks the record released; the next job takes over at once.
+- **Release**: ``close()`` marks the record released; the next job takes it at once, without
+  the takeover warning that a crashed, stalled or damaged holder's record earns.
 """
 
 from __future__ import annotations
@@ -383,6 +384,9 @@ class Lease:
         if damage:
             logger.warning("took over %s on %s (generation %d): the previous record %s was damaged (%s)",
                            space.what, storage.uri, generation, space.key(gens[-1]), damage)
+        elif current is not None and current.released:  # a clean close handed it on: nothing was taken from anyone
+            logger.debug("took %s on %s (generation %d; the previous holder released it)", space.what, storage.uri,
+                         generation)
         elif current is not None:
             logger.warning("took over %s on %s (generation %d; the previous holder was %s)", space.what, storage.uri,
                            generation, current.describe(now))
