@@ -270,14 +270,16 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint as listed by ``inspect``: identity, kind and size."""
+    """One checkpoint as listed by ``inspect``: identity, kind and size. ``kind``, ``bits`` and
+    ``rows`` are None where no readable manifest says them (an uncommitted, failed or damaged
+    checkpoint in a listing): unknown, never guessed. ``bytes``: stored bytes."""
 
     id: str
     step: int
-    kind: CheckpointKind
+    kind: Optional[CheckpointKind]
     status: CheckpointStatus
-    bits: int
-    rows: int
+    bits: Optional[int]
+    rows: Optional[int]
     bytes: int
     base: Optional[str] = None
     error: Optional[str] = None

@@ -37,3 +37,21 @@ def test_sigkill_of_one_rank_at_world_size_2(tmp_path, runs_ws2):
     assert committed_steps(str(tmp_path), "ck") == [20]
     resumed = train(str(tmp_path), "ck", *MIXED_SHARDING, "--resume", "--set", "train.steps=40", nproc=2)
     assert resumed["state_sha256"] == runs_ws2["at40"]["state_sha256"]
+
+
+def test_inspect_shows_a_checkpoint_killed_mid_write_with_unknown_kind_and_bits(tmp_path):
+    """#38.8: a writer killed before its manifest leaves data whose kind, bit-width and rows no
+    manifest says: ``inspect`` lists them as unknown (null in --json, "?" in text), with every
+    key present and the bytes it stored (before: kind "full", bits 0, rows 0, invented)."""
+    rc, _out, _err = run_cnr(["train", "--config", TINY, "--storage", "ck", "--set", "train.steps=20"], str(tmp_path),
+                             env={"CNR_FAULT_INJECT": "mid_data@20"})
+    assert rc == -9, f"expected SIGKILL, got {rc}"
+    [row] = inspect(str(tmp_path), "ck")
+    assert row["step"] == 20 and not row["committed"] and row["status"] == "uncommitted", row
+    assert row["kind"] is None and row["bits"] is None and row["rows"] is None, row
+    assert row["bytes"] > 0  # the chunks it wrote before the kill are there, and counted
+    rc, text, err = run_cnr(["inspect", "ck"], str(tmp_path))
+    assert rc == 0, err
+    fields = text.strip().splitlines()[-1].split()
+    assert fields[0] == row["id"] and fields[2:4] == ["?", "?"] and fields[5] == "?", text
+    assert fields[6] == str(row["bytes"]) and fields[7] == "uncommitted", text

@@ -15,6 +15,7 @@ BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize",
               "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
 MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
+UNKNOWN = "?"  # inspect's text for what no readable manifest says (kind, bits, rows of an uncommitted checkpoint)
 EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (docs/cli.md)
 
 
@@ -49,7 +50,8 @@ def _inspect(args: argparse.Namespace) -> int:
     infos = list_checkpoints(storage)
     abandoned = abandoned_ids(storage)
     rows = [
-        {"id": i.id, "step": i.step, "kind": i.kind.value, "bits": i.bits, "rows": i.rows, "bytes": i.bytes,
+        {"id": i.id, "step": i.step, "kind": i.kind.value if i.kind is not None else None, "bits": i.bits,
+         "rows": i.rows, "bytes": i.bytes,
          "committed": i.status.value == "committed", "status": i.status.value, "base": i.base, "error": i.error, "method": i.method,
          "lineage": i.lineage, "abandoned": is_abandoned(i.id, abandoned)}
         for i in infos
@@ -64,8 +66,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{'id':<{width}} {'step':>8} {'kind':<12} {'bits':>4} {'method':<9} {'rows':>10} {'bytes':>12}  status")
         for r in rows:
             where = f" ({'+'.join(r['committed_in'])})" if r["committed"] and args.local_dir else ""
-            print(f"{r['id']:<{width}} {r['step']:>8} {r['kind']:<12} {r['bits']:>4} {r['method'] or '-':<9} "
-                  f"{r['rows']:>10} {r['bytes']:>12}  {r['status']}{where}{', abandoned' if r['abandoned'] else ''}")
+            kind, bits, nrows = (UNKNOWN if r[k] is None else r[k] for k in ("kind", "bits", "rows"))
+            print(f"{r['id']:<{width}} {r['step']:>8} {kind:<12} {bits:>4} {r['method'] or '-':<9} "
+                  f"{nrows:>10} {r['bytes']:>12}  {r['status']}{where}{', abandoned' if r['abandoned'] else ''}")
     return 0
 
 

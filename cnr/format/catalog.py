@@ -44,15 +44,19 @@ def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
 
 
 def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Manifest]]]:
-    """Every checkpoint in storage, oldest first, with its manifest (None unless committed)."""
+    """Every checkpoint in storage, oldest first, with its manifest (None unless committed).
+
+    Kind, bit-width and rows are the manifest's to say: a checkpoint without a readable one
+    (uncommitted: a writer killed before its manifest; failed; damaged) lists them as None,
+    unknown, with the bytes it has stored."""
     found: List[Tuple[CheckpointInfo, Optional[Manifest]]] = []
     for ckpt_id in checkpoint_ids(storage):
         step = step_of(ckpt_id)
         if not storage.exists(manifest_key(ckpt_id)):
-            nbytes = sum(_size_or_zero(storage, k) for k in storage.list(checkpoint_prefix(ckpt_id)))
             error = failure_of(storage, ckpt_id)
             status = CheckpointStatus.FAILED if error else CheckpointStatus.UNCOMMITTED
-            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, status, 0, 0, nbytes, error=error), None))
+            found.append((CheckpointInfo(ckpt_id, step, None, status, None, None, _stored_bytes(storage, ckpt_id),
+                                         error=error), None))
             continue
         try:
             m = read_manifest(storage, ckpt_id)
@@ -60,12 +64,17 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
             continue  # deleted since the listing (a live job's retention): not in the store any more
         except CheckpointError as e:  # one damaged manifest must not hide the others
             logger.warning("checkpoint %s is damaged: %s", ckpt_id, e)
-            found.append((CheckpointInfo(ckpt_id, step, CheckpointKind.FULL, CheckpointStatus.DAMAGED, 0, 0, 0,
-                                         error=str(e)), None))
+            found.append((CheckpointInfo(ckpt_id, step, None, CheckpointStatus.DAMAGED, None, None,
+                                         _stored_bytes(storage, ckpt_id), error=str(e)), None))
             continue
         found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
                                      method=m.method, lineage=m.lineage), m))
     return found
+
+
+def _stored_bytes(storage: Storage, ckpt_id: str) -> int:
+    """The bytes stored under ``ckpt_id``'s prefix now (whatever they are)."""
+    return sum(_size_or_zero(storage, k) for k in storage.list(checkpoint_prefix(ckpt_id)))
 
 
 def _size_or_zero(storage: Storage, key: str) -> int:
