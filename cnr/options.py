@@ -25,6 +25,11 @@ PUBLISH_BITS = (4, 8, 32)
 # most threads of one kind a rank may run (puts, encodes, restore workers): a restore decodes up to
 # twice its workers' objects ahead, so a typo'd count would hold a whole chain in memory at once
 MAX_THREADS = 256
+# most checkpoints keep_last / local_keep_last may name, and the largest chunk_bytes: C int32's
+# bound (fbgemm's row indexes are held to it too). Far past any real store's count or chunk, so a
+# typo'd 99999999999999999999 is refused by name rather than silently taken as "keep everything".
+MAX_KEEP_LAST = 2**31 - 1
+MAX_CHUNK_BYTES = 2**31 - 1
 COMPACTION_MODES = ("job", "external")  # who merges a consecutive chain: the job's own merge process, or `cnr compact`
 # The chain-bytes trigger's default (CheckpointOptions.compact_at_chain_ratio): merge once the increments since the
 # newest baseline hold a quarter of its bytes. A restore of the newest checkpoint reads about 1 + r + s * (1 + M)
@@ -220,8 +225,8 @@ def check_checkpoint(c: Any, names: Naming) -> None:
     names.require(c.table_plan_width in (0, 2, 3, 4, 8), f"{names.subject('table_plan_width')} = "
                   f"{c.table_plan_width} is not allowed; allowed: 0 (the plan applies at any width), 2, 3, 4, 8")
     names.one_of("bit_policy", c.bit_policy, values_of(BitPolicy))
-    names.require(c.keep_last >= 0, f"{names.subject('keep_last')} = {c.keep_last} is not allowed; it must be >= 0 "
-                  "(0 keeps everything)")
+    names.require(0 <= c.keep_last <= MAX_KEEP_LAST, f"{names.subject('keep_last')} = {shown(c.keep_last)} is not "
+                  f"allowed; it must be from 0 to {MAX_KEEP_LAST} (0 keeps everything)")
     check_compaction(c, names)
     names.require(c.max_chain_ratio == 0 or c.max_chain_ratio > 1, f"{names.subject('max_chain_ratio')} = "
                   f"{c.max_chain_ratio} is not allowed; it must be 0 (no cap) or > 1 (a chain reads its baseline at least)")
@@ -229,13 +234,13 @@ def check_checkpoint(c: Any, names: Naming) -> None:
                   f"{names.subject('max_chain_ratio')} = {c.max_chain_ratio} needs {names.ref('policy')} "
                   f"{' or '.join(repr(p) for p in CAPPED_POLICIES)}, not {c.policy!r}: the others never choose a new baseline")
     check_failures(c.failures, c.bit_policy, names)
-    names.require(c.chunk_bytes >= 4096, f"{names.subject('chunk_bytes')} = {c.chunk_bytes} is not allowed; it must "
-                  "be >= 4096")
+    names.require(4096 <= c.chunk_bytes <= MAX_CHUNK_BYTES, f"{names.subject('chunk_bytes')} = {shown(c.chunk_bytes)} "
+                  f"is not allowed; it must be from 4096 to {MAX_CHUNK_BYTES}")
     names.one_of("on_damage", c.on_damage, values_of(OnDamage))
     names.require(isinstance(c.local_dir, str) and "://" not in c.local_dir, f"{names.subject('local_dir')} = "
                   f"{shown(c.local_dir)} is not allowed; give a node-local directory path, or '' for none")
-    names.require(c.local_keep_last >= 0, f"{names.subject('local_keep_last')} = {c.local_keep_last} is not "
-                  "allowed; it must be >= 0 (0 keeps everything)")
+    names.require(0 <= c.local_keep_last <= MAX_KEEP_LAST, f"{names.subject('local_keep_last')} = "
+                  f"{shown(c.local_keep_last)} is not allowed; it must be from 0 to {MAX_KEEP_LAST} (0 keeps everything)")
     names.require(1.0 <= c.lease_ttl_s <= 86400.0, f"{names.subject('lease_ttl_s')} = {c.lease_ttl_s} is not "
                   "allowed; it must be from 1 to 86400 seconds")
 
@@ -282,7 +287,7 @@ class CheckpointOptions:
       history whose restores verify (an increment and its merged baseline are one state) and
       every checkpoint their restores need, and older states while damage to one stored object
       could otherwise leave nothing restorable; delete older ones of that history
-      (cnr.policy.retention; 0: keep everything). ``merge_every``: with the
+      (cnr.policy.retention; 0: keep everything; at most MAX_KEEP_LAST). ``merge_every``: with the
       consecutive policy, merge the chain into a new full baseline in the background once this
       many increments followed the newest one (cnr.write.merge; 0: never).
       ``compact_at_chain_ratio``: with the consecutive policy, merge it once the increments since
@@ -295,7 +300,7 @@ class CheckpointOptions:
     - ``max_chain_ratio``: with "intermittent" or "consecutive", a new baseline whenever the next
       chain (what a restore reads) is predicted to exceed this many times its baseline's bytes
       (0: no cap; else > 1; cnr.policy.kinds.predicted_chain_ratio).
-    - ``chunk_bytes``: largest stored chunk (>= 4096); ``upload_threads``: concurrent puts of the
+    - ``chunk_bytes``: largest stored chunk (4096 to MAX_CHUNK_BYTES); ``upload_threads``: concurrent puts of the
       rank's background writer; ``encode_threads``: chunks it encodes at once (each keeps one
       core busy while a checkpoint is written: more than 1 only where training leaves cores
       idle, a GPU host; cnr.write.encode_pool); ``restore_threads``: workers a rank restores

@@ -46,9 +46,44 @@ CASES = {
     "bench_chaos_workdir": (["bench", "chaos", "--workdir", "/proc/x"],
                             "--workdir = '/proc/x' is not allowed: it cannot be created"),
     "bench_chaos_budget_nan": (["bench", "chaos", "--workdir", "{tmp}/wd", "--budget-s", "nan"],
-                               "--budget-s nan is not allowed; it must be a finite number of seconds > 0"),
+                               "--budget-s nan is not allowed; it must be a finite number > 0"),
     "bench_snapshot_workdir": (["bench", "snapshot", "--workdir", "/proc/x"],
                                "--workdir = '/proc/x' is not allowed"),
+    # #38.8: non-finite, non-positive and out-of-range numbers of every bench's float options
+    "bench_conformance_timeout_nan": (["bench", "conformance", "--workdir", "{tmp}/wd", "--timeout-s", "nan"],
+                                      "bench conformance: --timeout-s nan is not allowed; it must be in (0, 86400]"),
+    "bench_conformance_timeout_inf": (["bench", "conformance", "--workdir", "{tmp}/wd", "--timeout-s", "inf"],
+                                      "--timeout-s inf is not allowed"),
+    "bench_conformance_timeout_negative": (["bench", "conformance", "--workdir", "{tmp}/wd", "--timeout-s", "-5"],
+                                           "--timeout-s -5.0 is not allowed"),
+    "bench_codecs_min_encode_nan": (["bench", "codecs", "--workdir", "{tmp}/wd", "--min-encode-mb-s", "nan"],
+                                    "--min-encode-mb-s nan is not allowed; it must be a finite number >= 0"),
+    "bench_policies_chain_ratio_inf": (["bench", "policies", "--workdir", "{tmp}/wd", "--max-chain-ratio", "inf"],
+                                       "--max-chain-ratio inf is not allowed"),
+    "bench_publish_poll_inf": (["bench", "publish", "--workdir", "{tmp}/wd", "--poll-s", "inf"],
+                               "bench publish: --poll-s inf is not allowed; it must be in (0, 86400]"),
+    "bench_tables_fraction_nan": (["bench", "tables", "--workdir", "{tmp}/wd", "--impact-fraction", "nan"],
+                                  "--impact-fraction nan is not allowed; it must be in (0, 1]"),
+    "bench_upload_link_nan": (["bench", "upload", "--workdir", "{tmp}/wd", "--link-mb-s", "nan"],
+                              "--link-mb-s nan is not allowed; it must be a finite number >= 0"),
+    "bench_upload_link_inf": (["bench", "upload", "--workdir", "{tmp}/wd", "--link-mb-s", "inf"],
+                              "--link-mb-s inf is not allowed"),
+    "bench_chaos_budget_inf": (["bench", "chaos", "--workdir", "{tmp}/wd", "--budget-s", "inf"],
+                               "--budget-s inf is not allowed"),
+    # #38.8: integers past what the library takes
+    "compact_keep_last_huge": (["compact", "{tmp}/store", "--keep-last", "99999999999999999999"],
+                               "compact --keep-last 99999999999999999999 is not allowed; it must be from 0 to "
+                               "2147483647 (0 deletes nothing)"),
+    "compact_chunk_bytes_huge": (["compact", "{tmp}/store", "--chunk-bytes", "99999999999999999999"],
+                                 "compact --chunk-bytes 99999999999999999999 is not allowed; it must be from 4096 to "
+                                 "2147483647"),
+    "subscribe_until_seq_huge": (["subscribe", "{tmp}/pub", "--config", TINY, "--until-seq", "99999999999999999999"],
+                                 "--until-seq 99999999999999999999 is not allowed; sequence numbers are from 1 to "
+                                 "9007199254740992"),
+    "train_keep_last_huge": (["train", "--config", TINY, "--storage", "{tmp}/ck", "--set",
+                              "checkpoint.keep_last=99999999999999999999"],
+                             "'checkpoint.keep_last' = 99999999999999999999 is not allowed; it must be from 0 to "
+                             "2147483647"),
 }
 
 

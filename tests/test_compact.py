@@ -149,8 +149,11 @@ def test_a_damaged_claim_record_is_taken_over_and_an_unknown_key_refused(tmp_pat
 @pytest.mark.parametrize("args,message", [
     (["--min-chain-ratio", "-1"], "--min-chain-ratio -1.0 is not allowed"),
     (["--min-chain-ratio", "nan"], "--min-chain-ratio nan is not allowed"),
-    (["--keep-last", "-2"], "--keep-last -2 is not allowed; it must be >= 0"),
-    (["--chunk-bytes", "100"], "--chunk-bytes 100 is not allowed; it must be >= 4096"),
+    (["--keep-last", "-2"], "--keep-last -2 is not allowed; it must be from 0 to"),
+    (["--keep-last", "99999999999999999999"], "--keep-last 99999999999999999999 is not allowed; it must be from 0 "
+                                              "to 2147483647"),
+    (["--chunk-bytes", "100"], "--chunk-bytes 100 is not allowed; it must be from 4096 to 2147483647"),
+    (["--chunk-bytes", "99999999999999999999"], "--chunk-bytes 99999999999999999999 is not allowed"),
     (["--threads", "0"], "--threads 0 is not allowed; allowed: 1..256"),
     (["--threads", "257"], "--threads 257 is not allowed; allowed: 1..256"),
     (["--lease-ttl-s", "0.5"], "--lease-ttl-s 0.5 is not allowed; it must be from 1 to 86400"),
@@ -180,7 +183,8 @@ def test_compact_refuses_a_location_that_is_no_directory_or_a_checkpoints_folder
 
 def test_compact_cli_exits_2_with_one_error_line(tmp_path):
     rc, _out, err = run_cnr(["compact", str(tmp_path / "store"), "--keep-last", "-2"], str(tmp_path))
-    assert rc == 2 and err.strip() == "error: compact --keep-last -2 is not allowed; it must be >= 0 (0 deletes nothing)"
+    assert rc == 2 and err.strip() == ("error: compact --keep-last -2 is not allowed; it must be from 0 to 2147483647 (0 "
+                                       "deletes nothing)")
     assert not os.path.exists(tmp_path / "store")
 
 

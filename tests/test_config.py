@@ -63,6 +63,11 @@ def test_overrides_apply():
         ("checkpoint.policy=sometimes", "allowed: full, one_shot, consecutive, intermittent"),
         ("checkpoint.bit_policy=guess", "'checkpoint.bit_policy' = 'guess' is not allowed; allowed: fixed, failures"),
         ("checkpoint.keep_last=-1", "'checkpoint.keep_last' = -1"),
+        ("checkpoint.keep_last=99999999999999999999", "'checkpoint.keep_last' = 99999999999999999999 is not allowed; "
+                                                      "it must be from 0 to 2147483647"),
+        ("checkpoint.local_keep_last=2147483648", "'checkpoint.local_keep_last' = 2147483648 is not allowed"),
+        ("checkpoint.chunk_bytes=2147483648", "'checkpoint.chunk_bytes' = 2147483648 is not allowed; it must be from "
+                                              "4096 to 2147483647"),
         ("checkpoint.encode_threads=0", "'checkpoint.encode_threads' = 0 is not allowed; allowed: 1..256"),
         ("checkpoint.upload_threads=257", "'checkpoint.upload_threads' = 257 is not allowed; allowed: 1..256"),
         ("checkpoint.commit_timeout_s=.inf", "'checkpoint.commit_timeout_s' = inf is not allowed"),

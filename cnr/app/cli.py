@@ -137,13 +137,16 @@ def _report(args: argparse.Namespace) -> int:
 
 def _check_subscribe_args(args: argparse.Namespace) -> None:
     from cnr.errors import ConfigError
+    from cnr.format.integrity import MAX_STEP
+    from cnr.options import shown
 
     if not 0 < args.poll_s <= MAX_POLL_S:
         raise ConfigError(f"--poll-s {args.poll_s} is not allowed; it must be in (0, {MAX_POLL_S:.0f}] seconds")
     if not args.timeout_s >= 0:
         raise ConfigError(f"--timeout-s {args.timeout_s} is not allowed; it must be >= 0 seconds (0: no limit)")
-    if args.until_seq is not None and args.until_seq < 1:
-        raise ConfigError(f"--until-seq {args.until_seq} is not allowed; sequence numbers start at 1")
+    if args.until_seq is not None and not 1 <= args.until_seq <= MAX_STEP:
+        raise ConfigError(f"--until-seq {shown(args.until_seq)} is not allowed; sequence numbers are from 1 to "
+                          f"{MAX_STEP} (a publish's sequence number is stored as a step)")
     if args.state is not None:
         from cnr.write.local_paths import check_writable_file
 

@@ -16,7 +16,7 @@ import os
 from typing import Any, Dict
 
 from cnr.errors import ConfigError
-from cnr.options import MAX_THREADS, CheckpointOptions, shown
+from cnr.options import MAX_CHUNK_BYTES, MAX_KEEP_LAST, MAX_THREADS, CheckpointOptions, shown
 from cnr.format.manifest import ROOT, is_checkpoint_id
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
@@ -36,9 +36,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "increments store at least R times its baseline's bytes (default 0: any chain of 2+ links)")
     c.add_argument("--keep-last", type=int, default=defaults.keep_last, metavar="N", help="the retention after the "
                    "merge, when no job holds the location: keep N chains (give the job's checkpoint.keep_last; "
-                   f"0 deletes nothing; default {defaults.keep_last})")
+                   f"0 deletes nothing; at most {MAX_KEEP_LAST}; default {defaults.keep_last})")
     c.add_argument("--chunk-bytes", type=int, default=defaults.chunk_bytes, metavar="B",
-                   help=f"largest stored chunk (>= 4096; default {defaults.chunk_bytes})")
+                   help=f"largest stored chunk (4096 to {MAX_CHUNK_BYTES}; default {defaults.chunk_bytes})")
     c.add_argument("--threads", type=int, default=defaults.upload_threads, metavar="N", help="concurrent puts")
     c.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s, metavar="S", help="ttl of the "
                    "location's lease taken while no job holds it, and of the merge's claim (1 to 86400)")
@@ -54,8 +54,10 @@ def check_args(args: argparse.Namespace) -> None:
 
     need(math.isfinite(args.min_chain_ratio) and args.min_chain_ratio >= 0, "--min-chain-ratio", args.min_chain_ratio,
          "it must be a number >= 0")
-    need(args.keep_last >= 0, "--keep-last", args.keep_last, "it must be >= 0 (0 deletes nothing)")
-    need(args.chunk_bytes >= 4096, "--chunk-bytes", args.chunk_bytes, "it must be >= 4096")
+    need(0 <= args.keep_last <= MAX_KEEP_LAST, "--keep-last", args.keep_last,
+         f"it must be from 0 to {MAX_KEEP_LAST} (0 deletes nothing)")
+    need(4096 <= args.chunk_bytes <= MAX_CHUNK_BYTES, "--chunk-bytes", args.chunk_bytes,
+         f"it must be from 4096 to {MAX_CHUNK_BYTES}")
     need(1 <= args.threads <= MAX_THREADS, "--threads", args.threads, f"allowed: 1..{MAX_THREADS}")
     need(math.isfinite(args.lease_ttl_s) and 1.0 <= args.lease_ttl_s <= 86400.0, "--lease-ttl-s", args.lease_ttl_s,
          "it must be from 1 to 86400 seconds")

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 import zstandard
 
-from cnr.bench.common import ROOT, argv_list, base_parser
+from cnr.bench.common import ROOT, argv_list, base_parser, number_arg
 from cnr.codec.chunk_format import decode_chunk, stored_payload
 from cnr.errors import CnrError, ConfigError
 from cnr.format.catalog import newest_committed, resolve_chain
@@ -42,7 +42,7 @@ def _parse(argv: List[str]):
     p.add_argument("--bits", type=int, default=2, choices=(2, 3, 4, 8), help="embedding bit-width")
     p.add_argument("--interval", type=int, default=100, help="steps per checkpoint interval")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="comma-separated zstd levels (1..19)")
-    p.add_argument("--min-encode-mb-s", type=float, default=200.0,
+    p.add_argument("--min-encode-mb-s", type=number_arg("--min-encode-mb-s", 0.0, low_in=True), default=200.0,
                    help="the chosen level encodes at least this many MB/s of payload")
     args = p.parse_args(argv_list(argv))
     try:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from cnr.bench.common import argv_list, workdir_arg
+from cnr.bench.common import argv_list, number_arg, workdir_arg
 from cnr.errors import ConfigError
 
 MODELS = ("ebc-family", "managed-collision")
@@ -286,6 +286,9 @@ def _combo(job: Dict[str, Any], resumes: List[str], root: str, timeout_s: float)
     return out
 
 
+MAX_TIMEOUT_S = 86400.0  # --timeout-s: a day per launch at most (faulthandler's timer takes no larger)
+
+
 def _names(value: Optional[str], allowed, option: str) -> List[str]:
     if value is None:
         return list(allowed)
@@ -308,7 +311,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--resumes", default=None, help=f"comma list of {', '.join(RESUMES)} (default all)")
     p.add_argument("--workdir", default=None, type=workdir_arg,
                    help="where to write (default: a temporary directory, removed after)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one launch (default 600)")
+    p.add_argument("--timeout-s", type=number_arg("bench conformance: --timeout-s", 0.0, MAX_TIMEOUT_S), default=600.0,
+                   help=f"deadline of one launch in seconds, in (0, {MAX_TIMEOUT_S:.0f}] (default 600)")
     args = p.parse_args(argv_list(argv))
     args.models = _names(args.models, MODELS, "--models")
     args.fused = _names(args.fused, [e.name for e in EmbOptimType if e.name != "NONE"] if args.fused else FUSED,
@@ -316,8 +320,6 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     args.dense = _names(args.dense, DENSE, "--dense")
     args.policies = _names(args.policies, POLICIES, "--policies")
     args.resumes = _names(args.resumes, RESUMES, "--resumes")
-    if args.timeout_s <= 0:
-        raise ConfigError(f"bench conformance: --timeout-s {args.timeout_s} is not allowed; it must be > 0")
     return args
 
 

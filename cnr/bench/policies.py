@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from cnr.bench.common import argv_list, base_parser, storage_traffic
+from cnr.bench.common import argv_list, base_parser, number_arg, storage_traffic
 from cnr.write.engine import CheckpointEngine
 from cnr.options import CheckpointOptions
 from cnr.app.config import Config, FailureConfig, load_config
@@ -228,7 +228,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--intervals", type=int, default=12, help="checkpoint intervals (>= 2)")
     parser.add_argument("--bits", default="2,3,4,8,32", help="comma-separated bit-widths")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
-    parser.add_argument("--max-chain-ratio", type=float, default=1.3,
+    parser.add_argument("--max-chain-ratio", type=number_arg("--max-chain-ratio", 0.0, low_in=True), default=1.3,
                         help="chain cap of the extra intermittent cells (0: no such cells; else > 1)")
     args = parser.parse_args(argv_list(argv))
     bits = [int(b) for b in args.bits.split(",")]

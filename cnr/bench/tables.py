@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from cnr.bench.common import ROOT, argv_list, base_parser, table_rows
+from cnr.bench.common import ROOT, argv_list, base_parser, number_arg, table_rows
 from cnr.app.config import Config, load_config
 from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
@@ -85,13 +85,11 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.set_defaults(config=ACCURACY_CONFIG)
     parser.add_argument("--bits", type=int, default=3, help="the uniform width to match (2, 3, 4, 8)")
-    parser.add_argument("--impact-fraction", type=float, default=1.0,
+    parser.add_argument("--impact-fraction", type=number_arg("bench tables: --impact-fraction", 0.0, 1.0), default=1.0,
                         help="the plan's budget: this fraction (0, 1] of the uniform width's impact")
     args = parser.parse_args(argv_list(argv))
     if args.bits not in WIDTHS:
         raise ConfigError(f"bench tables: --bits {args.bits} is not allowed; allowed: 2, 3, 4, 8")
-    if not 0 < args.impact_fraction <= 1:
-        raise ConfigError(f"bench tables: --impact-fraction {args.impact_fraction} is not allowed; it must be in (0, 1]")
     config = load_config(args.config, args.set)
     measured = launch(_measure, 1, {"config": config, "widths": list(WIDTHS)})
     summary = summarize(measured, args.bits, args.impact_fraction)

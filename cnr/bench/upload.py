@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 
-from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio
+from cnr.bench.common import TrainedModel, argv_list, base_parser, load, number_arg, ratio
 from cnr.bench.link import Link, LinkedStorage
 from cnr.bench.tier import tier_figures
 from cnr.bench.upload_stats import pipeline_stats
@@ -223,14 +223,8 @@ def _check_args(args: argparse.Namespace) -> List[str]:
     bad = [b for b in backends if b not in BACKENDS]
     if not backends or bad:
         raise ConfigError(f"--backends {args.backends!r} is not allowed; give a comma-separated subset of {', '.join(BACKENDS)}")
-    if not 0 < args.rows_scale <= 1:
-        raise ConfigError(f"--rows-scale {args.rows_scale} is not allowed; give a factor in (0, 1]")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats} is not allowed; it must be >= 1")
-    if args.link_mb_s < 0:
-        raise ConfigError(f"--link-mb-s {args.link_mb_s} is not allowed; give MB/s > 0, or 0 for no link")
-    if not 0 < args.touched <= 1:
-        raise ConfigError(f"--touched {args.touched} is not allowed; give a fraction in (0, 1]")
     if args.bits not in (2, 3, 4, 8):
         raise ConfigError(f"--bits {args.bits} is not allowed; allowed: 2, 3, 4, 8")
     return backends
@@ -238,13 +232,13 @@ def _check_args(args: argparse.Namespace) -> List[str]:
 
 def run(argv: List[str]) -> Dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--rows-scale", type=float, default=1.0, help="factor on every table's rows, in (0, 1]")
+    parser.add_argument("--rows-scale", type=number_arg("--rows-scale", 0.0, 1.0), default=1.0, help="factor on every table's rows, in (0, 1]")
     parser.add_argument("--backends", default="s3,local", help="comma-separated: s3 (moto on 127.0.0.1), local")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each kind (medians reported)")
     parser.add_argument("--bits", type=int, default=4, help="bit-width of the quantized chain (2, 3, 4, 8)")
-    parser.add_argument("--link-mb-s", type=float, default=0.0,
+    parser.add_argument("--link-mb-s", type=number_arg("--link-mb-s", 0.0, low_in=True), default=0.0,
                         help="also measure the restores with reads over an emulated link of this many MB/s (0: off)")
-    parser.add_argument("--touched", type=float, default=0.25,
+    parser.add_argument("--touched", type=number_arg("--touched", 0.0, 1.0), default=0.25,
                         help="the increment holds the rows touched until this fraction of all rows moved")
     args = parser.parse_args(argv_list(argv))
     backends = _check_args(args)
