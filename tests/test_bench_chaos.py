@@ -4,6 +4,7 @@ does, and one short real run (a kill of the job and a damaged chunk, on moto thr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 
@@ -281,3 +282,25 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     assert result["samples_duplicated"] == 0 and result["samples_skipped"] == 0
     assert result["trace_equals_reference"] and result["final_state_equal"] and result["final_steps"] == 80
     assert result["restorable_after_every_event"] and result["restorable_checks"] == 2, result["restorable_failures"]
+
+
+def test_the_job_bound_scales_with_steps_and_can_be_given():
+    assert chaos.parse_args(["--steps", "1200"]).job_timeout_s == chaos.JOB_START_S + 1200 * chaos.JOB_STEP_S
+    assert chaos.parse_args(["--steps", "5000"]).job_timeout_s > chaos.parse_args(["--steps", "1200"]).job_timeout_s
+    assert chaos.parse_args(["--job-timeout-s", "7.5"]).job_timeout_s == 7.5
+
+
+def test_a_reference_run_past_its_bound_is_a_failed_result_not_a_traceback(tmp_path, capsys):
+    """#38.8: the reference run passing its bound (a fixed 600 s before, whatever --steps) raised
+    RuntimeError out of ``bench chaos``. Now the bound is given (here 1 s, far below the job's
+    start-up) and its passing is the run's result: ``ok`` false, naming the bound; exit 1."""
+    from cnr.app.cli import main
+
+    rc = main(["bench", "chaos", "--steps", "40", "--interval", "10", "--nproc", "1", "--events", "1",
+               "--job-timeout-s", "1", "--workdir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert rc == 1 and "Traceback" not in err, err[-2000:]
+    assert result["ok"] is False and result["failed"] == "reference", result
+    assert "did not end within the bound of 1 s (--job-timeout-s)" in result["error"]
+    assert result["settings"]["job_timeout_s"] == 1.0 and result["reference_seconds"] < 60

@@ -192,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"cnr.bench.{args.name}")
     result = module.run(args.args)
     print(json.dumps(result, sort_keys=True), flush=True)
-    return 0
+    return 1 if result.get("ok") is False else 0  # a run that could not measure says why in its JSON
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,10 @@ checkpoint at or after the newest one found restorable before still restores: ev
 back and checked, chaos_events.RestorableCheck); time lost per failure (all attempts' wall time
 minus the reference's, over the failures); and whether the final state equals the reference's
 (``state_sha256``).
+
+Each run of the job is killed after ``--job-timeout-s`` (default ``job_timeout_s(steps)``). A
+reference run that fails or passes it, or a job that cannot be brought to its last step, is
+reported as the result (``ok`` false, ``failed``, ``error``), never raised.
 """
 
 from __future__ import annotations
@@ -56,20 +60,30 @@ from cnr.bench import chaos_job
 from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_proxy import ChaosProxy
+from cnr.bench.chaos_report import report, unrestorable
 from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
 from cnr.format.catalog import scan_checkpoints
-from cnr.errors import ConfigError
 from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
 from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
-from cnr.format.verify import verify_store
 
 EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
           "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir")
 FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash")  # the attempt ends with the event
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.app.cli)
+# How long one run of the job may take before it is killed and reported (default of --job-timeout-s): a
+# start-up allowance plus a bound per training step, so a longer --steps gets a longer bound (a fixed
+# 600 s killed the default 1200 steps on a slow machine). Generous: a hang is what it catches.
+JOB_START_S = 300.0
+JOB_STEP_S = 2.0
+MAX_JOB_TIMEOUT_S = 7 * 86400.0
+
+
+def job_timeout_s(steps: int) -> float:
+    """The default bound in seconds on one run of a ``steps``-step job (JOB_START_S + JOB_STEP_S per step)."""
+    return JOB_START_S + JOB_STEP_S * steps
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -86,11 +100,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
     p.add_argument("--budget-s", type=number_arg("--budget-s", 0.0), default=540.0,
                    help="no new event after this many seconds (a finite number > 0)")
+    p.add_argument("--job-timeout-s", type=number_arg("--job-timeout-s", 0.0, MAX_JOB_TIMEOUT_S), default=None,
+                   help=f"seconds one run of the job (the reference, or an attempt) may take before it is killed "
+                   f"(default {JOB_START_S:.0f} + {JOB_STEP_S:.0f} per step); a reference run past it is reported "
+                   "as a failed result")
     p.add_argument("--workdir", default=None, type=workdir_arg, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv_list(argv))
     for name in ("steps", "interval", "nproc", "events"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed; it must be >= 1")
+    if args.job_timeout_s is None:
+        args.job_timeout_s = job_timeout_s(args.steps)
     args.kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in args.kinds if k not in EVENTS]
     if bad or not args.kinds:
@@ -104,6 +124,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     if not 0.0 <= args.fault_rate < 1.0:
         p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
     return args
+
+
+class ChaosError(RuntimeError):
+    """The chaos run could not bring the job to its last step (reported as a failed result)."""
 
 
 def plan_events(count: int, rng: random.Random, kinds: Sequence[str] = EVENTS) -> List[str]:
@@ -167,22 +191,26 @@ class StoreWatch:
 
 
 def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str], uri: str) -> Dict[str, Any]:
-    """The same job uninterrupted, on the same kind of store (S3 through the proxy, no faults)."""
+    """The same job uninterrupted, on the same kind of store (S3 through the proxy, no faults);
+    killed after ``args.job_timeout_s``. On failure: ``error`` says why (and nothing else is set)."""
     trace = os.path.join(workdir, "trace-reference")
     job = Job(train_args(args, uri, trace, False), env, workdir, "reference").start()
-    rc = job.wait(timeout=600)
+    rc = job.wait(timeout=args.job_timeout_s)
+    seconds = round(job.ended - job.started, 1)
+    if job.killed:
+        return {"error": f"the uninterrupted reference run of {args.steps} steps did not end within the bound of "
+                         f"{args.job_timeout_s:g} s (--job-timeout-s) and was killed after {seconds} s",
+                "seconds": seconds}
     summary = job.summary()
     if rc != 0 or summary is None:
-        raise RuntimeError(f"the uninterrupted reference run failed ({rc}): {job.stderr()[-2000:]}")
+        return {"error": f"the uninterrupted reference run failed (exit {rc}): {job.stderr()[-2000:]}", "seconds": seconds}
     return {"summary": summary, "trace": load_trace(trace), "seconds": job.ended - job.started}
 
 
-def _sample_counts(trace) -> Counter:
-    counts: Counter = Counter()
-    for _step, _rank, runs in trace:
-        for lo, hi in runs:
-            counts.update(range(lo, hi))
-    return counts
+def _failed(args: argparse.Namespace, stage: str, error: str, **extra: Any) -> Dict[str, Any]:
+    """The result of a run that could not measure: ``ok`` false, the ``stage`` that failed and why."""
+    return {"ok": False, "failed": stage, "error": error, **extra,
+            "settings": {k: v for k, v in vars(args).items() if k != "workdir"}}
 
 
 def _modified_since(directory: str, unix: float) -> bool:
@@ -348,7 +376,7 @@ class Chaos(NewEvents):
             self.fired.append(record)
             if kind in FATAL:
                 break
-        rc = job.wait(timeout=600)
+        rc = job.wait(timeout=self.args.job_timeout_s)
         self.proxy.fault_rate = 0.0
         stderr = job.stderr()
         restored = RESTORED.findall(stderr)
@@ -379,65 +407,15 @@ class Chaos(NewEvents):
             while final is None:
                 stuck = self.attempts[-3:]
                 if len(stuck) == 3 and all(a["rc"] != 0 and not a["killed"] and not a["events"] for a in stuck):
-                    raise RuntimeError(f"the job failed three times in a row by itself: {stuck}")
+                    raise ChaosError(f"the job failed three times in a row by itself: {stuck}")
                 if len(self.attempts) > 3 * self.args.events + 5:
-                    raise RuntimeError(f"the job did not finish within {len(self.attempts)} attempts: {self.attempts[-3:]}")
+                    raise ChaosError(f"the job did not finish within {len(self.attempts)} attempts: {self.attempts[-3:]}")
                 final = self._attempt(plan)
             self.watch.scan()
             self.restorable.check("end", self.damaged)
         finally:
             self.watch.stop()
         return final
-
-
-def _report(args: argparse.Namespace, chaos: Chaos, final: Dict[str, Any], reference: Dict[str, Any],
-            unrestorable: List[str]) -> Dict[str, Any]:
-    status = Counter(s.value for s in chaos.watch.status.values())
-    ref_counts, counts = _sample_counts(reference["trace"]), _sample_counts(load_trace(chaos.trace_dir))
-    fatal = sum(1 for a in chaos.attempts if a["killed"] or a["rc"] != 0)
-    lost_s = sum(a["seconds"] for a in chaos.attempts) - reference["seconds"]
-    restores = [a for a in chaos.attempts if a["resumed"]]
-    checks = chaos.restorable.results
-    by_kind: Dict[str, List[Dict[str, Any]]] = {}
-    for e in chaos.fired:
-        by_kind.setdefault(e["event"], []).append(e)
-    return {
-        "events": chaos.fired,
-        "events_by_kind": dict(Counter(e["event"] for e in chaos.fired)),
-        "attempts": chaos.attempts,
-        "checkpoints_attempted": len(chaos.watch.status),
-        "checkpoints_committed": status.get(CheckpointStatus.COMMITTED.value, 0),
-        "checkpoints_failed": len(chaos.watch.status) - status.get(CheckpointStatus.COMMITTED.value, 0),
-        "checkpoints_damaged_on_purpose": sorted(chaos.damaged),
-        "lost_commits": len(chaos.lost) + len(unrestorable),
-        "lost_commit_details": chaos.lost + unrestorable,
-        "samples_duplicated": sum(c - 1 for c in counts.values() if c > 1),
-        "samples_skipped": sum(1 for s in ref_counts if s not in counts),
-        "samples_not_in_reference": sum(1 for s in counts if s not in ref_counts),
-        "trace_equals_reference": load_trace(chaos.trace_dir) == reference["trace"],
-        "restores": len(restores),
-        "fallbacks": sum(1 for a in restores if a["restored"] and a["restored"] != a["newest"]),
-        "second_jobs": dict(chaos.second_jobs),
-        "restorable_after_every_event": bool(checks) and all(c["ok"] for c in checks),
-        "restorable_checks": len(checks),
-        "restorable_failures": [c for c in checks if not c["ok"]],
-        "damage_resume_crash": [{k: e.get(k) for k in ("variant", "damaged", "restored", "fell_back", "committed_after",
-                                                       "crash", "restorable_after_crash", "skipped")}
-                                for e in by_kind.get("damage_resume_crash", [])],
-        "fresh_races_refused": f"{sum(1 for e in by_kind.get('fresh_race', []) if e.get('ok'))}/"
-                               f"{len(by_kind.get('fresh_race', []))}",
-        "shared_local_dirs_apart": f"{sum(1 for e in by_kind.get('shared_local_dir', []) if e.get('ok'))}/"
-                                   f"{len(by_kind.get('shared_local_dir', []))}",
-        "attempts_not_committed": sum(1 for a in chaos.attempts if a.get("not_committed")),
-        "proxy_requests": dict(chaos.proxy.counts),
-        "failures": fatal,
-        "seconds_lost_total": round(lost_s, 1),
-        "seconds_lost_per_failure": round(lost_s / fatal, 2) if fatal else 0.0,
-        "reference_seconds": round(reference["seconds"], 1),
-        "final_state_equal": final["state_sha256"] == reference["summary"]["state_sha256"],
-        "final_steps": final["steps"],
-        "settings": {k: v for k, v in vars(args).items() if k != "workdir"},
-    }
 
 
 def run(argv: List[str]) -> Dict[str, Any]:
@@ -451,28 +429,24 @@ def run(argv: List[str]) -> Dict[str, Any]:
             proxy = ChaosProxy(moto.endpoint, seed=args.seed)
             proxied = dict(env, **endpoint_env(proxy.endpoint))
             reference = _reference(args, workdir, proxied, f"s3://{moto.new_bucket()}/job")
+            if "error" in reference:
+                proxy.close()
+                return _failed(args, "reference", reference["error"], reference_seconds=reference["seconds"])
             proxy.counts = dict.fromkeys(proxy.counts, 0)  # count the chaos run's requests only
             bucket = moto.new_bucket()
             storage = S3Storage(bucket, "job")  # the bench's own client goes to moto directly
             try:
                 chaos = Chaos(args, workdir, proxied, proxy, storage, f"s3://{bucket}/job",
                               side_env=dict(env, **endpoint_env(moto.endpoint)), new_bucket=moto.new_bucket)
-                final = chaos.run()
-                unrestorable = _unrestorable(storage, chaos.damaged)
+                try:
+                    final = chaos.run()
+                except ChaosError as e:
+                    return _failed(args, "chaos", str(e), attempts=chaos.attempts, events=chaos.fired)
+                unrestorable_ids = unrestorable(storage, chaos.damaged)
             finally:
                 storage.close()
                 proxy.close()
-        return _report(args, chaos, final, reference, unrestorable)
+        return report(args, chaos, final, reference, unrestorable_ids)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _unrestorable(storage: S3Storage, damaged: Set[str]) -> List[str]:
-    """Committed checkpoints whose chain has no deliberately damaged link but does not restore
-    (cnr.format.verify reads back every object)."""
-    out = []
-    for v in verify_store(storage):
-        if not v.restorable and v.id not in damaged and not set(v.chain) & damaged:
-            out.append(f"{v.id}: {'; '.join(v.damage) or 'a link of its chain is damaged'}")
-    return out
