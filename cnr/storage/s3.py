@@ -2,7 +2,8 @@
 
 One boto3 client and one s3transfer ``TransferManager`` per instance, both created in the
 constructor and reused by every call (the client is thread-safe; the manager runs multipart
-uploads on its own thread pool). Endpoint, region and credentials come from boto3's standard
+uploads on its own thread pool; an object under ``part_size`` goes up as one PutObject on the
+calling thread, so that a put still works at interpreter exit: cnr.storage.s3_transfer.Puts). Endpoint, region and credentials come from boto3's standard
 chain (``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_PROFILE``, shared config files, instance roles...); ``endpoint_url``, ``region`` and
 ``profile`` override it.
@@ -18,8 +19,8 @@ A PUT -- single or completed multipart -- is atomic in S3: readers see the old o
 whole new one. A failed multipart upload is aborted (by s3transfer, and again by us in case that
 abort failed) so no parts linger.
 
-Error classification, credential redaction and the retry loop live in ``s3_errors``; the upload
-reader, body reads and multipart-upload tracking in ``s3_transfer``.
+Error classification, credential redaction and the retry loop live in ``s3_errors``; puts (the
+upload reader, the transfer manager, multipart-upload tracking) and body reads in ``s3_transfer``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ try:
     import boto3
     import botocore.exceptions as bexc
     from botocore.config import Config
-    from s3transfer.manager import TransferConfig, TransferManager
+    import s3transfer  # noqa: F401 - cnr.storage.s3_transfer's
 except ImportError as _e:  # pragma: no cover - exercised only without boto3
     raise ConfigError(
         "s3:// storage needs boto3: install it with `pip install boto3` (or `pip install cnr`)"
@@ -55,7 +56,7 @@ from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to 
     safe_endpoint,
     status,
 )
-from cnr.storage.s3_transfer import BufferReader, MultipartUploads, read_body  # noqa: E402
+from cnr.storage.s3_transfer import Puts, read_body  # noqa: E402
 from cnr.storage.s3_options import S3Options  # noqa: E402
 
 T = TypeVar("T")
@@ -126,15 +127,7 @@ class S3Storage(Storage):
             self._client = client
             self._owns_client = False
 
-        self._transfer = TransferManager(
-            self._client,
-            TransferConfig(
-                multipart_threshold=options.part_size,
-                multipart_chunksize=options.part_size,
-                max_request_concurrency=options.max_concurrency,
-            ),
-        )
-        self._uploads = MultipartUploads(self._client, self._bucket)
+        self._puts = Puts(self._client, self._bucket, options.part_size, options.max_concurrency)
 
     @classmethod
     def from_uri(cls, uri: str, options: Optional[S3Options] = None, **kwargs) -> "S3Storage":
@@ -204,18 +197,7 @@ class S3Storage(Storage):
                 "ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii"),
             }
 
-        def attempt() -> None:
-            try:
-                self._transfer.upload(BufferReader(view), self._bucket, full, extra_args=extra).result()
-            except BaseException:
-                self._uploads.abort(full)
-                raise
-
-        self._uploads.begin(full)
-        try:
-            self._retrying("write", key, attempt)
-        finally:
-            self._uploads.end(full)
+        self._puts.put(full, view, extra, lambda attempt: self._retrying("write", key, attempt))
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         # One PutObject with If-None-Match: * (S3 conditional writes); meant for small objects
@@ -383,7 +365,7 @@ class S3Storage(Storage):
         if self._closed:
             return
         self._closed = True
-        self._transfer.shutdown()
+        self._puts.close()
         if self._owns_client:
             self._client.close()
 

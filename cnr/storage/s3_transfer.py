@@ -1,5 +1,6 @@
-"""S3 transfer plumbing: a zero-copy upload source, safe body reads, and tracking of the
-multipart uploads of puts in flight so a failed put can abort them.
+"""S3 transfer plumbing: puts (one PutObject, or a multipart upload on s3transfer's pool), a
+zero-copy upload source, safe body reads, and tracking of the multipart uploads of puts in flight
+so a failed put can abort them.
 
 Imported by ``cnr.storage.s3`` after it has checked that boto3 is installed.
 """
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import Dict, Optional, Set
+from typing import Callable, Dict, Optional, Set
 
 import botocore.exceptions as bexc
+from s3transfer.manager import TransferConfig, TransferManager
 
+from cnr.errors import StorageError
 from cnr.storage.s3_errors import describe, error_code, log
 
 
@@ -111,3 +114,63 @@ class MultipartUploads:
         with self._lock:
             if parsed.get("Key") in self._puts_in_flight:
                 self._open_uploads.setdefault(parsed["Key"], set()).add(parsed["UploadId"])
+
+
+class Puts:
+    """The puts of one S3 store. An object under ``part_size`` goes up as one PutObject on the
+    calling thread (as s3transfer would send it from its pool); a larger one as a multipart upload
+    on s3transfer's TransferManager (``max_concurrency`` parts at once), its parts aborted if it fails.
+
+    At interpreter exit concurrent.futures' own hook (run before atexit's) has stopped every
+    ThreadPoolExecutor's threads, s3transfer's among them: a small put (a lease record, a failure
+    marker: cnr.write.at_exit) still works; a multipart upload is refused with StorageError, and
+    since s3transfer keeps the transfer it could not submit as in progress, ``close`` then cancels
+    it rather than wait for it forever.
+    """
+
+    def __init__(self, client, bucket: str, part_size: int, max_concurrency: int) -> None:
+        self._client, self._bucket, self._part_size = client, bucket, part_size
+        self._transfer = TransferManager(client, TransferConfig(multipart_threshold=part_size,
+                                                                multipart_chunksize=part_size,
+                                                                max_request_concurrency=max_concurrency))
+        self._uploads = MultipartUploads(client, bucket)
+        self._refused = False  # a multipart upload was refused by a shut-down pool: close cancels it
+
+    def put(self, full: str, view: memoryview, extra: Dict[str, str],
+            retrying: Callable[[Callable[[], None]], None]) -> None:
+        """Store bytes ``view`` at key ``full`` with PutObject arguments ``extra``; ``retrying`` runs
+        one attempt with the store's retries and raises its StorageError."""
+        if len(view) < self._part_size:
+            retrying(lambda: self._client.put_object(Bucket=self._bucket, Key=full, Body=BufferReader(view), **extra))
+            return
+
+        def attempt() -> None:
+            try:
+                future = self._transfer.upload(BufferReader(view), self._bucket, full, extra_args=extra)
+            except RuntimeError as e:  # "cannot schedule new futures after (interpreter) shutdown"
+                self._refused = True
+                raise StorageError(f"cannot write s3://{self._bucket}/{full}: the interpreter is exiting and its "
+                                   f"thread pools are shut down, so no multipart upload can start ({e})") from None
+            try:
+                future.result()
+            except BaseException:
+                self._uploads.abort(full)
+                raise
+
+        self._uploads.begin(full)
+        try:
+            retrying(attempt)
+        finally:
+            self._uploads.end(full)
+
+    def close(self) -> None:
+        """Wait for the transfers in progress (cancel them once one was refused: see the class) and
+        stop the manager's pools."""
+        if not self._refused:
+            self._transfer.shutdown()
+            return
+        # not shutdown(cancel=True): it hands its arguments on in the wrong order (s3transfer 0.17,
+        # a str where the exception type goes); leaving the manager's context on an error cancels
+        # every transfer in progress, as s3transfer documents, the refused one included
+        error = StorageError("the interpreter is exiting: transfers in progress are cancelled")
+        self._transfer.__exit__(StorageError, error, None)
