@@ -456,14 +456,25 @@ class Checkpointer:
 
     def abort(self) -> None:
         """Stop the writers without collectives (on an error path, other ranks may be gone)."""
+        self._abort()
+
+    def _abort(self, stop_s: Optional[float] = None, release_s: Optional[float] = None) -> None:
+        """``abort()``, bounded for interpreter exit (cnr.write.at_exit): ``stop_s``, seconds each writer
+        process gets to exit before it is killed (None: Writer.close's default); ``release_s``, seconds
+        the lease's release and the store's close get on a thread of their own (None: on this one)."""
         if not self._closed:
             self._closed = True
             at_exit.unregister(self)
             self._untrack()
             if self.publisher is not None:
-                self.publisher.abort()
-            self.engine.writer.close()
+                self.publisher.abort(stop_s)
+            self.engine.writer.close(stop_s)
+            at_exit.within(release_s, f"release the lease on {self.uri} and close it", self._let_go)
+
+    def _let_go(self) -> None:
+        try:
             self._release_lease()
+        finally:
             self.storage.close()
 
     def _untrack(self) -> None:

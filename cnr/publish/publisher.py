@@ -229,9 +229,10 @@ class Publisher:
         finally:
             self.handoff.close()
 
-    def abort(self) -> None:
-        """Stop the writer without collectives (on an error path, other ranks may be gone)."""
-        self.handoff.close()
+    def abort(self, timeout_s: Optional[float] = None) -> None:
+        """Stop the writer without collectives (on an error path, other ranks may be gone);
+        ``timeout_s``: seconds it gets to exit before it is killed (None: Writer.close's default)."""
+        self.handoff.close(timeout_s)
 
     def summary(self) -> Dict[str, Any]:
         """Totals over ranks (collective): bytes summed, stall the maximum; rank 0's counts."""

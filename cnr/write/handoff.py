@@ -136,7 +136,8 @@ class HandOff:
         self._captured, self._token = [], None
         return settled
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Stop the writer (``timeout_s``: Writer.close's) and free the host buffers."""
+        self.writer.close(timeout_s)
         self.buffers.close()
 

@@ -412,15 +412,17 @@ class Writer:
             self._cancel.clear()
         return result
 
-    def close(self) -> None:
+    def close(self, timeout_s: Optional[float] = None) -> None:
         """Stop the writer process. With a local tier it first flushes what the remote store lacks
-        (bounded, cnr.storage.tiered) and rank 0's reports what stays local (``flush_report``)."""
+        (bounded, cnr.storage.tiered) and rank 0's reports what stays local (``flush_report``).
+        ``timeout_s``: seconds it gets to exit before it is killed (None: 60, and with a local tier
+        60 + ``commit_timeout_s`` for the flush)."""
         self._stop_watch.set()
         if self._process.is_alive():
             self._jobs.put(None)
             if not self._options.local_dir:
-                self._process.join(timeout=60)
-            deadline = time.monotonic() + 60 + self._options.commit_timeout_s
+                self._process.join(timeout=60 if timeout_s is None else timeout_s)
+            deadline = time.monotonic() + (60 + self._options.commit_timeout_s if timeout_s is None else timeout_s)
             while self._options.local_dir and self._process.is_alive() and time.monotonic() < deadline:
                 if not self._take_report(0.05):  # read while it runs: a queued report never blocks its exit
                     self._process.join(timeout=0.05)
