@@ -19,7 +19,7 @@ _EXPORTS = {
     "Compression": "cnr.types", "SearchKernel": "cnr.types",
     "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
     "DeterministicDataParallel": "cnr.track.dense_sync", "PipelineFeed": "cnr.track.pipeline",
-    "UnsupportedStateError": "cnr.track.coverage",
+    "UnsupportedStateError": "cnr.track.coverage", "RankAgreementError": "cnr.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -27,7 +27,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
     from cnr.track.dense_sync import DeterministicDataParallel  # noqa: F401
-    from cnr.errors import CheckpointError  # noqa: F401
+    from cnr.errors import CheckpointError, RankAgreementError  # noqa: F401
     from cnr.restore.load import load_state_dict  # noqa: F401
     from cnr.track.coverage import UnsupportedStateError  # noqa: F401
     from cnr.options import CheckpointOptions, FailureBudget, PublishOptions  # noqa: F401

@@ -81,6 +81,23 @@ class Cancelled(CnrError):
     """A checkpoint was abandoned (the next boundary arrived first) before it committed."""
 
 
+class RankAgreementError(CheckpointError):
+    """A step every rank runs together (cnr.track.agreement) failed on one or more ranks; every
+    rank raises this same error. ``step``: the step's name; ``failures``: rank -> that rank's
+    exception (each picklable). The message names the step, the failing ranks and their errors."""
+
+    def __init__(self, step: str, failures: "dict") -> None:
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        ranks = ", ".join(str(r) for r in self.failures)
+        why = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in self.failures.items())
+        super().__init__(f"{step} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks} "
+                         f"(every rank stops here): {why}")
+
+    def __reduce__(self):
+        return type(self), (self.step, self.failures)
+
+
 class CorruptChunkError(CheckpointError):
     """A chunk failed validation: truncated, altered, or its header does not match the manifest."""
 
