@@ -29,7 +29,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from cnr.track.collectives import all_reduce_host
 from cnr.restore.into_app import RestoredChain, table_placement
 from cnr.track.app_state import AppState, TableRef, whole_tables
 from cnr.policy.bit_width import BitWidthPlanner
@@ -39,10 +38,10 @@ from cnr.track.pipeline import check_lookahead, check_loaders
 from cnr.errors import CheckpointError, CnrError
 from cnr.format.abandoned import record_abandoned
 from cnr.format.catalog import restore_ids
-from cnr.restore.newest import Skipped, ids_from_rank0, restore_checkpoint, restore_newest
-from cnr.write.lease import Lease, LeaseHeldError
+from cnr.restore.newest import Skipped, restore_checkpoint, restore_newest
+from cnr.write.lease import Lease
 from cnr.format.lineage import new_lineage_id, record_activation
-from cnr.track.collectives import rank0_decides
+from cnr.track import agreement
 from cnr.format.manifest import Manifest, step_of
 from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
@@ -54,6 +53,7 @@ from cnr.write.peer_exchange import host_exchange
 from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
+from cnr.track.state import StatePiece
 from cnr.types import CheckpointInfo, CheckpointStatus, LeaseRef, RetentionScope, TableSpec
 from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
@@ -143,7 +143,8 @@ class Checkpointer:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
         self.app = AppState(app_state, self.rank)
-        _on_every_rank(check_supported, self.app)  # state cnr cannot give back exactly: refused before training
+        # state cnr cannot give back exactly: refused before training
+        agreement.barrier("open: app_state holds only state cnr restores exactly", lambda: check_supported(self.app))
         try:  # before anything is opened: a bad name is refused with nothing to undo
             table_bits = resolve_table_bits(self.options.table_bits, [(t.id, t.name) for t in self.app.tables])
         except ValueError as e:
@@ -151,7 +152,7 @@ class Checkpointer:
         self.tracker: Optional[RowTracker] = None
         if self.options.policy != "full" or views:  # a slot held by a foreign hook is refused before anything opens
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
-            _on_every_rank(self.tracker.check_slots)
+            agreement.barrier("open: torchrec's hook slots are free for the row tracker", self.tracker.check_slots)
         self.metadata = dict(metadata or {})
         self.storage = open_checkpoint_store(uri, self.options)
         self.uri = self.storage.uri
@@ -159,12 +160,13 @@ class Checkpointer:
         self.tables = [_table_spec(t) for t in self.app.tables]
         try:  # the lease is the remote store's: it decides which job owns the location
             lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
-            self.lease, self._lease_ref = take_lease(lease_store, self.options.lease_ttl_s, self.rank)
+            self.lease, self._lease_ref = take_lease(lease_store, self.options.lease_ttl_s)
             # after the lease: a job that committed before it was taken is seen
-            self._newest = _newest_on_rank0(self.storage, self.rank)
-            self.lineage: str = rank0_decides(new_lineage_id, self.rank)  # a restore continues its checkpoint's
+            self._newest = _newest_on_rank0(self.storage)
+            # a restore continues its checkpoint's
+            self.lineage: str = agreement.rank0_decides("open: a new lineage id", new_lineage_id)
             if self._newest is None or new_history:  # a new history: the location's current one from now on
-                _activate_on_rank0(self.storage, self.lineage, "", self._newest is not None, self.rank)
+                _activate_on_rank0(self.storage, "open", self.lineage, "", self._newest is not None)
         except BaseException:
             if getattr(self, "lease", None) is not None:
                 self.lease.release()
@@ -247,10 +249,10 @@ class Checkpointer:
             if restored is None:
                 return None
         # before this job may save at the steps passed over: no later restore takes them back
-        _abandon_on_rank0(self.storage, self.skipped_on_restore, restored.manifest.id, self.rank)
+        _abandon_on_rank0(self.storage, self.skipped_on_restore, restored.manifest.id)
         self._resume_from(restored, by_id=bool(checkpoint))
         # a checkpoint of a history that is not the current one: it is again (cnr.format.lineage)
-        _activate_on_rank0(self.storage, self.lineage, restored.manifest.id, False, self.rank)
+        _activate_on_rank0(self.storage, "restore", self.lineage, restored.manifest.id, False)
         return _info(restored.manifest)
 
     def _resume_from(self, restored: RestoredChain, by_id: bool = False) -> None:
@@ -293,7 +295,8 @@ class Checkpointer:
         nothing where committed checkpoints are, unless ``new_history`` (CheckpointError).
         Raises TypeError naming the key path of state that cannot be stored, or ValueError for a
         loader whose position runs ahead of training under a train pipeline (cnr.track.pipeline),
-        before anything is written (on every rank, when any rank has such state).
+        before anything is written; with more than one rank, every rank raises a
+        RankAgreementError naming each rank's error when any rank has such state.
         """
         if self._closed:
             raise RuntimeError("save() after close()")
@@ -303,25 +306,19 @@ class Checkpointer:
         if self._step_floor is not None and step <= self._step_floor[0]:
             raise ValueError(f"step {step} is not allowed: it must be above {self._step_floor[0]}, the step of "
                              f"{self._step_floor[1]} (a restore takes the checkpoint with the highest step)")
-        error: Optional[Exception] = None
-        try:
-            check_loaders(self.app.objects, self.app.kinds)  # a data position ahead of training
-            if self.tracker is not None:  # increments: rows a pipeline looked up ahead would be missed
-                check_lookahead(self.app.objects, self.app.kinds)
-            pieces, app_json = self.app.collect()
-        except (TypeError, ValueError) as e:
-            error = e
-        failed = torch.tensor([1 if error else 0], dtype=torch.int64)
-        all_reduce_host(failed)
-        if error:
-            raise error
-        if int(failed[0]):
-            raise TypeError("another rank's app_state holds state cnr cannot store (its error names the key)")
+        pieces, app_json = agreement.barrier(f"save: collect app_state at step {step}", self._collect)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
         ckpt_id = self.engine.save(step, pieces, fields, app_json, bits=self._bits(step),
                                    retention=RetentionScope(self.lineage, self._pinned))
         self._step_floor = (step, "the previous save()")
         return PendingCheckpoint(self, ckpt_id, step)
+
+    def _collect(self) -> Tuple[List[StatePiece], Dict[str, Any]]:
+        """This rank's pieces and JSON state for a save, after refusing what a save cannot take."""
+        check_loaders(self.app.objects, self.app.kinds)  # a data position ahead of training
+        if self.tracker is not None:  # increments: rows a pipeline looked up ahead would be missed
+            check_lookahead(self.app.objects, self.app.kinds)
+        return self.app.collect()
 
     def mark_rows(self, table: str, rows: Union[torch.Tensor, Sequence[int]]) -> None:
         """Record that the application wrote ``rows`` of ``table`` outside a lookup (re-initialised
@@ -496,79 +493,58 @@ class Checkpointer:
             self.abort()
 
 
-def _on_every_rank(check: Callable[..., None], *args: Any) -> None:
-    """Run ``check`` on every rank; when it raises on any rank, raise on every rank (its own error
-    where it failed, a CheckpointError naming it elsewhere), so no rank goes on alone (collective)."""
-    error: Optional[BaseException] = None
-    try:
-        check(*args)
-    except (CnrError, TypeError, ValueError) as e:
-        error = e
-    everyone: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, why) for r, why in enumerate(everyone) if why]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {why}" for r, why in failed))
+def take_lease(storage: Storage, ttl_s: float) -> Tuple[Optional[Lease], LeaseRef]:
+    """Rank 0 takes the storage location's lease (cnr.write.lease) and renews it from now on; when
+    it cannot, every rank raises (collective; rank 0's LeaseHeldError or storage error, inside the
+    RankAgreementError every rank raises when there is more than one). Returns rank 0's Lease (None
+    elsewhere) and, on every rank, which generation it is: every rank's writer checks it before
+    flushing after a remote outage (cnr.storage.tiered)."""
+    taken: List[Lease] = []
 
+    def acquire() -> Tuple[int, str]:
+        taken.append(Lease.acquire(storage, ttl_s))
+        return taken[0].ref.generation, taken[0].ref.owner
 
-def take_lease(storage: Storage, ttl_s: float, rank: int) -> Tuple[Optional[Lease], LeaseRef]:
-    """Rank 0 takes the storage location's lease (cnr.write.lease) and renews it from now on; every
-    rank raises LeaseHeldError (or the storage's error) when it cannot (collective). Returns rank
-    0's Lease (None elsewhere) and, on every rank, which generation it is: every rank's writer
-    checks it before flushing after a remote outage (cnr.storage.tiered)."""
-    lease: Optional[Lease] = None
-    shared: List[Any] = [None, None]  # (why it was refused, or None), the held generation
-    if rank == 0:
-        try:
-            lease = Lease.acquire(storage, ttl_s)
-            shared[1] = (lease.ref.generation, lease.ref.owner)
-        except CnrError as e:
-            shared[0] = (type(e).__name__, str(e))
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0] is not None:
-        kind, message = shared[0]
-        raise LeaseHeldError(message) if kind == LeaseHeldError.__name__ else CheckpointError(message)
+    held = agreement.rank0_decides(f"open: take the lease on {storage.uri}", acquire)
+    lease = taken[0] if taken else None
     if lease is not None:
         lease.start_renewing()
-    return lease, LeaseRef(*shared[1])
+    return lease, LeaseRef(*held)
 
 
-def _record_on_rank0(storage: Storage, rank: int, record: Callable[[], Any], what: str) -> None:
-    """Rank 0 runs ``record`` (it stores ``what`` under the lease); every rank raises
-    CheckpointError naming ``what`` when it could not (collective)."""
-    def attempt() -> str:
+def _record_on_rank0(storage: Storage, step: str, record: Callable[[], Any], what: str) -> None:
+    """Rank 0 runs ``record`` (it stores ``what`` under the lease); when it could not, every rank
+    raises (collective): a CheckpointError naming ``what``, inside the RankAgreementError of the
+    agreement step ``"<step>: record <what>"`` when there is more than one rank."""
+    def attempt() -> None:
         try:
             record()
-            return ""
         except CnrError as e:
-            return f"{type(e).__name__}: {e}"
+            raise CheckpointError(f"could not record {what} at {storage.uri}: {type(e).__name__}: {e}") from e
 
-    error = rank0_decides(attempt, rank)
-    if error:
-        raise CheckpointError(f"could not record {what} at {storage.uri}: {error}")
+    agreement.rank0_decides(f"{step}: record {what}", attempt)
 
 
-def _activate_on_rank0(storage: Storage, lineage: str, restored_from: str, beside_others: bool, rank: int) -> None:
+def _activate_on_rank0(storage: Storage, step: str, lineage: str, restored_from: str, beside_others: bool) -> None:
     """Rank 0 makes ``lineage`` the location's current history (cnr.format.lineage.record_activation)."""
-    _record_on_rank0(storage, rank, lambda: record_activation(storage, lineage, restored_from, beside_others),
+    _record_on_rank0(storage, step, lambda: record_activation(storage, lineage, restored_from, beside_others),
                      "this job's history (lineage)")
 
 
-def _abandon_on_rank0(storage: Storage, skipped: List[Skipped], restored_id: str, rank: int) -> None:
+def _abandon_on_rank0(storage: Storage, skipped: List[Skipped], restored_id: str) -> None:
     """Rank 0 records each checkpoint a restore passed over as abandoned (cnr.format.abandoned;
     nothing to do when none was)."""
     if skipped:
-        _record_on_rank0(storage, rank, lambda: [record_abandoned(storage, s.id, restored_id, s.reason) for s in skipped],
+        _record_on_rank0(storage, "restore", lambda: [record_abandoned(storage, s.id, restored_id, s.reason)
+                                                      for s in skipped],
                          "the checkpoints this restore passed over as abandoned (a later restore could take them back)")
 
 
-def _newest_on_rank0(storage: Storage, rank: int) -> Optional[Tuple[str, int]]:
+def _newest_on_rank0(storage: Storage) -> Optional[Tuple[str, int]]:
     """(id, step) of the committed checkpoint a restore tries first under ``storage`` (the
     current history's newest, cnr.format.lineage), listed by rank 0 and the same on every rank
     (collective); None when nothing is committed."""
-    ids = ids_from_rank0(lambda: restore_ids(storage)[:1], rank)
+    ids = agreement.rank0_decides("open: find the newest committed checkpoint", lambda: restore_ids(storage)[:1])
     return (ids[0], step_of(ids[0])) if ids else None
 
 

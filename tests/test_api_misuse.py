@@ -150,7 +150,9 @@ def _keys(rank, world_size, arg):
 def test_key_mismatch_is_refused_naming_both_sides_and_partial_restore_reports_it(tmp_path):
     out = launch(_keys, 2, {"uri": str(tmp_path / "ck")})
     for error in out["strict"]:  # on every rank, from the newest checkpoint: not a fallback past "damage"
-        assert error.startswith("CheckpointError: checkpoint 0000000004-") and "damaged" not in error
+        # 2 ranks: every rank's refusal, inside the error of the agreement step (cnr.track.agreement)
+        assert error.startswith("RankAgreementError: restore: checkpoint 0000000004-") and "damaged" not in error
+        assert "rank 0: CheckpointError: checkpoint 0000000004-" in error and "rank 1: CheckpointError" in error
         assert "app_state keys with no saved state: ['counter', 'head', 'head_opt']" in error
         assert "saved keys with no app_state entry: ['aux', 'loader', 'optim']" in error
         assert "partial=True" in error

@@ -8,7 +8,7 @@ from typing import List, Optional
 import pytest
 import torch
 
-from cnr.track.collectives import rank0_decides
+from cnr.track import agreement
 from cnr.write.handoff import RUNNING, HandOff, SettleMode
 from cnr.app.launch import launch
 from cnr.track.state import whole_piece
@@ -85,7 +85,7 @@ def _case(rank, world_size, name):
         assert (settled.rows, settled.nbytes) == (3, 7)
     else:
         assert settled.error
-    assert rank0_decides(lambda: ("decided", rank), rank) == ("decided", 0)
+    assert agreement.rank0_decides("test: a decision", lambda: ("decided", rank)) == ("decided", 0)
     return {}
 
 

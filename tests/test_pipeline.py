@@ -55,7 +55,7 @@ def _run(rank, world_size, arg):
             if step in arg.get("saves", ()):
                 try:
                     ckpt.save(step).wait()
-                except ValueError as e:
+                except (ValueError, cnr.RankAgreementError) as e:  # 2 ranks: every rank's, in the agreement error
                     return {"error": str(e)}
     state = gathered(app_state)
     state["yielded"] = torch.tensor([feed.state_dict()["_num_yielded"]])

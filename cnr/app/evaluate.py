@@ -6,11 +6,11 @@ import math
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from cnr.app.config import Config
 from cnr.app.data import has_eval_data, make_reader, to_device
 from cnr.app.metrics import auc, logloss
+from cnr.track import agreement
 
 
 @torch.no_grad()
@@ -40,8 +40,7 @@ def evaluate(config: Config, model: torch.nn.Module, rank: int, world_size: int,
     local = torch.cat(mine) if mine else torch.empty(0, 3, dtype=torch.float64)
     everyone: List = [local]
     if world_size > 1:  # a single process (e.g. a subscriber's inference model) needs no process group
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, local)
+        everyone = agreement.all_gather("train: gather the eval predictions", lambda: local)
     if rank != 0:
         return {"logloss": float("nan"), "auc": float("nan")}
     rows = torch.cat(everyone)

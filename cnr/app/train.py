@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cnr.track import agreement
 from cnr.track.collectives import all_reduce_host
 from cnr.api import Checkpointer
 from cnr.track.app_state import collect_state
@@ -34,7 +35,7 @@ from cnr.options import CheckpointOptions, PublishOptions
 from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_uri
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish.publisher import Publisher
-from cnr.track.state import global_names, state_digest
+from cnr.track.state import all_gather_names, state_digest
 from cnr.write.local_tier import open_checkpoint_store
 from cnr.app.trace import SampleTrace, reset_trace
 from cnr.types import CheckpointStatus
@@ -245,7 +246,7 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
         ckpt.close()
     metrics = evaluate(config, sharded.model, rank, world_size, device)
     pieces = collect_state(sharded.model, sharded.dense_optimizer)
-    digest = state_digest(pieces, global_names(pieces))
+    digest = state_digest(pieces, all_gather_names("train: the names of the state to digest", pieces))
     stats = _reduce_stats(saving.stats if saving is not None else None, train_seconds)
     if publisher is not None:
         stats.update(publisher.summary())
@@ -350,9 +351,9 @@ def _open_trace(config: Config, rank: int, step: int) -> Optional[SampleTrace]:
     """This rank's sample trace (data.trace_dir), holding only steps <= ``step`` so far."""
     if not config.data.trace_dir:
         return None
-    if rank == 0:
-        reset_trace(config.data.trace_dir, step)
-    dist.barrier()  # no rank appends before rank 0 has dropped the records of lost steps
+    # no rank appends before rank 0 has dropped the records of lost steps
+    agreement.rank0_decides("train: drop the sample trace's records of lost steps",
+                            lambda: reset_trace(config.data.trace_dir, step))
     return SampleTrace(config.data.trace_dir, rank)
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Mapping, Optional
-
-import torch.distributed as dist
+from typing import Any, Mapping, Optional
 
 from cnr.options import CheckpointOptions
+from cnr.track import agreement
 from cnr.policy.kinds import BitDecision, apply_observed, decide_bits, fixed_bits, previous_decision
 
 logger = logging.getLogger(__name__)
@@ -70,8 +69,7 @@ class BitWidthPlanner:
         save, is every rank's)."""
         if self.decision is None:
             seconds = (time.perf_counter() - self._created) / max(1, step - self.start_step)
-            shared: List[Any] = [seconds]
-            dist.broadcast_object_list(shared, src=0)
-            self.decision = self._decide(float(shared[0]))
+            seconds = agreement.rank0_decides("save: rank 0's step time for the bit-width", lambda: seconds)
+            self.decision = self._decide(float(seconds))
             self._log("checkpoint bit-width %d (%s): %s")
         return self.decision

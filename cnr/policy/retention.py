@@ -66,6 +66,7 @@ from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planner
 )
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, RetentionScope
+from cnr.write.faults import maybe_crash
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,9 @@ def retain_after_commit(storage: Storage, plan: Callable[[List[CheckpointInfo]],
     JSON-able report. An error is logged and reported, never raised: the commit stands and the
     next commit's retention tries again. ``what`` names the store in the log ("checkpoint")."""
     try:
-        r = execute_plan(storage, plan(list_checkpoints(storage)))
+        infos = list_checkpoints(storage)
+        maybe_crash("retention", max((i.step for i in infos), default=0), 0)  # rank 0's writer runs it
+        r = execute_plan(storage, plan(infos))
         return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
     except Exception as e:  # noqa: BLE001 - see the docstring
         logger.warning("%s retention after a commit failed (the commit stands): %s", what, e)

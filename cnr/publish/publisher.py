@@ -43,7 +43,7 @@ import torch.distributed as dist
 from cnr.track.collectives import all_reduce_host
 from cnr.codec.zstd import zstd_spec
 from cnr.write.engine import WriteTotals, pieces_to_write
-from cnr.track.collectives import rank0_decides
+from cnr.track import agreement
 from cnr.write.handoff import RUNNING, HandOff, SettleMode, Settled
 from cnr.track.app_state import AppState, whole_tables
 from cnr.options import CheckpointOptions, PublishOptions
@@ -161,7 +161,7 @@ class Publisher:
         retain = functools.partial(retain_publishes, keep_bases=options.keep_bases)
         # its own retention; publishes go straight to their store (the local tier is the checkpoints')
         writer_options = dataclasses.replace(writer_options, local_dir="")
-        self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank)
+        self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank, "publish", "publish")
 
     @classmethod
     def for_model(cls, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
@@ -192,7 +192,8 @@ class Publisher:
             plan = None
         else:
             self._record(settled)
-            plan = rank0_decides(lambda: self._decide(step, force_dense=False), self.rank)
+            plan = agreement.rank0_decides(f"publish: what to publish at step {step}",
+                                           lambda: self._decide(step, force_dense=False))
             self._submit(pieces, plan)
         self.stats.stall_seconds += time.perf_counter() - start
         return plan.pub_id if plan is not None else None
@@ -208,7 +209,8 @@ class Publisher:
         start = time.perf_counter()
         self.wait()
         lacks = self.chain.step != step or self.chain.dense_step != step
-        plan = rank0_decides(lambda: self._decide(step, force_dense=True) if lacks else None, self.rank)
+        plan = agreement.rank0_decides(f"publish: what the last publish lacks at step {step}",
+                                       lambda: self._decide(step, force_dense=True) if lacks else None)
         if plan is not None:
             self._submit(pieces, plan)
             self.wait()

@@ -42,7 +42,8 @@ from cnr.track.managed_collision import check_restore as check_managed_collision
 from cnr.format.catalog import resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.restore.pieces import check_no_extra_tensors, check_shapes, restore_rng
-from cnr.track.state import StatePiece, global_names, whole_piece
+from cnr.track.state import StatePiece, whole_piece
+from cnr.track import agreement
 from cnr.storage.base import Storage
 from cnr.types import Role
 
@@ -446,19 +447,33 @@ def _only(app: AppState, keys: List[str]) -> AppState:
 def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, world_size: int,
                 threads: int = 1, chain: Optional[List[Manifest]] = None, partial: bool = False) -> RestoredChain:
     """Restore ``manifest`` (and the chain it needs: ``chain`` when the caller resolved it
-    already) into ``app`` on this rank (collective). ``partial``: see ``check_keys``."""
-    fresh, unused = check_keys(manifest, app, partial)
-    chain = chain if chain is not None else resolve_chain(storage, manifest)
-    app = _only(app, [k for k in app.kinds if k not in fresh]) if fresh else app
-    check_placements(manifest, app)
-    check_managed_collisions(manifest, {k: app.objects[k] for k in app.runtime_keys if k in app.kinds}, rank, world_size)
-    targets = _stateful_targets(manifest, app, rank, world_size)
-    created = _prepare_optimizers(manifest, app)
+    already) into ``app`` on this rank (collective). ``partial``: see ``check_keys``. Its one
+    collective, the agreement step "restore: checkpoint <id> fits the application", runs every
+    check a rank can fail alone before it (a refusal raises the same RankAgreementError on
+    every rank); what follows raises on this rank only, for the caller to agree on."""
+    mine: Dict[str, Any] = {"created": []}
+
+    def fits() -> List[str]:
+        """This rank's checks; the names of the tensors it holds."""
+        fresh, unused = check_keys(manifest, app, partial)
+        sub = _only(app, [k for k in app.kinds if k not in fresh]) if fresh else app
+        mine.update(fresh=fresh, unused=unused, app=sub,
+                    chain=chain if chain is not None else resolve_chain(storage, manifest))
+        check_placements(manifest, sub)
+        check_managed_collisions(manifest, {k: sub.objects[k] for k in sub.runtime_keys if k in sub.kinds},
+                                 rank, world_size)
+        mine["targets"] = _stateful_targets(manifest, sub, rank, world_size)
+        mine["created"] = _prepare_optimizers(manifest, sub)
+        mine["pieces"] = [p for p in sub.pieces() if p.role != Role.STATEFUL]
+        return sorted({p.name for p in mine["pieces"]})
+
     try:
-        pieces = [p for p in app.pieces() if p.role != Role.STATEFUL]
+        everyone = agreement.all_gather(f"restore: checkpoint {manifest.id} fits the application", fits)
+        fresh, unused, app, chain = mine["fresh"], mine["unused"], mine["app"], mine["chain"]
+        targets, pieces = mine["targets"], mine["pieces"]
         dropped = [n for n in manifest.tensors if n.split("/", 1)[0] in unused]  # saved state no entry takes
-        check_no_extra_tensors(manifest, global_names(pieces) + dropped)
-        check_shapes(manifest, pieces)  # after the collective: a rank that raises leaves none waiting
+        check_no_extra_tensors(manifest, sorted({n for names in everyone for n in names}) + dropped)
+        check_shapes(manifest, pieces)
         groups = _plan_groups(manifest, app, rank, world_size)
         table_values = _plan_table_values(manifest, app)
         check_fused_optimizers(manifest, app)
@@ -466,7 +481,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
         nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
         restore_rng(storage, manifest, rank, world_size)
     except BaseException:
-        _forget(created)  # the next attempt (an older checkpoint) must see the optimizer as it was
+        _forget(mine["created"])  # the next attempt (an older checkpoint) must see the optimizer as it was
         raise
     _apply_json(manifest, app, targets, groups, table_values, rank, world_size)
     logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",

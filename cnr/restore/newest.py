@@ -4,7 +4,9 @@ Collective. Rank 0 lists the committed checkpoints in restore order (the current
 each history's highest step first, cnr.format.lineage); every rank tries the first:
 it reads the manifest and its chain (rank 0 also checks each link's manifest against its rank
 indexes, cnr.format.verify), then restores it into the application (cnr.restore.into_app), whose chunks are
-verified as they are read. The ranks then agree (an all-gather of what went wrong, if anything):
+verified as they are read. The ranks agree after each of the two (cnr.track.agreement's steps
+"restore: read checkpoint <id> and its chain" and "restore: attempt checkpoint <id>", each an
+all-gather of what went wrong, if anything):
 
 - every rank restored it: done;
 - some rank found it *damaged* (a manifest, rank index or chunk that does not verify, a missing
@@ -16,7 +18,8 @@ verified as they are read. The ranks then agree (an all-gather of what went wron
   state (restore order lists one id per state, the increment's: cnr.format.catalog.restore_ids); else, with ``on_damage="fallback"`` every rank moves on to the next older
   checkpoint, with a warning naming what is damaged; with ``"fail"`` every rank raises;
 - some rank failed otherwise (the checkpoint does not fit the model, app_state and the checkpoint
-  hold different keys, the store cannot be read): every rank raises, as a restore without
+  hold different keys, the store cannot be read): every rank raises (with more than one rank,
+  the same RankAgreementError naming the failing ranks), as a restore without
   fallback would; an older checkpoint would not fit the application any better. A store that is unreachable is not
   damage: falling back would silently lose committed work.
 
@@ -36,15 +39,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, FrozenSet, List, Optional, Sequence, Set, Tuple
-
-import torch.distributed as dist
+from typing import AbstractSet, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from cnr.restore.into_app import RestoredChain, restore_app
 from cnr.track.app_state import AppState
 from cnr.options import values_of
-from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
-from cnr.track.collectives import rank0_decides
+from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError, RankAgreementError
+from cnr.track import agreement
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain, restore_ids
 from cnr.format.lineage import foreign_reason, recorded_lineages
@@ -86,44 +87,61 @@ def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str
 Problem = Tuple[str, str, Tuple[str, ...]]  # (DAMAGED or FAILED, why, the merged baselines the damage is in)
 
 
-def _attempt(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
-             partial: bool = False, skip: AbstractSet[str] = frozenset(), recorded: Sequence[str] = ()
-             ) -> Tuple[Optional[RestoredChain], Optional[Problem], Optional[BaseException]]:
-    """Try to restore ``ckpt_id`` on this rank: (restored, None, None) or (None, problem, the exception)."""
-    try:
-        manifest, chain = _read_chain(storage, ckpt_id, rank, skip, recorded)
-    except DAMAGE as e:
-        return None, (DAMAGED, str(e), ()), e
-    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
-        return None, (FAILED, f"{type(e).__name__}: {e}", ()), e
-    try:
-        return restore_app(storage, manifest, app, rank, world_size, threads, chain, partial), None, None
-    except (CorruptChunkError, KeyNotFoundError) as e:  # other CheckpointErrors: it does not fit the model
-        # a merged baseline's damage leaves the long way
-        return None, (DAMAGED, str(e), damaged_merges(chain, e)), e
-    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
-        return None, (FAILED, f"{type(e).__name__}: {e}", ()), e
+def _problem(error: BaseException, chain: Optional[List[Manifest]] = None) -> Problem:
+    """What ``error`` says of the attempt: damage where stored, or a failure of another kind.
+    ``chain`` None: reading the manifest and chain raised it (any DAMAGE); else restoring them
+    into the application did (a chunk or object only: other CheckpointErrors say the checkpoint
+    does not fit the model), and a merged baseline's damage leaves the long way
+    (cnr.format.catalog.damaged_merges)."""
+    if isinstance(error, DAMAGE if chain is None else (CorruptChunkError, KeyNotFoundError)):
+        return DAMAGED, str(error), damaged_merges(chain or [], error)
+    return FAILED, f"{type(error).__name__}: {error}", ()
+
+
+def _agree(step: str, problem: Optional[Problem], error: Optional[BaseException]
+           ) -> Tuple[str, FrozenSet[str]]:
+    """The agreement step ``step`` over each rank's problem (collective): ("", {}) when no rank had
+    one; (what is damaged, per rank, the merged baselines found damaged) when some rank found
+    damage; a RankAgreementError on every rank when some rank failed otherwise."""
+    def mine() -> Optional[Problem]:
+        if problem is not None and problem[0] == FAILED and error is not None:
+            raise error
+        return problem
+
+    found = [(r, p) for r, p in enumerate(agreement.all_gather(step, mine)) if p is not None]
+    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why, _m) in found)
+    return reason, frozenset(m for _r, (_k, _w, merges) in found for m in merges)
 
 
 def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
                       partial: bool = False, skip: AbstractSet[str] = frozenset(), recorded: Sequence[str] = ()
                       ) -> Tuple[Optional[RestoredChain], str, FrozenSet[str]]:
-    """One attempt on every rank, then agreement (collective): (restored, "", {}) when every rank
-    restored ``ckpt_id``; (None, what is damaged, per rank, the merged baselines some rank found
-    damaged) when some rank found damage. Raises on every rank when some rank failed otherwise:
-    its own error there, a CheckpointError naming that rank's error on the others."""
-    restored, problem, error = _attempt(storage, ckpt_id, app, rank, world_size, threads, partial, skip, recorded)
-    problems: List[Optional[Problem]] = [None] * world_size
-    dist.all_gather_object(problems, problem)
-    found = [(r, p) for r, p in enumerate(problems) if p is not None]
-    reason = "; ".join(f"rank {r}: {why}" for r, (_kind, why, _m) in found)
-    if any(kind == FAILED for _r, (kind, _why, _m) in found):
-        if error is not None and problem is not None and problem[0] == FAILED:
-            raise error
-        raise CheckpointError(f"restoring checkpoint {ckpt_id} failed on another rank: {reason}")
-    if not found:
-        return restored, "", frozenset()
-    return None, reason, frozenset(m for _r, (_k, _w, merges) in found for m in merges)
+    """One attempt on every rank, in agreement steps every rank runs (collective; none inside
+    another's local part): (restored, "", {}) when every rank restored ``ckpt_id``; (None, what
+    is damaged, per rank, the merged baselines some rank found damaged) when some rank found
+    damage. Raises on every rank when some rank failed otherwise (with more than one rank, the
+    same RankAgreementError naming the step and that rank)."""
+    read: Optional[Tuple[Manifest, List[Manifest]]] = None
+    problem, error = None, None
+    try:
+        read = _read_chain(storage, ckpt_id, rank, skip, recorded)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        problem, error = _problem(e), e
+    reason, merges = _agree(f"restore: read checkpoint {ckpt_id} and its chain", problem, error)
+    if reason:
+        return None, reason, merges
+    manifest, chain = read  # type: ignore[misc] - every rank read it
+    restored: Optional[RestoredChain] = None
+    try:
+        restored = restore_app(storage, manifest, app, rank, world_size, threads, chain, partial)
+    except RankAgreementError as e:  # restore_app's own agreement step: raised alike on every rank
+        if not all(_problem(f, chain)[0] == DAMAGED for f in e.failures.values()):
+            raise
+        return None, str(e), frozenset(m for f in e.failures.values() for m in damaged_merges(chain, f))
+    except Exception as e:  # noqa: BLE001 - agreed below; other CheckpointErrors: it does not fit the model
+        problem, error = _problem(e, chain), e
+    reason, merges = _agree(f"restore: attempt checkpoint {ckpt_id}", problem, error)
+    return (None, reason, merges) if reason else (restored, "", frozenset())
 
 
 def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int, threads: int,
@@ -146,7 +164,7 @@ def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int
                        "that merge stood for", ckpt_id, ", ".join(sorted(merges - skip)), reason)
         skip |= merges
     standalone = merged_id(ckpt_id)
-    if ckpt_id.endswith(MERGED_SUFFIX) or standalone in skip or not _committed_on_rank0(storage, standalone, rank):
+    if ckpt_id.endswith(MERGED_SUFFIX) or standalone in skip or not _committed_on_rank0(storage, standalone):
         return None, "; then, the long way: ".join(reasons)
     # the increment itself is damaged (its manifest, a rank index) where its merged baseline, the
     # same state, was never read: that form alone restores it
@@ -159,29 +177,10 @@ def _attempt_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int
     return None, "; then, the long way: ".join(reasons) + f"; then, its merged baseline {standalone}: {reason}"
 
 
-def _committed_on_rank0(storage: Storage, ckpt_id: str, rank: int) -> bool:
+def _committed_on_rank0(storage: Storage, ckpt_id: str) -> bool:
     """Whether ``ckpt_id`` has a manifest, as rank 0 sees it (collective)."""
-    return bool(ids_from_rank0(lambda: [ckpt_id] if storage.exists(manifest_key(ckpt_id)) else [], rank))
-
-
-def ids_from_rank0(list_ids: Callable[[], List[str]], rank: int) -> List[str]:
-    """``list_ids()`` on rank 0, broadcast. Its error is raised on rank 0 and named on every
-    other rank, so no rank is left waiting in the broadcast (collective)."""
-    raised: List[BaseException] = []
-
-    def decide() -> Tuple[Optional[List[str]], str]:
-        try:
-            return list_ids(), ""
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            raised.append(e)
-            return None, f"{type(e).__name__}: {e}"
-
-    ids, error = rank0_decides(decide, rank)
-    if raised:
-        raise raised[0]
-    if ids is None:
-        raise CheckpointError(f"rank 0 could not list the committed checkpoints: {error}")
-    return ids
+    return agreement.rank0_decides(f"restore: find merged baseline {ckpt_id}",
+                                   lambda: storage.exists(manifest_key(ckpt_id)))
 
 
 def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int, world_size: int,
@@ -190,7 +189,7 @@ def restore_checkpoint(storage: Storage, ckpt_id: str, app: AppState, rank: int,
     by id is never replaced by another, and no rank goes on training when another could not
     restore it. ``partial``: cnr.restore.into_app.check_keys."""
     key = manifest_key(ckpt_id)  # a malformed id raises here, on every rank alike
-    if not ids_from_rank0(lambda: [ckpt_id] if storage.exists(key) else [], rank):
+    if not agreement.rank0_decides(f"restore: find checkpoint {ckpt_id}", lambda: [ckpt_id] if storage.exists(key) else []):
         raise CheckpointError(f"no committed checkpoint {ckpt_id!r} in {storage.uri}")
     restored, damage = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial)
     if restored is None:
@@ -208,8 +207,10 @@ def restore_newest(storage: Storage, app: AppState, rank: int, world_size: int, 
     if on_damage not in allowed:
         raise ValueError(f"on_damage={on_damage!r} is not allowed; allowed: {', '.join(allowed)}")
     skipped: List[Skipped] = []
-    recorded = ids_from_rank0(lambda: recorded_lineages(storage), rank)  # another job's checkpoint is passed over
-    for ckpt_id in ids_from_rank0(lambda: restore_ids(storage), rank):  # the current history's first (cnr.format.lineage)
+    # another job's checkpoint is passed over
+    recorded = agreement.rank0_decides("restore: list the recorded lineages", lambda: recorded_lineages(storage))
+    # the current history's first (cnr.format.lineage)
+    for ckpt_id in agreement.rank0_decides("restore: list the committed checkpoints", lambda: restore_ids(storage)):
         restored, reason = _attempt_checkpoint(storage, ckpt_id, app, rank, world_size, threads, partial, recorded)
         if restored is not None:
             logger.info("restored checkpoint %s (step %d) on every rank", ckpt_id, restored.manifest.step)

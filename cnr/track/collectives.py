@@ -9,7 +9,7 @@ with a CPU backend (gloo, or a device map such as ``cpu:gloo,cuda:nccl``) keeps 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,3 @@ def all_reduce_host(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.Red
 def broadcast_host(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
     """``dist.broadcast`` of the host tensor ``tensor`` from global rank ``src``, in place."""
     _run_on_control_device(tensor, lambda t: dist.broadcast(t, src=src, group=group), group)
-
-
-def rank0_decides(decide: Callable[[], Any], rank: int) -> Any:
-    """``decide()`` run on rank 0 and broadcast: every rank follows rank 0's decision (collective)."""
-    box: List[Any] = [decide() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

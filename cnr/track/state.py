@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cnr.track import agreement
 from cnr.types import Role, ShardRegion
 
 
@@ -101,9 +102,8 @@ def state_digest(pieces: List[StatePiece], names: List[str]) -> Optional[str]:
     return digest.hexdigest() if digest is not None else None
 
 
-def global_names(pieces: List[StatePiece]) -> List[str]:
-    """Sorted names of every global tensor, across all ranks (collective)."""
-    local = sorted({p.name for p in pieces})
-    everyone: List = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
+def all_gather_names(step: str, pieces: List[StatePiece]) -> List[str]:
+    """Sorted names of every global tensor, across all ranks: the agreement step ``step``
+    (collective, cnr.track.agreement.all_gather)."""
+    everyone = agreement.all_gather(step, lambda: sorted({p.name for p in pieces}))
     return sorted({n for part in everyone for n in part})

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from cnr.errors import NONFINITE
-from cnr.track.collectives import rank0_decides
+from cnr.track import agreement
 from cnr.write.handoff import HandOff, SettleMode
 from cnr.format.manifest import make_id
 from cnr.options import CheckpointOptions
@@ -181,7 +181,8 @@ class CheckpointEngine:
             self.retention = retention
         self._settle(abandon=self.options.on_overlap == "abandon")
         # rank 0 decides (it alone saw the stored sizes) and every rank follows
-        nonce, kind, base = rank0_decides(lambda: (uuid.uuid4().hex[:8],) + self._decide(), self.rank)
+        nonce, kind, base = agreement.rank0_decides(f"save: the kind and base of the checkpoint at step {step}",
+                                                    lambda: (uuid.uuid4().hex[:8],) + self._decide())
         ckpt_id = make_id(step, nonce)
         row_ids, captured = self._capture_row_ids(kind)
         manifest_fields = None

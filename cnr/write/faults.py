@@ -9,7 +9,9 @@ trainer, right after training step ``step`` (and recording it in the sample trac
 the reader process that reads the batch for training step ``step``; ``writer_start``: a background
 writer process once started, before it takes its first job (step 0, any rank: ``sleep=5:writer_start@0``);
 ``merge_before_data``, ``merge_mid_data``, ``merge_before_commit``, ``merge_after_commit``: a merge
-(cnr.write.merge, cnr.write.compact) of the chain ending at the increment of ``step``, in the process merging it.
+(cnr.write.merge, cnr.write.compact) of the chain ending at the increment of ``step``, in the process merging it;
+``retention``: the retention rank 0's writer runs after the commit of ``step`` (the newest step
+listed; cnr.policy.retention.retain_after_commit), rank 0.
 Actions:
   ``kill`` (default)  SIGKILL itself, like a machine failure: no cleanup, no handlers. In the
                       background writer the trainer is killed too (it is the same machine).
@@ -28,7 +30,7 @@ from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
 POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "before_remote_commit", "after_step",
-          "read_batch", "writer_start")
+          "read_batch", "writer_start", "retention")
 
 # Set in the background writer: its points run there, and a machine failure takes the trainer too.
 KILL_PARENT = False

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from cnr.track.collectives import broadcast_host
+from cnr.track import agreement
 from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece
 from cnr.track.tracker import Captured, RowTracker
@@ -73,10 +73,14 @@ class Settled:
 class HandOff:
     """One rank's writer, host buffers and in-flight job (see the module docstring)."""
 
-    def __init__(self, writer: Writer, tracker: Optional[RowTracker], rank: int) -> None:
+    def __init__(self, writer: Writer, tracker: Optional[RowTracker], rank: int, step: str = "commit",
+                 what: str = "checkpoint") -> None:
+        """``step``/``what``: the operation and the job's noun in its agreement step's name."""
         self.writer = writer
         self.tracker = tracker
         self.rank = rank
+        self.world_size = agreement.world()[1]
+        self.step, self.what = step, what
         self.buffers = HostBuffers()
         self._captured: List[Captured] = []
         self._token: Any = None
@@ -104,35 +108,45 @@ class HandOff:
         Returns a Settled, None when nothing was in flight, or RUNNING (POLL while rank 0's
         writer is busy: nothing changes).
         """
-        result: Optional[WriteResult] = None
-        if mode == SettleMode.POLL:
-            if self.rank == 0 and self.writer.in_flight is not None:
-                result = self.writer.wait(timeout=0.0)
-                code = STATUSES.index(result.status) if result is not None else _RUNNING
+        ended: List[Optional[WriteResult]] = [None]
+
+        def end() -> Tuple[int, int, int]:
+            """This rank's part: (code, rows, bytes) of its writer's report."""
+            result: Optional[WriteResult] = None
+            if mode == SettleMode.POLL:
+                if self.rank == 0 and self.writer.in_flight is not None:
+                    result = self.writer.wait(timeout=0.0)
+                    code = STATUSES.index(result.status) if result is not None else _RUNNING
+                else:
+                    code = _NONE
             else:
-                code = _NONE
-        else:
-            if self.writer.in_flight is not None:
-                result = self.writer.wait(timeout=0.0) if mode == SettleMode.ABANDON else None
-                if result is None:
-                    result = self.writer.cancel() if mode == SettleMode.ABANDON else self.writer.wait()
-            code = STATUSES.index(result.status) if result is not None else _NONE
-        extra = result.extra if result is not None and self.rank == 0 else {}
-        agreed = torch.tensor([code, extra.get("rows", 0), extra.get("bytes", 0)], dtype=torch.int64)
-        broadcast_host(agreed, src=0)  # rank 0's writer commits, so its report is the outcome
-        code = int(agreed[0])
+                if self.writer.in_flight is not None:
+                    result = self.writer.wait(timeout=0.0) if mode == SettleMode.ABANDON else None
+                    if result is None:
+                        result = self.writer.cancel() if mode == SettleMode.ABANDON else self.writer.wait()
+                code = STATUSES.index(result.status) if result is not None else _NONE
+            ended[0] = result
+            extra = result.extra if result is not None and self.rank == 0 else {}
+            return code, int(extra.get("rows", 0)), int(extra.get("bytes", 0))
+
+        # rank 0's writer commits, so its report is the outcome
+        code, rows, nbytes = agreement.all_gather(f"{self.step}: how the in-flight {self.what} ended", end)[0]
         if code == _RUNNING:
             return RUNNING
         if code == _NONE and self._token is None:
             return None
         status = STATUSES[code] if code >= 0 else WriteStatus.FAILED
-        if mode == SettleMode.POLL and self.rank != 0 and self.writer.in_flight is not None:
-            # rank 0 has settled: this rank's part is stored already if it committed
-            result = self.writer.wait(timeout=0.0) or (
-                self.writer.wait() if status == WriteStatus.COMMITTED else self.writer.cancel())
+        if mode == SettleMode.POLL and self.world_size > 1:
+            def follow() -> None:
+                """Rank 0 has settled: this rank's part is stored already if it committed."""
+                if self.rank != 0 and self.writer.in_flight is not None:
+                    ended[0] = self.writer.wait(timeout=0.0) or (
+                        self.writer.wait() if status == WriteStatus.COMMITTED else self.writer.cancel())
+
+            agreement.barrier(f"{self.step}: every rank's writer ended the {self.what} as rank 0's did", follow)
         if self.tracker is not None:
             self.tracker.release(self._captured, status == WriteStatus.COMMITTED)
-        settled = Settled(status, int(agreed[1]), int(agreed[2]), result, self._token)
+        settled = Settled(status, rows, nbytes, ended[0], self._token)
         self._captured, self._token = [], None
         return settled
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
+from cnr.track import agreement
 from cnr.types import ExchangeAddress
 
 logger = logging.getLogger(__name__)
@@ -33,14 +34,14 @@ def host_exchange(rank: int, world_size: int) -> Tuple[Optional[dist.TCPStore], 
     """Collective over the default process group: rank 0 starts the store on a free port of its
     node; every rank gets its address (``MASTER_ADDR``, else 127.0.0.1 for a one-machine job).
     Returns (the store on rank 0, else None; the address)."""
-    server: Optional[dist.TCPStore] = None
-    shared = [None]
-    if rank == 0:
-        server = dist.TCPStore("0.0.0.0", 0, None, True, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
-        shared = [ExchangeAddress(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(server.port), world_size)]
-    if world_size > 1:
-        dist.broadcast_object_list(shared, src=0)
-    return server, shared[0]
+    started: List[dist.TCPStore] = []
+
+    def start() -> ExchangeAddress:
+        started.append(dist.TCPStore("0.0.0.0", 0, None, True, timeout=_CONNECT_TIMEOUT, wait_for_workers=False))
+        return ExchangeAddress(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(started[0].port), world_size)
+
+    address = agreement.rank0_decides("open: rank 0 starts the index exchange", start)
+    return (started[0] if started else None), address
 
 
 def _index_key(ckpt_id: str, rank: int) -> str:
