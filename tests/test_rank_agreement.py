@@ -96,13 +96,13 @@ def _cases(rank: int, app: Dict[str, Any], root: str, only: Sequence[str] = ()) 
 
     def retention() -> Dict[str, Any]:
         def act(ckpt: "cnr.Checkpointer") -> Any:
-            statuses = [ckpt.save(step).wait().status.value for step in (1, 2)]
+            statuses = [ckpt.save(step).wait().status.value for step in (1, 2, 3)]
             held = _steps(os.path.join(root, "retention"))
-            statuses.append(ckpt.save(3).wait().status.value)  # the next commit's retention runs
+            statuses.append(ckpt.save(4).wait().status.value)  # the next commit's retention runs
             ckpt.close()  # rank 0's writer ends after that retention
-            return {"statuses": statuses, "held_after_2": held, "held_after_3": _steps(os.path.join(root, "retention"))}
+            return {"statuses": statuses, "held_after_3": held, "held_after_4": _steps(os.path.join(root, "retention"))}
         if rank == 0:  # rank 0's writer (spawned from here, it inherits the variable) runs retention
-            os.environ["CNR_FAULT_INJECT"] = "raise:retention@2@0"
+            os.environ["CNR_FAULT_INJECT"] = "raise:retention@3@0"
         try:
             return case(lambda: fresh("retention", options=cnr.CheckpointOptions(policy="full", keep_last=1)), act)
         finally:
@@ -205,11 +205,12 @@ def test_one_failing_rank_makes_every_rank_raise_the_same_error(every_case, case
 
 def test_a_failing_retention_leaves_every_commit_standing_on_every_rank(every_case):
     """Retention runs in rank 0's writer after a commit and is no agreement of its own: when it
-    fails there (a fault at the commit of step 2), every rank still sees each save commit, the
+    fails there (a fault at the commit of step 3), every rank still sees each save commit, the
     checkpoint it would have deleted stays, and the next commit's retention deletes it."""
     assert "hang" not in every_case, every_case.get("hang")
     got = [out["retention"] for out in every_case["ranks"]]
     assert got[0] == got[1], got
-    assert got[0]["value"]["statuses"] == ["committed"] * 3
-    assert got[0]["value"]["held_after_2"] == [1, 2]  # keep_last=1 would have left [2]
-    assert got[0]["value"]["held_after_3"] == [3]
+    assert got[0]["value"]["statuses"] == ["committed"] * 4
+    # keep_last=1 of full checkpoints keeps two (one survives the other's damage): it would have left [2, 3]
+    assert got[0]["value"]["held_after_3"] == [1, 2, 3]
+    assert got[0]["value"]["held_after_4"] == [3, 4]
