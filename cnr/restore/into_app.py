@@ -2,11 +2,13 @@
 
 Collective. The order: check that the checkpoint fits the application (placements, per-rank
 state at another world size, each optimizer's param groups and their optimizers' classes, each
-table's fused kernel) before anything is written; create optimizer state the optimizers make
-lazily (Adam's; taken back if the attempt fails before its JSON state is applied, so a fallback to
-an older checkpoint sees the optimizer as it was); fill every tensor from the chain
-(cnr.restore.pieces) and this rank's RNG state; last, give each optimizer its ``param_groups``
-and each Stateful object its state.
+table's fused kernel and the values it was saved with) before anything is written; create
+optimizer state the optimizers make lazily (Adam's; taken back if the attempt fails before its
+JSON state is applied, so a fallback to an older checkpoint sees the optimizer as it was); fill
+every tensor from the chain (cnr.restore.pieces) and this rank's RNG state; last, give each
+optimizer its ``param_groups``, each Stateful object its state, and each fused table's fbgemm
+kernel the lr, optimizer arguments and step counter it held (cnr.restore.kernels), read back and
+checked.
 
 Per-rank state (Stateful objects, RNG) at another world size: a Stateful object's state is
 restored when every rank had saved the same state (an LR scheduler, say), else the restore fails
@@ -41,6 +43,7 @@ from cnr.track.dense_kernel import saved_values
 from cnr.track.managed_collision import check_restore as check_managed_collisions
 from cnr.format.catalog import resolve_chain
 from cnr.restore.chain import restore_chain
+from cnr.restore.kernels import apply_kernels, plan_kernels
 from cnr.restore.pieces import check_no_extra_tensors, check_shapes, restore_rng
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track import agreement
@@ -477,6 +480,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
         groups = _plan_groups(manifest, app, rank, world_size)
         table_values = _plan_table_values(manifest, app)
         check_fused_optimizers(manifest, app)
+        kernels = plan_kernels(manifest, app)
         pieces += [p for _src, stateful in targets.values() for p in stateful]
         nbytes, row_ids = restore_chain(storage, chain, pieces, threads)
         restore_rng(storage, manifest, rank, world_size)
@@ -484,6 +488,7 @@ def restore_app(storage: Storage, manifest: Manifest, app: AppState, rank: int, 
         _forget(mine["created"])  # the next attempt (an older checkpoint) must see the optimizer as it was
         raise
     _apply_json(manifest, app, targets, groups, table_values, rank, world_size)
+    apply_kernels(manifest, kernels)  # after the groups: a checkpoint without kernel values gives their lr
     logger.info("read checkpoint %s into the application (step %d, chain of %d, %d bytes read by rank %d)",
                 manifest.id, manifest.step, len(chain), nbytes, rank)
     if (fresh or unused) and rank == 0:

@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from cnr.track.dense_kernel import check_optimizer, split_state, table_params
+# noqa: F401 below: leaf_optimizers and fused_table_optimizers are imported from here by restores
+from cnr.track.fused_kernel import fused_table_kernels, fused_table_optimizers, leaf_optimizers  # noqa: F401
 from cnr.track.json_tree import decode_tree, encode_tree, is_sharded  # noqa: F401 (decode_tree: restores import it here)
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
 from cnr.track.modules import embedding_modules, is_managed_collision
@@ -176,16 +178,6 @@ def dense_groups(opt: Any) -> List[Dict[str, Any]]:
     return [g for g in opt.param_groups if not g["params"] or not all(is_sharded(p) for p in g["params"])]
 
 
-def leaf_optimizers(opt: Any) -> List[Any]:
-    """The optimizers doing the work under torchrec's wrappers (CombinedOptimizer's parts,
-    KeyedOptimizerWrapper's and OptimizerWrapper's inner one), in order; ``opt`` itself if none."""
-    parts = getattr(opt, "optimizers", None)
-    if isinstance(parts, list):
-        return [leaf for _name, part in parts for leaf in leaf_optimizers(part)]
-    inner = getattr(opt, "_optimizer", None)
-    return leaf_optimizers(inner) if isinstance(inner, torch.optim.Optimizer) else [opt]
-
-
 def group_classes(opt: Any, groups: List[Dict[str, Any]]) -> List[str]:
     """The class (``module.QualName``) of the optimizer under ``opt`` (``leaf_optimizers``) that
     owns each of ``groups``: inside a torchrec CombinedOptimizer each group is trained by one part,
@@ -215,24 +207,6 @@ def fused_table_groups(key: str, path: str, fused: Any) -> Dict[str, Any]:
     for group, tables in zip(fused.param_groups, fused_group_tables(key, path, fused)):
         values = group_values_json(group, f"the fused optimizer of app_state[{key!r}].{path}.param_groups")
         out.update({table: values for table in tables})
-    return out
-
-
-def fused_table_optimizers(key: str, path: str, fused: Any) -> Dict[str, str]:
-    """Table id -> the fused kernel's optimizer (fbgemm's OptimType, e.g. "exact_row_wise_adagrad")
-    for every table the fused optimizer of ``path`` trains on this rank. Two kernels may keep
-    state of one shape that means something else (row-wise Adagrad's sum, EMA row-wise Adagrad's
-    average): a restore checks the kind, not just the shapes."""
-    names = {id(p): name for name, p in fused.params.items()}
-    out: Dict[str, str] = {}
-    for leaf in leaf_optimizers(fused):
-        kind = getattr(getattr(leaf, "_emb_module", None), "optimizer", None)
-        if kind is None:
-            continue
-        for group in leaf.param_groups:
-            for p in group["params"]:
-                if id(p) in names:
-                    out[f"{key}/{path}.{names[id(p)]}" if path else f"{key}/{names[id(p)]}"] = str(kind)
     return out
 
 
@@ -323,6 +297,7 @@ class AppState:
                                 name if name in tables else None)
         fused_groups: Dict[str, Any] = {}  # table id -> its fused param group's values
         kernels: Dict[str, str] = {}  # table id -> its fused kernel's optimizer
+        kernel_values: Dict[str, Any] = {}  # table id -> what its kernel holds apart from the groups
         for path, sharded in sharded_modules(module):
             fused = getattr(sharded, "fused_optimizer", None)
             if fused is None:
@@ -334,7 +309,9 @@ class AppState:
                     pieces += table_state_pieces(f"{weight}/{state_key}", value, weight, state_dict.get(weight_key))
             fused_groups.update(fused_table_groups(key, path, fused))
             kernels.update(fused_table_optimizers(key, path, fused))
-        return {"kind": MODULE, "fused_table_groups": fused_groups, "fused_table_optimizers": kernels}
+            kernel_values.update(fused_table_kernels(key, path, fused))
+        return {"kind": MODULE, "fused_table_groups": fused_groups, "fused_table_optimizers": kernels,
+                "fused_table_kernels": kernel_values}
 
     def _optimizer(self, key: str, opt: torch.optim.Optimizer, pieces: List[StatePiece]) -> Dict[str, Any]:
         other: Dict[str, Any] = {}
