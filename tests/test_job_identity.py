@@ -74,7 +74,9 @@ def test_a_fresh_job_racing_a_finishing_one_is_refused_under_the_lease_and_new_h
     assert b["lineage"] != a["lineage"] and b["checkpoints"] == 2
     now = _committed(store)
     assert set(of_a) <= set(now), "the new history's retention deleted the old history's checkpoints"
-    assert [now[i].step for i in restore_ids(store)] == [20, 40, 20]  # the new history first, then A's
+    # the new history first (both its full checkpoints: keep_last=1 keeps one that survives the other's
+    # damage), then A's
+    assert [now[i].step for i in restore_ids(store)] == [20, 10, 40, 20]
     assert restore_ids(store)[0] == b["last_checkpoint"] and newest_committed(store).id == b["last_checkpoint"]
     assert [lineage for _seq, lineage in record_names(store)] == [a["lineage"], b["lineage"]]
     # --resume continues the new history; the old one still restores by id (inspect --verify)

@@ -84,17 +84,17 @@ def _manifest_bytes(ckpt_id: str, step: int) -> bytes:
                                       app_ranks=({},), chain_bytes=(1,), bit_width={}))
 
 
-def test_resume_flush_leaves_checkpoints_older_than_the_remote_newest(tmp_path) -> None:
+def test_resume_flush_sends_node_only_checkpoints_oldest_step_first_as_numbers(tmp_path) -> None:
     local, remote = LocalStorage(str(tmp_path / "local")), LocalStorage(str(tmp_path / "remote"))
     _commit(remote, "10000000000-a")
-    _commit(local, "9999999999-b")  # older than the remote's newest: retention's, not the flush's
+    _commit(local, "9999999999-b")  # node-only, older than the remote's newest: flushed too (issue #38 defect 6)
     _commit(local, "10000000000-a")
     _commit(local, "10000000001-c", base="10000000000-a")  # killed before its remote commit
     tier = TieredStorage(local, remote, commit_timeout_s=5)
     try:
-        assert resume_flush(tier, rank=0) == ["10000000001-c"]
+        assert resume_flush(tier, rank=0) == ["9999999999-b", "10000000001-c"]  # as strings, "1..." sorts first
         assert tier.flush(10)
-        assert not remote.exists(manifest_key("9999999999-b"))
+        assert remote.exists(manifest_key("9999999999-b")) and remote.exists(manifest_key("10000000001-c"))
     finally:
         tier.close()
 

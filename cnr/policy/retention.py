@@ -66,7 +66,6 @@ from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planner
 )
 from cnr.storage.base import Storage
 from cnr.types import CheckpointInfo, RetentionScope
-from cnr.write.faults import maybe_crash
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +120,15 @@ NOTHING_DELETED: Dict[str, Any] = {"deleted": [], "purged": [], "bytes_freed": 0
 
 
 def retain_after_commit(storage: Storage, plan: Callable[[List[CheckpointInfo]], RetentionPlan],
-                        what: str) -> Dict[str, Any]:
+                        what: str, before: Optional[Callable[[List[CheckpointInfo]], None]] = None) -> Dict[str, Any]:
     """List, plan and carry out retention right after a commit (rank 0's writer); return a
     JSON-able report. An error is logged and reported, never raised: the commit stands and the
-    next commit's retention tries again. ``what`` names the store in the log ("checkpoint")."""
+    next commit's retention tries again. ``what`` names the store in the log ("checkpoint");
+    ``before`` sees the listing first (the writer's fault point, cnr.write.faults.retention_fault)."""
     try:
         infos = list_checkpoints(storage)
-        maybe_crash("retention", max((i.step for i in infos), default=0), 0)  # rank 0's writer runs it
+        if before is not None:
+            before(infos)
         r = execute_plan(storage, plan(infos))
         return {"deleted": list(r.deleted), "purged": list(r.purged), "bytes_freed": r.bytes_freed}
     except Exception as e:  # noqa: BLE001 - see the docstring
@@ -214,10 +215,13 @@ def plan_on_storage(storage: Storage, infos: Sequence[CheckpointInfo], keep_last
     return plan_with(infos, keep_last, scope, verify)
 
 
-def retain_checkpoints(storage: Storage, keep_last: int, scope: Optional[RetentionScope] = None) -> Dict[str, Any]:
+def retain_checkpoints(storage: Storage, keep_last: int, scope: Optional[RetentionScope] = None,
+                       before: Optional[Callable[[List[CheckpointInfo]], None]] = None) -> Dict[str, Any]:
     """Checkpoint retention after a commit (0 keeps everything): the newest ``keep_last`` verified
-    chains of ``scope``'s lineage (default: this process's, ``use_scope``); see the module docstring."""
+    states of ``scope``'s lineage (default: this process's, ``use_scope``); see the module docstring.
+    ``before``: as for ``retain_after_commit``."""
     if keep_last == 0:
         return dict(NOTHING_DELETED)
     chosen = scope if scope is not None else _SCOPE
-    return retain_after_commit(storage, lambda infos: plan_on_storage(storage, infos, keep_last, chosen), "checkpoint")
+    return retain_after_commit(storage, lambda infos: plan_on_storage(storage, infos, keep_last, chosen), "checkpoint",
+                               before)

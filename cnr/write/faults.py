@@ -64,3 +64,9 @@ def maybe_crash(point: str, step: int, rank: int, cancel: Optional[Any] = None) 
     if KILL_PARENT:
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def retention_fault(infos: Any) -> None:
+    """Fault point ``retention`` (rank 0) for a retention about to plan over the listing ``infos``
+    (CheckpointInfos): its step is the newest listed (cnr.policy.retention.retain_after_commit's ``before``)."""
+    maybe_crash("retention", max((i.step for i in infos), default=0), 0)

@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from cnr.format.catalog import checkpoint_ids, list_checkpoints
 from cnr.errors import ConfigError, StorageError
-from cnr.write.faults import maybe_crash
+from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import (
     ROOT, RankIndex, checkpoint_prefix, manifest_key, rank_index_to_bytes, step_of,
 )
@@ -260,7 +260,7 @@ def _retain_after_remote_commit(keep_last: int, local_keep_last: int, tier: Tier
         return
     record_flushed(tier, key)
     if keep_last and scope_known():
-        retain_checkpoints(tier.remote, keep_last)
+        retain_checkpoints(tier.remote, keep_last, before=retention_fault)
     retain_local(tier, local_keep_last)
 
 

@@ -37,7 +37,7 @@ from cnr.codec.chunk_format import dtype_name
 from cnr.write.encode_pool import EncodePool
 from cnr.errors import Cancelled, CnrError, redact, redact_logging
 import cnr.write.faults as faults
-from cnr.write.faults import maybe_crash
+from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
@@ -241,7 +241,7 @@ def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, r
             retain_local(storage, options.local_keep_last)
     elif result.status == WriteStatus.COMMITTED:
         if retain is None:
-            retain_checkpoints(storage, options.keep_last)
+            retain_checkpoints(storage, options.keep_last, before=retention_fault)
         else:
             retain(storage)
 
