@@ -143,6 +143,7 @@ SLOW_TESTS = {
     "tests/test_train_background.py::test_overlap_waits_and_counts_the_wait_as_stall",
     # benches: their own unit tests and `python -m cnr bench ...` (figures in docs/benchmarks.md)
     "tests/test_bench_chaos.py::test_short_chaos_run_loses_nothing",
+    "tests/test_bench_chaos.py::test_short_chaos_run_with_a_damaged_merged_baseline_then_an_exception_after_a_save",
     "tests/test_bench_upload.py::test_bench_upload_tiny_on_s3_and_local",
     "tests/test_bench_conformance.py::test_managed_collision_cells_are_exact_or_refused_never_wrong",
     "tests/test_bench_accuracy.py::test_bench_accuracy_tiny_control_is_exact",

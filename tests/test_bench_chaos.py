@@ -304,3 +304,133 @@ def test_a_reference_run_past_its_bound_is_a_failed_result_not_a_traceback(tmp_p
     assert result["ok"] is False and result["failed"] == "reference", result
     assert "did not end within the bound of 1 s (--job-timeout-s)" in result["error"]
     assert result["settings"]["job_timeout_s"] == 1.0 and result["reference_seconds"] < 60
+
+
+# ---- issue #38's events (cnr.bench.chaos_merge) ------------------------------------------------------
+
+
+def test_new_events_are_drawn_and_end_their_attempt_where_they_stop_the_job():
+    assert {"damage_merged", "kill_merge", "user_exception_s3"} <= set(chaos.EVENTS)
+    assert {"damage_merged", "user_exception_s3"} <= set(chaos.FATAL) and "kill_merge" not in chaos.FATAL
+    assert chaos.parse_args(["--kinds", "damage_merged,kill_merge,user_exception_s3"]).kinds == (
+        "damage_merged", "kill_merge", "user_exception_s3")
+
+
+def test_a_damaged_merged_baseline_is_passed_over_through_the_links_it_replaced():
+    """a <- b <- c, and c's merged baseline: damaging c.merged must leave c restorable through
+    b and a (the links retention keeps); were they deleted, one damaged object lost state c."""
+    from cnr.bench import chaos_merge
+
+    store = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"), ("c.merged", 30, None), ("d", 40, "c"))
+    assert chaos_events.newest_intact(store, set()).id == "d"  # d's chain ends at c.merged
+    assert chaos_events.newest_intact(store, {"c.merged"}).id == "d"  # ... and goes round it through c, b, a
+    assert chaos_merge.merged_target(store, set()).id == "c.merged"
+    assert chaos_merge.merged_target(store, {"c.merged"}) is None
+    plan = chaos_merge.merged_damage_plan(store, set())
+    assert plan == {"target": "c.merged", "before": "d", "after": "d", "state_kept": True}
+    pruned = [i for i in store if i.id != "b"]  # the replaced chain deleted: only a full checkpoint is left
+    plan = chaos_merge.merged_damage_plan(pruned, set())
+    assert plan["target"] == "c.merged" and plan["after"] == "a" and not plan["state_kept"]
+    newer = store + _infos(("e", 50, None), ("e.merged", 50, None))  # the newest merged baseline is the target
+    assert chaos_merge.merged_target(newer, set()).id == "e.merged"
+    assert chaos_merge.merged_damage_plan(_infos(("a", 10, None)), set()) is None
+
+
+def test_restorable_check_goes_round_a_damaged_merged_baseline(monkeypatch):
+    monkeypatch.setattr(chaos_events, "scan_checkpoints", lambda _s: [(i, None) for i in store])
+    monkeypatch.setattr(chaos_events, "own_damage", lambda _s, ckpt_id: ["crc"] if ckpt_id == "b.merged" else [])
+    store = _infos(("a", 10, None), ("b", 20, "a"), ("b.merged", 20, None))
+    out = chaos_events.RestorableCheck(storage=None).check("damage_merged", {"b.merged"})
+    assert out["ok"] and out["restorable"] == "b" and out["step"] == 20
+
+
+def test_merges_in_flight_are_merged_baselines_with_objects_and_no_manifest():
+    from cnr.bench import chaos_merge
+
+    keys = ["checkpoints/c/manifest.json", "checkpoints/c/rank-00000/chunk-000000.bin",
+            "checkpoints/c.merged/rank-00000/chunk-000000.bin",  # being written
+            "checkpoints/b.merged/rank-00000/chunk-000000.bin", "checkpoints/b.merged/manifest.json",  # committed
+            "checkpoints/d/rank-00000/chunk-000000.bin", "leases/job/00000001.json"]  # an increment in flight
+    assert chaos_merge.merges_in_flight(keys) == {"c.merged"}
+    assert chaos_merge.merges_in_flight([]) == set()
+    killed = "0000000030-ab.merged"
+    assert chaos_merge.merged_after(killed, {"0000000020-aa.merged", "0000000030-ab", "0000000050-cd.merged"}) == [
+        "0000000050-cd.merged"]
+
+
+def test_exception_step_is_a_checkpoint_two_to_four_intervals_ahead_before_the_last_interval():
+    from cnr.bench import chaos_merge
+
+    steps = {chaos_merge.exception_step(40, 20, 1200, random.Random(s)) for s in range(30)}
+    assert steps == {80, 100, 120}
+    assert {chaos_merge.exception_step(45, 10, 200, random.Random(s)) for s in range(30)} == {60, 70, 80}
+    assert {chaos_merge.exception_step(0, 10, 40, random.Random(s)) for s in range(30)} == {20, 30}
+    assert chaos_merge.exception_step(40, 20, 80, random.Random(0)) is None  # nothing before the last interval
+
+
+def test_exception_outcome_needs_the_raise_a_prompt_nonzero_exit_and_the_lease_released():
+    from cnr.bench import chaos_merge
+
+    err = "Traceback ...\ncnr.write.faults.InjectedFault: injected failure at after_save of step 60\n"
+    assert chaos_merge.exception_outcome(60, 1, err, 4.0, True)["ok"]
+    assert not chaos_merge.exception_outcome(60, None, err, None, None)["ok"]  # hung: killed by the bench
+    assert not chaos_merge.exception_outcome(60, 1, err, chaos_merge.EXIT_BOUND_S + 1, True)["ok"]  # too slow
+    assert not chaos_merge.exception_outcome(60, 1, err, 4.0, False)["ok"]  # the lease was left to expire
+    assert not chaos_merge.exception_outcome(80, 1, err, 4.0, True)["raised"]  # raised elsewhere
+    assert not chaos_merge.exception_outcome(60, 0, err, 4.0, True)["ok"]
+
+
+def test_after_save_is_a_fault_point_of_the_training_loop(monkeypatch):
+    from cnr.write import faults
+
+    assert "after_save" in faults.POINTS
+    monkeypatch.setenv(faults.ENV, "raise:after_save@60")
+    faults.maybe_crash("after_save", 40, 0)
+    with pytest.raises(faults.InjectedFault, match="after_save of step 60"):
+        faults.maybe_crash("after_save", 60, 1)
+    import inspect
+
+    from cnr.app import train
+
+    loop = inspect.getsource(train._loop)
+    assert loop.index('maybe_crash("after_save"') > loop.index("at.ckpt.save(step)")
+
+
+def test_an_exception_drawn_first_arms_the_attempt_and_one_drawn_later_the_next(tmp_path):
+    from cnr.storage.local import LocalStorage
+
+    args = chaos.parse_args(["--steps", "200", "--interval", "10", "--workdir", str(tmp_path)])
+    run = chaos.Chaos(args, str(tmp_path), {}, proxy=None, storage=LocalStorage(str(tmp_path / "store")), uri="x")
+    try:
+        plan = ["user_exception_s3", "kill_trainer"]
+        record, step = run._arm_exception(plan, 40, 0)
+        assert plan == ["kill_trainer"] and record["event"] == "user_exception_s3" and step in (60, 70, 80)
+        assert run._arm_exception(plan, 40, 1) is None  # a kill first: nothing armed
+        run.pending_exception = {"event": "user_exception_s3", "attempt": 1}
+        record, step = run._arm_exception(plan, 100, 2)
+        assert record["attempt"] == 1 and step in (120, 130, 140) and run.pending_exception is None
+        run.pending_crash = {}  # a damage_resume_crash's resume is killed after two commits: not armed too
+        assert run._arm_exception(["user_exception_s3"], 0, 3) is None
+    finally:
+        run.watch.stop()
+
+
+def test_short_chaos_run_with_a_damaged_merged_baseline_then_an_exception_after_a_save(tmp_path):
+    """Compaction on (the consecutive default), world size 1: the job is stopped once a merged
+    baseline committed and a chunk of the newest one damaged; the resume must restore the same
+    state through the links it replaced, then raise right after a save, exit within the bound with
+    its lease released; the last attempt resumes and ends equal to the uninterrupted run."""
+    result = chaos.run(["--events", "2", "--kinds", "damage_merged,user_exception_s3", "--steps", "80",
+                        "--interval", "10", "--delay-s", "0.3,0.5", "--nproc", "1", "--seed", "0",
+                        "--workdir", str(tmp_path)])
+    assert [e["event"] for e in result["events"]] == ["damage_merged", "user_exception_s3"], result["events"]
+    assert result["merged_baselines_committed"] >= 1
+    damage = result["damage_merged"][0]
+    assert damage["target"].endswith(".merged") and damage["state_kept"], result["events"]
+    raised = result["user_exception_s3"][0]
+    assert raised["ok"] and raised["raised"] and raised["lease_released"] and raised["rc"] not in (0, None), raised
+    assert result["attempts"][1]["restored"] == result["attempts"][1]["expected"], result["attempts"]
+    assert result["lost_commits"] == 0, result["lost_commit_details"]
+    assert result["samples_duplicated"] == 0 and result["samples_skipped"] == 0
+    assert result["trace_equals_reference"] and result["final_state_equal"] and result["final_steps"] == 80
+    assert result["restorable_after_every_event"], result["restorable_failures"]

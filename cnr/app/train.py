@@ -400,6 +400,7 @@ def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Bound
             at.position.cursor = source.collect()  # nothing is in flight: the cursor names what was trained
             if at.ckpt is not None and step % interval == 0:
                 at.ckpt.save(step)
+                maybe_crash("after_save", step, rank)  # bench chaos: the user's loop raising right after a save
         if publisher is not None and step % config.publish.interval == 0:
             publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
         if bar is not None:

@@ -20,7 +20,13 @@ once anything committed), until it reaches its last step:
   (cnr.bench.chaos_events): a damaged baseline or middle link, then a resume that falls back and
   is killed after its second commit; a job without ``--resume`` started while the job finishes a
   checkpoint (refused, nothing of the job's lost); two jobs on other locations sharing one
-  ``checkpoint.local_dir`` (neither sees the other's checkpoints).
+  ``checkpoint.local_dir`` (neither sees the other's checkpoints);
+- ``damage_merged``, ``kill_merge``, ``user_exception_s3``: issue #38's events
+  (cnr.bench.chaos_merge), with the job's compaction on (the consecutive policy's default): a
+  byte of the newest committed merged baseline flipped while the job is down (the resume must
+  restore the same state through the links it replaced); a SIGKILL of the merge worker while a
+  merge runs (the job goes on and merges again); ``cnr train``'s loop raising right after a save
+  (the process must exit within a bound and release its lease; the next attempt resumes).
 
 An attempt that ends with exit 3 (``cnr train`` trained to its end, but its newest checkpoints did
 not commit) is not final: it is resumed like any other attempt that ended early.
@@ -31,9 +37,10 @@ checkpoints attempted / committed / failed (every checkpoint the store showed, p
 second); ``lost_commits``: committed checkpoints that are not restorable at the end or were
 skipped by a restore although intact (deliberately damaged ones and chains through them
 excepted); samples trained twice or never (the final sample trace against the reference's);
-restores and fallbacks; ``restorable_after_every_event`` (after each event, some committed
-checkpoint at or after the newest one found restorable before still restores: every link read
-back and checked, chaos_events.RestorableCheck); time lost per failure (all attempts' wall time
+restores and fallbacks; merged baselines committed (compaction ran) and the outcomes of issue #38's
+events; ``restorable_after_every_event`` (after each event, some committed checkpoint at or after
+the newest one found restorable before still restores: every link read back and checked,
+chaos_events.RestorableCheck); time lost per failure (all attempts' wall time
 minus the reference's, over the failures); and whether the final state equals the reference's
 (``state_sha256``).
 
@@ -59,6 +66,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 from cnr.bench import chaos_job
 from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
 from cnr.bench.chaos_job import Job
+from cnr.bench.chaos_merge import FAULT_SPEC, MergeEvents
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.bench.chaos_report import report, unrestorable
 from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
@@ -69,8 +77,11 @@ from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
 
 EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
-          "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir")
-FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash")  # the attempt ends with the event
+          "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir", "damage_merged", "kill_merge",
+          "user_exception_s3")
+# the attempt ends with the event (user_exception_s3 drawn while a job runs: that job is killed, the next raises)
+FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash", "damage_merged",
+         "user_exception_s3")
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.app.cli)
 # How long one run of the job may take before it is killed and reported (default of --job-timeout-s): a
@@ -232,7 +243,7 @@ def _no_bucket() -> str:
     raise RuntimeError("shared_local_dir needs a store for its two jobs: give Chaos new_bucket")
 
 
-class Chaos(NewEvents):
+class Chaos(NewEvents, MergeEvents):
     """One chaos run against the job stored at ``uri`` (see the module docstring). ``side_env``:
     the environment of a job that reaches the store directly, past the proxy (the events' other
     jobs); ``new_bucket``: a fresh bucket on that store."""
@@ -244,6 +255,7 @@ class Chaos(NewEvents):
         self.side_env = side_env if side_env is not None else env
         self.new_bucket = new_bucket or _no_bucket
         self.pending_crash: Optional[Dict[str, Any]] = None
+        self.pending_exception: Optional[Dict[str, Any]] = None  # a user_exception_s3 the next attempt raises
         self.restorable = RestorableCheck(storage)
         self.rng = random.Random(args.seed)
         self.trace_dir = os.path.join(workdir, "trace")
@@ -345,6 +357,12 @@ class Chaos(NewEvents):
             return self._fresh_race(job)
         if kind == "shared_local_dir":
             return self._shared_local_dir()
+        if kind == "damage_merged":
+            return self._damage_merged(job)
+        if kind == "kill_merge":
+            return self._kill_merge(job)
+        if kind == "user_exception_s3":
+            return self._stop_to_raise(job, record if record is not None else {})
         raise ValueError(f"event {kind!r} is not one of {EVENTS}")
 
     def _attempt(self, plan: List[str]) -> Optional[Dict[str, Any]]:
@@ -356,9 +374,14 @@ class Chaos(NewEvents):
         candidates = [i for i in infos if i.status == CheckpointStatus.COMMITTED or i.id in self.damaged]
         newest = max(candidates, key=lambda i: (i.step, i.id)) if candidates else None
         n = len(self.attempts)
+        armed = self._arm_exception(plan, expected.step if expected is not None else 0, n)
         started_unix = time.time()
-        job = self._job(resume, f"attempt-{n}").start()
+        env = dict(self.env, CNR_FAULT_INJECT=FAULT_SPEC.format(step=armed[1])) if armed else None
+        job = self._job(resume, f"attempt-{n}", env=env).start()
         crashed = False
+        if armed:  # the attempt ends with the exception: no other event fires in it
+            self._raised(job, armed, n)
+            plan = []
         if self.pending_crash is not None:  # a damage_resume_crash: this resume is killed after two commits
             record = self.pending_crash
             crashed = self.crash_after_commits(job, n, newest.id if newest is not None else None,
@@ -386,7 +409,7 @@ class Chaos(NewEvents):
                    "newest": newest.id if newest is not None else None,
                    "events": [e["event"] for e in self.fired if e["attempt"] == n],
                    "not_committed": rc == EXIT_NOT_COMMITTED,  # not final: resumed by the next attempt
-                   "crashed_after_two_commits": crashed}
+                   "crashed_after_two_commits": crashed, "raised_after_save_of": armed[1] if armed else None}
         if resume and expected is not None and (not restored or int(restored[0][1]) < expected.step):
             if rc == 0 or restored:  # an attempt killed before it restored shows nothing
                 self.lost.append(f"attempt {n} restored {attempt['restored']} although {expected.id} "

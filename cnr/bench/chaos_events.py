@@ -51,11 +51,12 @@ def committed(infos: Sequence[Any]) -> List[Any]:
 
 
 def newest_intact(infos: Sequence[Any], damaged: Set[str]) -> Optional[Any]:
-    """The newest committed checkpoint of ``infos`` whose chain is complete and has no damaged link."""
+    """The newest committed checkpoint of ``infos`` whose chain is complete and has no damaged link;
+    a damaged merged baseline is passed over through the links it stands for, as a restore does."""
     done = committed(infos)
     bases = {i.id: i.base for i in done}
     for info in sorted(done, key=lambda i: (i.step, i.id), reverse=True):
-        links, complete = chain_links(info.id, bases)
+        links, complete = chain_links(info.id, bases, skip=damaged)
         if complete and not set(links) & damaged:
             return info
     return None
@@ -69,7 +70,7 @@ def damage_target(infos: Sequence[Any], damaged: Set[str], rng: random.Random) -
     options: List[Tuple[str, str]] = []
     tip = newest_intact(infos, damaged)
     if tip is not None:
-        links, _complete = chain_links(tip.id, {i.id: i.base for i in committed(infos)})
+        links, _complete = chain_links(tip.id, {i.id: i.base for i in committed(infos)}, skip=damaged)
         options += [("middle_link", link) for link in links[1:-1]]
     fulls = sorted((i for i in committed(infos) if i.kind == CheckpointKind.FULL and i.id not in damaged),
                    key=lambda i: (i.step, i.id), reverse=True)
@@ -183,7 +184,7 @@ class RestorableCheck:
         done = committed(infos)
         bases = {i.id: i.base for i in done}
         for info in sorted(done, key=lambda i: (i.step, i.id), reverse=True):
-            links, complete = chain_links(info.id, bases)
+            links, complete = chain_links(info.id, bases, skip=damaged)
             if not complete or set(links) & damaged:
                 continue
             if all(self._intact(link) for link in links):

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any, Dict, List, Set
 
 from cnr.app.trace import load_trace
+from cnr.bench.chaos_merge import merge_report
 from cnr.format.verify import verify_store
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
@@ -53,6 +54,7 @@ def report(args: argparse.Namespace, chaos: Any, final: Dict[str, Any], referenc
         "restorable_after_every_event": bool(checks) and all(c["ok"] for c in checks),
         "restorable_checks": len(checks),
         "restorable_failures": [c for c in checks if not c["ok"]],
+        **merge_report(chaos.fired, chaos.watch.status),
         "damage_resume_crash": [{k: e.get(k) for k in ("variant", "damaged", "restored", "fell_back", "committed_after",
                                                        "crash", "restorable_after_crash", "skipped")}
                                 for e in by_kind.get("damage_resume_crash", [])],

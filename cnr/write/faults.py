@@ -5,7 +5,9 @@ or a reader process's read.
 at ``step`` (on trainer rank ``rank``, default any) do ``action``. Points: the checkpoint write
 of ``step`` (``before_data`` ... ``after_commit``, in the background writer; with a local tier
 ``before_remote_commit``: between the local and the remote commit, in the writer's flusher); ``after_step``: the
-trainer, right after training step ``step`` (and recording it in the sample trace); ``read_batch``:
+trainer, right after training step ``step`` (and recording it in the sample trace); ``after_save``: ``cnr
+train``'s loop right after the Checkpointer's ``save`` of step ``step`` returned (an exception in the user's
+loop, bench chaos's ``user_exception_s3``); ``read_batch``:
 the reader process that reads the batch for training step ``step``; ``writer_start``: a background
 writer process once started, before it takes its first job (step 0, any rank: ``sleep=5:writer_start@0``);
 ``merge_before_data``, ``merge_mid_data``, ``merge_before_commit``, ``merge_after_commit``: a merge
@@ -30,7 +32,7 @@ from typing import Any, Optional
 
 ENV = "CNR_FAULT_INJECT"
 POINTS = ("before_data", "mid_data", "after_data", "before_commit", "after_commit", "before_remote_commit", "after_step",
-          "read_batch", "writer_start", "retention")
+          "after_save", "read_batch", "writer_start", "retention")
 
 # Set in the background writer: its points run there, and a machine failure takes the trainer too.
 KILL_PARENT = False
