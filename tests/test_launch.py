@@ -181,3 +181,27 @@ def test_nproc_is_bounded_by_the_machine_before_anything_starts(tmp_path, capsys
         assert rc == 2 and f"error: --nproc {bad} is not allowed; it must be from 1 to {high}" in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert not store.exists()  # nothing written
+
+
+def _fail_rank_0_last(rank: int, world_size: int, marker_dir: str) -> None:
+    """Every rank fails; rank 0's error path (in cnr train: stop its writers and merge worker,
+    release the lease) takes 3 s, rank 1's nothing."""
+    try:
+        raise RuntimeError(f"rank {rank} of {world_size} failed")
+    finally:
+        if rank == 0:
+            time.sleep(3.0)
+            open(os.path.join(marker_dir, "rank-0-cleaned-up"), "w").close()
+
+
+def test_a_failed_rank_leaves_its_peers_time_to_finish_their_error_path(tmp_path):
+    """Issue #38 (bench chaos's user_exception_s3 at 2 ranks on S3): both ranks raised after a save;
+    rank 1, holding no lease, left first, and the launcher SIGTERMed rank 0 in the middle of its
+    error path, leaving the job's lease record unreleased. The others now get RANK_GRACE_S."""
+    from cnr.app.launch import RANK_GRACE_S, RankFailed, launch
+
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="failed"):
+        launch(_fail_rank_0_last, 2, str(tmp_path))
+    assert (tmp_path / "rank-0-cleaned-up").exists(), "rank 0 was terminated during its error path"
+    assert time.monotonic() - started < RANK_GRACE_S + 60

@@ -21,9 +21,15 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from cnr.errors import CnrError, ConfigError
+from cnr.write.at_exit import ABANDON_BOUND_S, STOP_S
 from cnr.write.proc import die_with_parent
 
 RankFn = Callable[[int, int, Any], Optional[Dict[str, Any]]]
+# Seconds the other ranks get to leave by themselves once one rank failed, before they are
+# terminated: a rank's error path (abort, or cnr.write.at_exit for a Checkpointer left open) stops
+# its writers and releases the job's lease within ABANDON_BOUND_S (+ STOP_S when publishing). Without
+# it, the rank holding the lease was SIGTERMed the moment a faster peer exited, mid-release.
+RANK_GRACE_S = ABANDON_BOUND_S + STOP_S + 5.0
 
 
 class RankFailed(CnrError):
@@ -132,7 +138,7 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
             context = mp.start_processes(_entry, args=(nproc, fn, arg, workdir, True, os.getpid()), nprocs=nproc, join=False,
                                          start_method="spawn")
             try:
-                while not context.join(timeout=0.5):
+                while not context.join(timeout=0.5, grace_period=RANK_GRACE_S):
                     pass
             except ProcessException as e:
                 raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
