@@ -11,7 +11,7 @@ import hashlib
 import logging
 import re
 import uuid
-from typing import Callable, List, Optional, Sequence, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
 from cnr.errors import CheckpointError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.types import ByteRange
@@ -160,6 +160,25 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every object of ``keys`` (missing ones are not an error), in no promised order:
+        a caller that needs one object gone first deletes it alone before. A store that removes
+        many objects per request (S3: up to 1,000) does so; the default deletes one by one."""
+        for key in keys:
+            self.delete(key)
+
+    def list_sizes(self, prefix: str = "") -> Dict[str, int]:
+        """``list(prefix)`` with each object's size in bytes; a key deleted since the listing is
+        left out. A store whose listing carries sizes (S3) answers with the listing's requests
+        alone; the default asks ``size`` of each key."""
+        sizes: Dict[str, int] = {}
+        for key in self.list(prefix):
+            try:
+                sizes[key] = self.size(key)
+            except KeyNotFoundError:
+                continue
+        return sizes
 
     @abc.abstractmethod
     def check_writable(self) -> None:

@@ -30,7 +30,7 @@ import dataclasses
 import re
 import time
 import zlib
-from typing import Callable, Dict, List, Optional, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 from cnr.errors import ConfigError, CorruptChunkError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.storage.base import (Buffer, Storage, check_limit, check_range, probe_writable, validate_key,
@@ -61,6 +61,7 @@ from cnr.storage.s3_options import S3Options  # noqa: E402
 
 T = TypeVar("T")
 
+DELETE_BATCH = 1000  # keys per DeleteObjects request: S3's most
 _CONFLICT_ATTEMPTS = 5  # 409 ConditionalRequestConflict answers to one put_if_absent
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -326,24 +327,44 @@ class S3Storage(Storage):
             raise
 
     def list(self, prefix: str = "") -> List[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> Dict[str, int]:
         prefix = validate_prefix(prefix)
         if self._closed:
             raise StorageError(f"{self.uri} is closed")
         base = f"{self._prefix}/" if self._prefix else ""
         s3_prefix = f"{base}{prefix}/" if prefix else base
 
-        def listing() -> List[str]:
+        def listing() -> Dict[str, int]:
             paginator = self._client.get_paginator("list_objects_v2")
             config = {"PageSize": self.options.list_page_size} if self.options.list_page_size else {}
-            keys = []
+            sizes: Dict[str, int] = {}
             for page in paginator.paginate(Bucket=self._bucket, Prefix=s3_prefix, PaginationConfig=config):
                 for obj in page.get("Contents", ()):
                     name = obj["Key"][len(base):]
                     if name and not name.endswith("/"):  # skip "folder" marker objects
-                        keys.append(name)
-            return sorted(keys)
+                        sizes[name] = int(obj["Size"])
+            return dict(sorted(sizes.items()))
 
         return self._retrying("list", prefix or "", listing)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects, up to ``DELETE_BATCH`` keys per request (each batch retried whole: a
+        delete of a missing key succeeds)."""
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = list(keys[start:start + DELETE_BATCH])
+            full = [{"Key": self._full_key(k)} for k in batch]
+
+            def remove() -> None:
+                answer = self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": full, "Quiet": True})
+                errors = [e for e in answer.get("Errors", ()) if e.get("Code") not in NOT_FOUND_CODES]
+                if errors:
+                    first = errors[0]
+                    raise StorageError(f"cannot delete {len(errors)} of {len(batch)} objects of {self.uri}, e.g. "
+                                       f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}")
+
+            self._retrying("delete", batch[0], remove)
 
     def delete(self, key: str) -> None:
         full = self._full_key(key)

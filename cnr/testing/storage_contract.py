@@ -101,6 +101,24 @@ class StorageContract:
         assert storage.list("d") == []
         storage.delete("d/x")  # deleting a missing key is fine
 
+    def test_delete_many(self, storage):
+        keys = [f"m/{i:04d}" for i in range(1203)]  # past one S3 DeleteObjects batch of 1,000
+        for key in keys[:1100]:
+            storage.put(key, b"z")
+        storage.put("m-kept/1", b"k")
+        storage.delete_many(keys)  # 103 of them were never stored: not an error
+        assert storage.list("m") == []
+        assert storage.list("m-kept") == ["m-kept/1"]
+        storage.delete_many([])
+
+    def test_list_sizes(self, storage):
+        storage.put("s/a", b"")
+        storage.put("s/b/c", b"12345")
+        storage.put("sx", b"no")
+        assert storage.list_sizes("s") == {"s/a": 0, "s/b/c": 5}
+        assert list(storage.list_sizes("s")) == storage.list("s")
+        assert storage.list_sizes("absent") == {}
+
     @pytest.mark.parametrize(
         "key",
         ["/abs", "../up", "a/../b", "a//b", "./a", "a/./b", "", "sp ace", "back\\slash", "a/"],
