@@ -200,9 +200,10 @@ class Checkpointer:
             self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker,
                                        lease=self._lease_ref, lease_uri=self.uri)
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
-        # with a local tier per node, the writers hand each other indexes and manifests (collective)
+        # the writers count themselves in for rank 0's commit there, and with a local tier per node
+        # hand each other indexes and manifests (collective; cnr.write.peer_exchange)
         self._exchange_server, exchange = None, None
-        if self.options.local_dir and self.world_size > 1:
+        if self.world_size > 1:
             self._exchange_server, exchange = host_exchange(self.rank, self.world_size)
         # the lease is every rank's: rank 0 fences its commits, all fence their flushes
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,

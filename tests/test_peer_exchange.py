@@ -1,7 +1,7 @@
 """The writers' exchange of commit objects (cnr.write.peer_exchange) and its use by the commit.
 
-A real TCPStore on 127.0.0.1: indexes published by other ranks count as stored for rank 0's
-wait, an outcome reaches every other rank once and is then removed, and an exchange that is
+A real TCPStore on 127.0.0.1: ranks count themselves in (stored or failed) for rank 0's wait,
+which then asks the store nothing unless a rank stays missing past the recheck, an outcome reaches every other rank once and is then removed, and an exchange that is
 gone leaves the commit to storage alone.
 """
 
@@ -30,26 +30,70 @@ def _index(ckpt_id: str, rank: int) -> RankIndex:
     return RankIndex(ckpt_id, rank, 3, {}, {})
 
 
-def test_published_indexes_count_as_stored(tmp_path, exchange):
+class _Counting(LocalStorage):
+    """A local store that counts the requests made of it."""
+
+    requests = 0
+
+    def exists(self, key):
+        type(self).requests += 1
+        return super().exists(key)
+
+    def get(self, key, byte_range=None, *, limit=None):
+        type(self).requests += 1
+        return super().get(key, byte_range, limit=limit)
+
+
+def test_ranks_counted_in_on_the_exchange_commit_without_asking_the_store(tmp_path, exchange):
+    """Issue #39: with the exchange, rank 0's wait asks the store nothing (at thousands of ranks,
+    2 requests per rank and round were minutes of polling)."""
     _server, address = exchange
-    storage = LocalStorage(str(tmp_path))
-    storage.put(rank_index_key("0000000001-a", 0), rank_index_to_bytes(_index("0000000001-a", 0)))
+    storage = _Counting(str(tmp_path))
     peer = PeerExchange(address)
-    for rank in (1, 2):  # other nodes' ranks: only on the exchange
-        PeerExchange(address).publish_index("0000000001-a", rank, rank_index_to_bytes(_index("0000000001-a", rank)))
+    assert peer.progress("0000000001-a") == (0, 0)
+    for rank in (2, 0, 1):
+        PeerExchange(address).publish_stored("0000000001-a", rank, rank_index_to_bytes(_index("0000000001-a", rank)))
+    assert peer.progress("0000000001-a") == (3, 0)
+    _Counting.requests = 0
     indexes = wait_for_ranks(storage, "0000000001-a", 3, timeout_s=5, exchange=peer)
     assert [i.rank for i in indexes] == [0, 1, 2]
+    assert _Counting.requests == 0
     peer.forget_indexes("0000000001-a")
-    assert peer.index("0000000001-a", 1) is None
-    with pytest.raises(CheckpointError, match=r"ranks \[1, 2\] did not store"):
+    assert peer.progress("0000000001-a") == (0, 0)
+    with pytest.raises(CheckpointError, match=r"ranks \[0, 1, 2\] did not store"):
         wait_for_ranks(storage, "0000000001-a", 3, timeout_s=0.3, exchange=peer)
+
+
+def test_a_rank_missing_on_the_exchange_is_found_in_the_store_after_the_recheck(tmp_path, exchange, monkeypatch):
+    """A writer that stored its index but could not publish it: the store is asked after
+    ``_STORAGE_RECHECK_S``, and the commit goes on."""
+    import cnr.write.commit as commit
+
+    monkeypatch.setattr(commit, "_STORAGE_RECHECK_S", 0.2)
+    _server, address = exchange
+    storage = LocalStorage(str(tmp_path))
+    storage.put(rank_index_key("0000000004-d", 1), rank_index_to_bytes(_index("0000000004-d", 1)))
+    peer = PeerExchange(address)
+    for rank in (0, 2):
+        peer.publish_stored("0000000004-d", rank, rank_index_to_bytes(_index("0000000004-d", rank)))
+    indexes = wait_for_ranks(storage, "0000000004-d", 3, timeout_s=10, exchange=peer)
+    assert [i.rank for i in indexes] == [0, 1, 2]
+
+
+def test_a_failure_published_by_a_rank_ends_the_wait_naming_it(tmp_path, exchange):
+    _server, address = exchange
+    peer = PeerExchange(address)
+    peer.publish_stored("0000000005-e", 0, rank_index_to_bytes(_index("0000000005-e", 0)))
+    PeerExchange(address).publish_failed("0000000005-e", 2, "disk full on node 1")
+    with pytest.raises(CheckpointError, match="rank 2 failed to write its part of checkpoint 0000000005-e: disk full"):
+        wait_for_ranks(LocalStorage(str(tmp_path)), "0000000005-e", 3, timeout_s=30, exchange=peer)
 
 
 def test_a_mislabelled_published_index_is_refused(tmp_path, exchange):
     _server, address = exchange
     peer = PeerExchange(address)
     for rank in range(3):
-        peer.publish_index("0000000002-b", rank, rank_index_to_bytes(_index("0000000009-z", rank)))
+        peer.publish_stored("0000000002-b", rank, rank_index_to_bytes(_index("0000000009-z", rank)))
     with pytest.raises(CheckpointError, match="describes checkpoint '0000000009-z'"):
         wait_for_ranks(LocalStorage(str(tmp_path)), "0000000002-b", 3, timeout_s=5, exchange=peer)
 

@@ -1,8 +1,10 @@
 """Rank 0's commit: once every rank's index is stored, check coverage and write the manifest.
 
-Runs in rank 0's writer process. It polls storage for the other ranks' indexes (they are written
-by other processes, possibly on other machines), gives up on a failure marker, a cancel, or
-``checkpoint.commit_timeout_s``, and writes ``manifest.json`` last: the commit point.
+Runs in rank 0's writer process. It waits for the other ranks' indexes (written by other
+processes, possibly on other machines): through the writers' exchange when the job has one
+(cnr.write.peer_exchange: two counters per look, whatever the number of ranks), else by polling
+storage. It gives up on a failed rank, a cancel, or ``checkpoint.commit_timeout_s``, and writes
+``manifest.json`` last: the commit point.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import Cancelled, CheckpointError, StorageError
@@ -28,51 +30,102 @@ from cnr.types import CheckpointKind, Role
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
+_STORAGE_RECHECK_S = 30.0
+"""With the writers' exchange: how long rank 0 waits on it before it also asks the store about the
+ranks not counted in (a writer that stored its index but could not publish it)."""
 
 
 def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None,
                    exchange=None) -> List[RankIndex]:
-    """Every rank's index of ``ckpt_id``, once all exist; raise on a failed rank or timeout.
-    ``exchange`` (cnr.write.peer_exchange): indexes published there count as stored."""
+    """Every rank's index of ``ckpt_id``, once all are stored; raise on a failed rank or timeout.
+
+    With the writers' ``exchange`` (cnr.write.peer_exchange) the ranks count themselves in there
+    once their index is stored, and the store is asked nothing until ``_STORAGE_RECHECK_S`` pass
+    without every rank counted (a writer that could not reach the exchange: its index is then
+    found in the store). Without one, or once it cannot be reached, the store is polled: an
+    ``exists`` per pending rank and round."""
     deadline = time.monotonic() + timeout_s
-    pending = set(range(world_size))
     indexes: Dict[int, RankIndex] = {}
-    while pending:
-        for r in sorted(pending):
-            key = rank_index_key(ckpt_id, r)
-            blob, exchange = _published_index(exchange, ckpt_id, r)
-            if blob is not None or storage.exists(key):
-                where = f"rank {r}'s published index of {ckpt_id}" if blob is not None else f"{storage.uri}/{key}"
-                # read from the store: verified, and read again when damaged in transit (from_sources)
-                index = parse_rank_index(blob, where=where) if blob is not None else from_sources(
-                    storage, key, lambda source: parse_rank_index(read_document(source, key), where=where))
-                if index.id != ckpt_id or index.rank != r or index.world_size != world_size:
-                    raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
-                indexes[r] = index
-                pending.discard(r)
-            elif storage.exists(failed_key(ckpt_id, r)):
-                raise CheckpointError(f"rank {r} failed to write its part of checkpoint {ckpt_id}: "
-                                      f"{marker_error(storage, failed_key(ckpt_id, r))}")
-        if not pending:
-            break
+    recheck = time.monotonic() + _STORAGE_RECHECK_S
+    while True:
+        if exchange is not None:
+            try:
+                if _exchange_round(exchange, ckpt_id, world_size, indexes):
+                    break
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - rank 0's trainer gone: storage alone decides
+                logger.warning("the writers' exchange is unreachable (%s); waiting for indexes in storage only", e)
+                exchange = None
+        if exchange is None or time.monotonic() > recheck:
+            _storage_round(storage, ckpt_id, world_size, indexes, exchange)
+            recheck = time.monotonic() + _STORAGE_RECHECK_S
+            if len(indexes) == world_size:
+                break
         if cancel is not None and cancel.is_set():
-            raise Cancelled(f"checkpoint {ckpt_id} was abandoned while waiting for ranks {sorted(pending)}")
+            pending = sorted(set(range(world_size)) - set(indexes))
+            raise Cancelled(f"checkpoint {ckpt_id} was abandoned while waiting for ranks {pending[:20]}")
         if time.monotonic() > deadline:
-            raise CheckpointError(f"ranks {sorted(pending)} did not store their part of {ckpt_id} within {timeout_s:.0f} s")
+            pending = sorted(set(range(world_size)) - set(indexes))
+            raise CheckpointError(f"ranks {pending[:20]}{' ...' if len(pending) > 20 else ''} did not store their "
+                                  f"part of {ckpt_id} within {timeout_s:.0f} s")
         time.sleep(_POLL_SECONDS)
     return [indexes[r] for r in range(world_size)]
 
 
-def _published_index(exchange, ckpt_id: str, rank: int):
-    """(Rank ``rank``'s index of ``ckpt_id`` from the exchange or None, the exchange to ask next
-    time): an unreachable exchange is warned about once and not asked again."""
+def _checked(index: RankIndex, ckpt_id: str, rank: int, world_size: int, key: str) -> RankIndex:
+    if index.id != ckpt_id or index.rank != rank or index.world_size != world_size:
+        raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
+    return index
+
+
+def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex]) -> bool:
+    """One look at the exchange's counters: raise when a rank failed; True (and ``indexes`` filled)
+    once every rank counted its stored index in."""
+    stored, failed = exchange.progress(ckpt_id)
+    if failed:
+        failures = exchange.failures(ckpt_id)
+        rank, error = failures[0] if failures else (-1, "unknown")
+        raise CheckpointError(f"rank {rank} failed to write its part of checkpoint {ckpt_id}: {error[:2000]}")
+    if stored < world_size or len(indexes) == world_size:
+        return len(indexes) == world_size
+    for rank, blob in enumerate(exchange.indexes(ckpt_id)):
+        where = f"rank {rank}'s published index of {ckpt_id}"
+        indexes[rank] = _checked(parse_rank_index(blob, where=where), ckpt_id, rank, world_size, where)
+    return True
+
+
+def _published_or_none(exchange, ckpt_id: str, rank: int) -> Optional[bytes]:
+    """Rank ``rank``'s index on the exchange; None without one, or when it cannot be reached now."""
     if exchange is None:
-        return None, None
+        return None
     try:
-        return exchange.index(ckpt_id, rank), exchange
-    except Exception as e:  # noqa: BLE001 - rank 0's trainer gone: storage alone decides
-        logger.warning("the writers' exchange is unreachable (%s); waiting for indexes in storage only", e)
-        return None, None
+        return exchange.published(ckpt_id, rank)
+    except Exception as e:  # noqa: BLE001 - the store still answers
+        logger.debug("the writers' exchange did not answer for rank %d: %s", rank, e)
+        return None
+
+
+def _storage_round(storage: Storage, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex],
+                   exchange=None) -> None:
+    """Ask the store about each rank not yet in ``indexes`` (nor published on the ``exchange``):
+    read its index when stored, raise on its failure marker."""
+    for r in range(world_size):
+        if r in indexes:
+            continue
+        key = rank_index_key(ckpt_id, r)
+        blob = _published_or_none(exchange, ckpt_id, r)
+        if blob is not None:
+            where = f"rank {r}'s published index of {ckpt_id}"
+            indexes[r] = _checked(parse_rank_index(blob, where=where), ckpt_id, r, world_size, where)
+        elif storage.exists(key):
+            where = f"{storage.uri}/{key}"
+            # read from the store: verified, and read again when damaged in transit (from_sources)
+            index = from_sources(storage, key, lambda source: parse_rank_index(read_document(source, key), where=where))
+            indexes[r] = _checked(index, ckpt_id, r, world_size, key)
+        elif storage.exists(failed_key(ckpt_id, r)):
+            raise CheckpointError(f"rank {r} failed to write its part of checkpoint {ckpt_id}: "
+                                  f"{marker_error(storage, failed_key(ckpt_id, r))}")
 
 
 def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:
@@ -95,7 +148,8 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[st
 def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
     """What a store must hold before ``manifest`` commits on it (``Storage.commit``): every rank's
     index, and for an increment its base or the merged baseline standing for it (cnr.write.merge)."""
-    needs: List[Union[str, Tuple[str, ...]]] = [rank_index_key(manifest.id, r) for r in range(manifest.world_size)]
+    needs: List[Union[str, Tuple[str, ...]]] = [rank_index_key(manifest.id, r, manifest.version)
+                                                 for r in range(manifest.world_size)]
     if manifest.kind == CheckpointKind.INCREMENTAL and manifest.base:
         needs.append((manifest_key(manifest.base), manifest_key(merged_id(manifest.base))))
     return needs

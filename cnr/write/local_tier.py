@@ -43,7 +43,7 @@ from cnr.format.catalog import checkpoint_ids, list_checkpoints
 from cnr.errors import ConfigError, StorageError
 from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import (
-    ROOT, RankIndex, checkpoint_prefix, manifest_key, rank_index_to_bytes, step_of,
+    ROOT, checkpoint_prefix, manifest_key, step_of,
 )
 from cnr.options import CheckpointOptions
 from cnr.write.local_flush import is_manifest as _is_manifest, record_flushed, resume_flush  # noqa: F401 (re-export)
@@ -313,40 +313,22 @@ def committed_in(storage: Storage, infos: Sequence[CheckpointInfo]) -> Dict[str,
 
 class Peers:
     """A writer's part in the exchange of commit objects (cnr.write.peer_exchange) over a local tier:
-    it publishes its rank's index; rank 0 publishes each checkpoint's outcome; the other ranks
-    store the committed manifest in their node's tier. Errors here are logged, never raised:
-    the remote store still commits the checkpoint."""
+    rank 0 publishes each checkpoint's outcome (cnr.write.writer); the other ranks store the
+    committed manifest in their node's tier. Errors here are logged, never raised: the remote store
+    still commits the checkpoint."""
 
-    def __init__(self, address: ExchangeAddress, tier: TieredStorage, timeout_s: float) -> None:
-        self.address, self.tier, self.timeout_s = address, tier, timeout_s
-        self.exchange = PeerExchange(address)
+    def __init__(self, exchange: PeerExchange, tier: TieredStorage, timeout_s: float) -> None:
+        self.address, self.tier, self.timeout_s = exchange.address, tier, timeout_s
+        self.exchange = exchange
         self._followers: List[threading.Thread] = []
 
     @classmethod
-    def connect(cls, address: Optional[ExchangeAddress], storage: Storage, timeout_s: float) -> Optional["Peers"]:
-        """The writer's Peers, or None without an exchange or a local tier, or when it is unreachable."""
-        if address is None or not isinstance(storage, TieredStorage):
+    def connect(cls, exchange: Optional[PeerExchange], storage: Storage, timeout_s: float) -> Optional["Peers"]:
+        """The writer's Peers over its ``exchange`` (cnr.write.peer_exchange.connect_exchange), or
+        None without an exchange or a local tier."""
+        if exchange is None or not isinstance(storage, TieredStorage):
             return None
-        try:
-            return cls(address, storage, timeout_s)
-        except Exception as e:  # noqa: BLE001 - see the class docstring
-            logger.warning("cannot reach the writers' exchange at %s:%d (%s); commits go through storage only",
-                           address.host, address.port, e)
-            return None
-
-    def published_index(self, index: RankIndex) -> None:
-        try:
-            self.exchange.publish_index(index.id, index.rank, rank_index_to_bytes(index))
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not publish rank %d's index of %s: %s", index.rank, index.id, e)
-
-    def committed(self, ckpt_id: str, manifest: Optional[bytes]) -> None:
-        """Rank 0: ``ckpt_id``'s manifest as committed locally, or None when it failed."""
-        try:
-            self.exchange.publish_outcome(ckpt_id, manifest)
-            self.exchange.forget_indexes(ckpt_id)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not publish the outcome of %s: %s", ckpt_id, e)
+        return cls(exchange, storage, timeout_s)
 
     def follow(self, ckpt_id: str) -> threading.Thread:
         """In a thread with a client of its own: wait for ``ckpt_id``'s outcome and store its

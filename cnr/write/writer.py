@@ -41,6 +41,7 @@ from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
+from cnr.write.peer_exchange import PeerExchange, connect_exchange
 from cnr.write.local_flush import FlushReport, OpenTier, flush_report, resume_flush_or_note as _resume_flush  # noqa: F401 (FlushReport re-exported)
 from cnr.storage import open_storage
 from cnr.storage.spec import StorageSpec, StorageTarget
@@ -138,27 +139,25 @@ def _drain(uploader: Uploader) -> None:
 
 
 def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, EncodePool], options: CheckpointOptions,
-             job: WriteJob, cancel, peers: Optional[Peers] = None,
+             job: WriteJob, cancel, exchange: Optional[PeerExchange] = None, peers: Optional[Peers] = None,
              search: Optional[WriterSearch] = None) -> WriteResult:
     """``encoders``: the pool of ``encode_threads`` for the eager search, and the one-thread pool
     for the compiled one, whose kernels hold the GIL and run on ``encode_threads`` cores each
-    (cnr.codec.quant.range_search.CompiledSearch)."""
+    (cnr.codec.quant.range_search.CompiledSearch). ``exchange``: the writers' exchange, where this
+    rank counts itself in (or failed) for rank 0's commit (cnr.write.peer_exchange)."""
     start = time.perf_counter()
     fused = None
     try:
         fused = search.for_job(searched_rows(job)) if search is not None else None
         encoder = encoders[0] if fused is None else encoders[1]
         index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder, fused)
-        if peers is not None:
-            peers.published_index(index)
+        _published(exchange, "its stored index", lambda e: e.publish_stored(index.id, index.rank, rank_index_to_bytes(index)))
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
-            manifest, blob = commit_checkpoint(storage, job, options.commit_timeout_s, cancel,
-                                               peers.exchange if peers is not None else None)
+            manifest, blob = commit_checkpoint(storage, job, options.commit_timeout_s, cancel, exchange)
             manifest_bytes = len(blob)
-            if peers is not None:
-                peers.committed(job.ckpt_id, blob)
+            _published(exchange, "the outcome", lambda e: _outcome(e, job.ckpt_id, blob, peers))
             # stored_at: wall clock of the commit, for the time from snapshot to commit
             extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
                      "bytes": manifest.bytes}
@@ -175,9 +174,31 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
         result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
     result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
     result.extra["search"] = SearchKernel.EAGER.value if fused is None else SearchKernel.COMPILED.value
-    if peers is not None and job.rank == 0 and result.status != WriteStatus.COMMITTED:
-        peers.committed(job.ckpt_id, None)
+    if result.status not in (WriteStatus.COMMITTED, WriteStatus.WRITTEN):
+        if job.rank == 0:
+            _published(exchange, "the outcome", lambda e: _outcome(e, job.ckpt_id, None, peers))
+        else:
+            _published(exchange, "its failure", lambda e: e.publish_failed(job.ckpt_id, job.rank, result.error or "failed"))
     return result
+
+
+def _outcome(exchange: PeerExchange, ckpt_id: str, manifest: Optional[bytes], peers: Optional[Peers]) -> None:
+    """Rank 0, once ``ckpt_id`` committed (``manifest``) or failed (None): the other nodes' tiers
+    learn it (``peers``), and the exchange forgets the checkpoint's indexes."""
+    if peers is not None:
+        exchange.publish_outcome(ckpt_id, manifest)
+    exchange.forget_indexes(ckpt_id)
+
+
+def _published(exchange: Optional[PeerExchange], what: str, publish: Callable[[PeerExchange], None]) -> None:
+    """``publish`` on the exchange, if there is one; a failure is logged, never raised: rank 0's
+    commit then finds this rank's objects in the store (cnr.write.commit)."""
+    if exchange is None:
+        return
+    try:
+        publish(exchange)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        logger.warning("could not publish %s to the writers' exchange: %s", what, e)
 
 
 def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, results, cancel,
@@ -211,11 +232,12 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     # cores, and 7.0 s with 2 encoding threads (the GIL; cnr.codec.quant.range_search).
     encoders = (EncodePool(options.encode_threads),)
     encoders += (EncodePool(1) if options.encode_threads > 1 else encoders[0],)
-    peers = Peers.connect(first.exchange, storage, options.commit_timeout_s)
+    exchange = connect_exchange(first.exchange)
+    peers = Peers.connect(exchange, storage, options.commit_timeout_s)
     try:
         while job is not None:
             use_scope(job.retention)  # this job's retention, also where a hook runs it (cnr.write.local_tier)
-            result = _run_job(storage, uploader, encoders, options, job, cancel, peers, search)
+            result = _run_job(storage, uploader, encoders, options, job, cancel, exchange, peers, search)
             results.put(result)
             if peers is not None and result.status == WriteStatus.WRITTEN:
                 peers.follow(job.ckpt_id)  # stores the manifest in this node's tier once rank 0 commits
