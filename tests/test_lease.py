@@ -345,7 +345,7 @@ def test_a_resume_on_s3_that_restores_nothing_exits_and_frees_the_lease(tmp_path
     train(str(tmp_path), uri, "--set", "train.steps=40", env=env)
     store = S3Storage(s3_bucket, "jobs/run-1")
     try:
-        index = next(k for k in store.list("checkpoints/") if k.endswith("rank-00000.json"))
+        index = next(k for k in store.list("checkpoints/") if k.endswith("rank-00000/index.json"))
         store.delete(index)  # the base's: every checkpoint of the chain needs it
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--resume", "--set", "train.steps=60"],
                                str(tmp_path), env=env, timeout=240)

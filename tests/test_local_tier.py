@@ -134,8 +134,8 @@ def test_resume_flush_queues_what_an_earlier_writer_left_locally(tmp_path):
     assert resume_flush(tier, rank=0) == ["0000000002-b"]
     assert tier.flush(10)
     assert remote.list("checkpoints/0000000002-b") == [
-        "checkpoints/0000000002-b/manifest.json", "checkpoints/0000000002-b/rank-00000.json",
-        "checkpoints/0000000002-b/rank-00000/chunk-000000.bin"]
+        "checkpoints/0000000002-b/manifest.json", "checkpoints/0000000002-b/rank-00000/chunk-000000.bin",
+        "checkpoints/0000000002-b/rank-00000/index.json"]
     assert resume_flush(tier, rank=0) == []  # nothing left to flush
     tier.close()
 

@@ -328,7 +328,7 @@ def test_small_chunks_share_objects_and_restore_reads_each_once(tmp_path):
         uploader.close()
     refs = index.tensors[NAME].chunks
     objects = sorted({r.key for r in refs})
-    assert len(objects) < len(refs) and store.list("checkpoints") == sorted(objects + ["checkpoints/0000000001-p/rank-00000.json"])
+    assert len(objects) < len(refs) and store.list("checkpoints") == sorted(objects + ["checkpoints/0000000001-p/rank-00000/index.json"])
     for key in objects:
         spans = sorted((r.offset, r.offset + r.nbytes) for r in refs if r.key == key)
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # back to back

@@ -114,7 +114,7 @@ def _meta_bytes(storage: Storage, m: Manifest) -> int:
     """Stored size of the manifest and every rank's index (sizes only, nothing is read). A merged
     baseline (cnr.write.merge) is written by one process, with no rank indexes."""
     ranks = 0 if m.id.endswith(MERGED_SUFFIX) else m.world_size
-    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r) for r in range(ranks)]
+    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r, m.version) for r in range(ranks)]
     total = 0
     for key in keys:
         try:

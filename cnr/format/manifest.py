@@ -3,7 +3,8 @@
 Layout under the storage root (docs/format.md is the full specification):
 
     checkpoints/<id>/rank-<r>/chunk-<n>.bin   rank r's encoded chunks: one large chunk, or small ones back to back
-    checkpoints/<id>/rank-<r>.json            rank r's index, written after its chunks are durable
+    checkpoints/<id>/rank-<r>/index.json      rank r's index, written after its chunks are durable
+                                              (checkpoints/<id>/rank-<r>.json before version 6)
     checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
     checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
     checkpoints/<id>/failed.json              the checkpoint will never commit (error text)
@@ -38,13 +39,16 @@ logger = logging.getLogger(__name__)
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 5
-"""Version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
+VERSION = 6
+"""Version 6 stores each rank's index in its rank's folder (``rank_index_key``), beside its chunks,
+so the indexes of thousands of ranks are not all written under one S3 prefix at once (issue #39);
+version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
 version 2 (the library API) records each tensor's role and table, the application's state per
-rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 4 still read,
-with lineage "" (none recorded)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 5 still read
+(versions 1 to 4 with lineage "", none recorded)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 LINEAGE_VERSION = 5
+RANK_FOLDER_VERSION = 6
 _LINEAGE = re.compile(r"^(|[0-9a-f]{32})$")
 
 
@@ -56,8 +60,20 @@ def manifest_key(ckpt_id: str) -> str:
     return f"{ROOT}/{ckpt_id}/manifest.json"
 
 
-def rank_index_key(ckpt_id: str, rank: int) -> str:
+def rank_index_key(ckpt_id: str, rank: int, version: int = VERSION) -> str:
+    """Rank ``rank``'s index of ``ckpt_id`` as a checkpoint of format ``version`` stores it (the
+    manifest's ``version``): in the rank's folder from version 6, beside the manifest before."""
+    if version >= RANK_FOLDER_VERSION:
+        return f"{ROOT}/{ckpt_id}/rank-{rank:05d}/index.json"
     return f"{ROOT}/{ckpt_id}/rank-{rank:05d}.json"
+
+
+def stored_rank_index_key(storage: Storage, ckpt_id: str, rank: int) -> str:
+    """The key of rank ``rank``'s index of ``ckpt_id`` on ``storage`` when no manifest says its
+    version (an uncommitted checkpoint): this version's, unless only an older layout's is stored."""
+    key = rank_index_key(ckpt_id, rank)
+    legacy = rank_index_key(ckpt_id, rank, RANK_FOLDER_VERSION - 1)
+    return legacy if not storage.exists(key) and storage.exists(legacy) else key
 
 
 def object_key(ckpt_id: str, rank: int, n: int) -> str:

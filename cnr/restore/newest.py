@@ -2,8 +2,8 @@
 
 Collective. Rank 0 lists the committed checkpoints in restore order (the current history's first,
 each history's highest step first, cnr.format.lineage); every rank tries the first:
-it reads the manifest and its chain (rank 0 also checks each link's manifest against its rank
-indexes, cnr.format.verify), then restores it into the application (cnr.restore.into_app), whose chunks are
+it reads the manifest and its chain (and checks each link's manifest against a share of its rank
+indexes, cnr.format.verify: together the ranks check them all), then restores it into the application (cnr.restore.into_app), whose chunks are
 verified as they are read. The ranks agree after each of the two (cnr.track.agreement's steps
 "restore: read checkpoint <id> and its chain" and "restore: attempt checkpoint <id>", each an
 all-gather of what went wrong, if anything):
@@ -66,7 +66,7 @@ class Skipped:
     reason: str
 
 
-def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str],
+def _read_chain(storage: Storage, ckpt_id: str, rank: int, world_size: int, skip: AbstractSet[str],
                 recorded: Sequence[str] = ()) -> Tuple[Manifest, List[Manifest]]:
     """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
     manifest itself, unless named in ``skip``); raises (as damage) unless its manifests and links
@@ -77,10 +77,10 @@ def _read_chain(storage: Storage, ckpt_id: str, rank: int, skip: AbstractSet[str
     if foreign:
         raise CheckpointError(foreign)
     chain = resolve_chain(storage, manifest, skip)
-    if rank == 0:
-        for link in chain:
-            if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
-                check_rank_indexes(storage, link)
+    for link in chain:
+        if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
+            # each rank checks a share of the link's indexes; the agreement that follows joins them
+            check_rank_indexes(storage, link, range(rank, link.world_size, world_size))
     return manifest, chain
 
 
@@ -124,7 +124,7 @@ def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, 
     read: Optional[Tuple[Manifest, List[Manifest]]] = None
     problem, error = None, None
     try:
-        read = _read_chain(storage, ckpt_id, rank, skip, recorded)
+        read = _read_chain(storage, ckpt_id, rank, world_size, skip, recorded)
     except Exception as e:  # noqa: BLE001 - agreed below
         problem, error = _problem(e), e
     reason, merges = _agree(f"restore: read checkpoint {ckpt_id} and its chain", problem, error)

@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Set, Tuple
 from cnr.errors import CheckpointError, CnrError, StorageError
 from cnr.format.catalog import checkpoint_ids, committed_ids, read_manifest
 from cnr.format.manifest import (
-    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, rank_index_key, step_of,
+    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, step_of, stored_rank_index_key,
 )
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
@@ -132,10 +132,10 @@ def resume_flush(tier: TieredStorage, rank: int, fence: Optional[Callable[[Stora
         chosen = _rank_objects_to_resend(tier, rank)
     for ckpt_id in chosen:
         own = checkpoint_prefix(ckpt_id) + f"/rank-{rank:05d}/"
+        index = stored_rank_index_key(tier.local, ckpt_id, rank)
         for key in tier.local.list(checkpoint_prefix(ckpt_id)):
-            if key.startswith(own):
+            if key.startswith(own) and key != index:
                 tier.resend(key)
-        index = rank_index_key(ckpt_id, rank)
         tier.commit(index, tier.local.get(index))  # after this rank's objects, as the writer stores it
         if rank == 0:
             tier.remote.delete(failed_key(ckpt_id))  # a purge's marker (the data went, the checkpoint now commits)
@@ -154,7 +154,7 @@ def _rank_objects_to_resend(tier: TieredStorage, rank: int) -> List[str]:
     remote_newest = id_order(next(iter(committed_ids(tier.remote)), ""))
     out = []
     for ckpt_id in checkpoint_ids(tier.local):
-        index = rank_index_key(ckpt_id, rank)
+        index = stored_rank_index_key(tier.local, ckpt_id, rank)
         if not tier.local.exists(index) or tier.remote.exists(manifest_key(ckpt_id)) or tier.remote.exists(index):
             continue
         if tier.local.exists(manifest_key(ckpt_id)) or id_order(ckpt_id) > remote_newest:
