@@ -12,7 +12,7 @@ from typing import List, Optional
 from cnr.errors import CnrError, redact, redact_logging
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
-              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance")  # cnr/bench/<name>.py, each with run(argv) -> dict
+              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance", "scale")  # cnr/bench/<name>.py, each with run(argv) -> dict
 EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
 MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
 UNKNOWN = "?"  # inspect's text for what no readable manifest says (kind, bits, rows of an uncommitted checkpoint)
