@@ -235,6 +235,13 @@ class SimulatedS3(WrapperStorage):
     def list(self, prefix: str = "") -> List[str]:
         return list(self.list_sizes(prefix))
 
+    def list_folders(self, prefix: str = "") -> List[str]:
+        """A listing by delimiter: one request per ``LIST_PAGE`` folders."""
+        folders = self.inner.list_folders(prefix)
+        for _ in range(max(1, math.ceil(len(folders) / LIST_PAGE))):
+            self._request("ListObjectsV2", "read", validate_prefix(prefix) + "/", lambda: None)
+        return folders
+
     def list_sizes(self, prefix: str = "") -> Dict[str, int]:
         sizes = self.inner.list_sizes(prefix)
         pages = max(1, math.ceil(len(sizes) / LIST_PAGE))

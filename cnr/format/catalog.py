@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 def checkpoint_ids(storage: Storage) -> List[str]:
     """Ids of every checkpoint with anything stored, committed or not, oldest step first
     (``id_order``: numerically, so step 10000000000 comes after 9999999999)."""
-    ids = {k.split("/")[1] for k in storage.list(ROOT) if k.count("/") >= 2}
+    ids = storage.list_folders(ROOT)  # S3: by delimiter, not every object of every checkpoint
     return sorted(ids, key=id_order)
 
 

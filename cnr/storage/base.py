@@ -168,6 +168,15 @@ class Storage(abc.ABC):
         for key in keys:
             self.delete(key)
 
+    def list_folders(self, prefix: str = "") -> List[str]:
+        """The names of the folders directly under ``prefix`` (a folder: a name followed by '/'
+        in some stored key), sorted. A store that lists by delimiter (S3's CommonPrefixes) answers
+        in one request per 1,000 folders, however many objects they hold; the default derives
+        them from ``list``."""
+        start = validate_prefix(prefix)
+        skip = len(start) + 1 if start else 0
+        return sorted({key[skip:].split("/", 1)[0] for key in self.list(prefix) if "/" in key[skip:]})
+
     def list_sizes(self, prefix: str = "") -> Dict[str, int]:
         """``list(prefix)`` with each object's size in bytes; a key deleted since the listing is
         left out. A store whose listing carries sizes (S3) answers with the listing's requests

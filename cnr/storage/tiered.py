@@ -213,6 +213,9 @@ class TieredStorage(WrapperStorage):
     def list(self, prefix: str = "") -> List[str]:
         return sorted(set(self.local.list(prefix)) | set(self.remote.list(prefix)))
 
+    def list_folders(self, prefix: str = "") -> List[str]:
+        return sorted(set(self.local.list_folders(prefix)) | set(self.remote.list_folders(prefix)))
+
     # ---- the flusher ---------------------------------------------------------------------
 
     def set_fence(self, fence: Fence) -> None:

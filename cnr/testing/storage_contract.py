@@ -111,6 +111,15 @@ class StorageContract:
         assert storage.list("m-kept") == ["m-kept/1"]
         storage.delete_many([])
 
+    def test_list_folders(self, storage):
+        for key in ["f/a/1", "f/a/2", "f/b/c/3", "f/top", "fx/d/1", "g"]:
+            storage.put(key, b"x")
+        assert storage.list_folders("f") == ["a", "b"]
+        assert storage.list_folders("f/b") == ["c"]
+        assert storage.list_folders("f/a") == []
+        assert storage.list_folders("") == ["f", "fx"]
+        assert storage.list_folders("absent") == []
+
     def test_list_sizes(self, storage):
         storage.put("s/a", b"")
         storage.put("s/b/c", b"12345")
