@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
 _STORAGE_RECHECK_S = 30.0
-"""With the writers' exchange: how long rank 0 waits on it before it also asks the store about the
-ranks not counted in (a writer that stored its index but could not publish it)."""
+"""With the writers' exchange: how long rank 0 waits with no rank counting in before it also asks
+the store about the ranks not counted in (a writer that stored its index but could not publish it)."""
 
 
 def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None,
@@ -40,18 +40,22 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
     """Every rank's index of ``ckpt_id``, once all are stored; raise on a failed rank or timeout.
 
     With the writers' ``exchange`` (cnr.write.peer_exchange) the ranks count themselves in there
-    once their index is stored, and the store is asked nothing until ``_STORAGE_RECHECK_S`` pass
-    without every rank counted (a writer that could not reach the exchange: its index is then
-    found in the store). Without one, or once it cannot be reached, the store is polled: an
+    once their index is stored, and the store is asked nothing unless ``_STORAGE_RECHECK_S`` pass
+    with no rank counting in while some are missing (a writer that could not reach the exchange:
+    its index is then found in the store). Without one, or once it cannot be reached, the store is polled: an
     ``exists`` per pending rank and round."""
     deadline = time.monotonic() + timeout_s
     indexes: Dict[int, RankIndex] = {}
     recheck = time.monotonic() + _STORAGE_RECHECK_S
+    counted = -1
     while True:
         if exchange is not None:
             try:
-                if _exchange_round(exchange, ckpt_id, world_size, indexes):
+                done, stored = _exchange_round(exchange, ckpt_id, world_size, indexes)
+                if done:
                     break
+                if stored != counted:  # ranks are still counting in: no need to ask the store yet
+                    counted, recheck = stored, time.monotonic() + _STORAGE_RECHECK_S
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - rank 0's trainer gone: storage alone decides
@@ -79,20 +83,20 @@ def _checked(index: RankIndex, ckpt_id: str, rank: int, world_size: int, key: st
     return index
 
 
-def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex]) -> bool:
-    """One look at the exchange's counters: raise when a rank failed; True (and ``indexes`` filled)
-    once every rank counted its stored index in."""
+def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex]) -> Tuple[bool, int]:
+    """One look at the exchange's counters: raise when a rank failed; (True, ...) and ``indexes``
+    filled once every rank counted its stored index in; also how many ranks counted in."""
     stored, failed = exchange.progress(ckpt_id)
     if failed:
         failures = exchange.failures(ckpt_id)
         rank, error = failures[0] if failures else (-1, "unknown")
         raise CheckpointError(f"rank {rank} failed to write its part of checkpoint {ckpt_id}: {error[:2000]}")
     if stored < world_size or len(indexes) == world_size:
-        return len(indexes) == world_size
+        return len(indexes) == world_size, stored
     for rank, blob in enumerate(exchange.indexes(ckpt_id)):
         where = f"rank {rank}'s published index of {ckpt_id}"
         indexes[rank] = _checked(parse_rank_index(blob, where=where), ckpt_id, rank, world_size, where)
-    return True
+    return True, stored
 
 
 def _published_or_none(exchange, ckpt_id: str, rank: int) -> Optional[bytes]:
