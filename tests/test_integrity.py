@@ -145,7 +145,7 @@ def test_a_chunk_dropped_from_a_resealed_manifest_is_caught_by_its_rank_indexes(
     dropped = dataclasses.replace(manifest, tensors={**manifest.tensors,
                                                      name: dataclasses.replace(entry, chunks=entry.chunks[1:])})
     resealed = parse_manifest(manifest_to_bytes(dropped))
-    with pytest.raises(CheckpointError, match="its manifest and its rank indexes list different chunks"):
+    with pytest.raises(CheckpointError, match="its manifest and rank 0's index list different chunks"):
         check_rank_indexes(storage, resealed)
 
 
