@@ -159,6 +159,23 @@ def test_set_bits_refuses_positions_outside_the_bitmap():
     assert not bits.any()  # checked before anything is set
 
 
+def test_seed_sets_the_bits_of_the_global_rows_in_this_ranks_ranges():
+    """After a resume from an increment, its rows (global ids, any rank's) count as touched since
+    the baseline: each table's ids inside this rank's row range, and no others."""
+    import numpy as np
+
+    from cnr.track.tracker import TrackedTable
+
+    tracker = object.__new__(RowTracker)  # only the row ranges and the views: no model needed
+    tracker.tables = {"a": TrackedTable("a", 100, 50, 0, False), "b": TrackedTable("b", 0, 20, 56, False)}
+    tracker.views = {"baseline": np.zeros(10, dtype=np.uint8)}
+    tracker.seed("baseline", {"a": torch.tensor([99, 100, 120, 149, 150], dtype=torch.int64),
+                              "b": torch.tensor([19, 0, 20, 5, 5], dtype=torch.int64)[::2],  # a strided view
+                              "other": torch.tensor([3], dtype=torch.int64)})  # a table this rank lacks
+    assert tracker.row_ids(tracker.views["baseline"], "a").tolist() == [100, 120, 149]
+    assert tracker.row_ids(tracker.views["baseline"], "b").tolist() == [5, 19]
+
+
 def test_set_bits_in_many_selection_blocks_against_a_python_set():
     import numpy as np
 
