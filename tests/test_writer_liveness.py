@@ -63,6 +63,28 @@ def test_dead_writer_fails_its_job_at_once_and_a_new_one_commits_the_next(tmp_pa
         writer.close()
 
 
+def test_a_writer_built_unstarted_starts_on_its_first_job_and_closes_unstarted(tmp_path):
+    """#39 item 5: a Checkpointer that restores first starts its writer after the restore. Until
+    then there is no process; the first submit starts one (no death counted), which commits; a
+    writer never started closes at once."""
+    idle = Writer(str(tmp_path), CheckpointOptions(keep_last=0), start=False)
+    assert not idle.started and idle.pid is None and idle.wait(timeout=0) is None
+    start = time.monotonic()
+    idle.close()
+    assert time.monotonic() - start < 2.0 and not idle.started
+    writer = Writer(str(tmp_path), CheckpointOptions(keep_last=0), start=False)
+    try:
+        writer.submit(job(1))
+        assert writer.started
+        assert writer.wait().status == WriteStatus.COMMITTED
+        assert (writer.deaths, writer.restarts) == (0, 0)
+        pid = writer.pid
+        writer.start()  # started already: the same process
+        assert writer.pid == pid
+    finally:
+        writer.close()
+
+
 def test_a_writer_that_crashed_is_followed_by_writers_on_the_eager_search(tmp_path, slow_writes, caplog):
     """A writer that native code crashed (SIGSEGV: seen once in the compiled range search's build on
     a GPU host with CUDA hidden) is followed by writers that search eagerly; the next commits."""

@@ -284,6 +284,9 @@ class Writer:
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
     ``wrap_remote``: a picklable callable the writer applies to the store at ``storage_uri``
     (a benchmark's emulated link, cnr.bench.link.over_link); None in training.
+    ``start``: False leaves the process to ``start()`` (or the first ``submit`` / ``open_tier``):
+    a Checkpointer that restores first starts it after the restore, whose cores its startup
+    (imports, a compiled search kernel) would take.
 
     A writer process that dies (killed, out of memory) fails its in-flight job: a watcher
     thread writes the job's failure marker at once, so rank 0's writer stops waiting for this
@@ -296,7 +299,7 @@ class Writer:
     """
 
     def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None,
-                 wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> None:
+                 wrap_remote: Optional[Callable[[Storage], Storage]] = None, start: bool = True) -> None:
         # parsed once, here: the writer processes and the watcher open the (picklable) spec
         self._uri = StorageSpec.parse(storage_uri)
         self._options, self._retain, self._wrap_remote = options, retain, wrap_remote
@@ -305,7 +308,11 @@ class Writer:
         self.restarts = 0  # writer processes started after one died, in total
         self.in_flight: Optional[WriteJob] = None
         self.flush_report: Optional[FlushReport] = None  # set by close on rank 0 with a local tier
-        self._start()
+        self._process: Optional[Any] = None  # none until started
+        self._cancel = self._ctx.Event()
+        self.ready = self._ctx.Event()  # set by the process once it takes jobs (a new one each start)
+        if start:
+            self._start()
         self._marker_storage: Optional[Storage] = None
         self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="cnr-writer-watch", daemon=True)
@@ -333,6 +340,16 @@ class Writer:
                                                                      self.ready),
                                           name="cnr-writer", daemon=True)
         self._process.start()
+
+    def start(self) -> None:
+        """Start the writer process of a Writer built with ``start=False``; nothing once started."""
+        if self._process is None:
+            self._start()
+
+    @property
+    def started(self) -> bool:
+        """Whether a writer process was started (it may have died since)."""
+        return self._process is not None
 
     @property
     def pid(self) -> Optional[int]:
@@ -362,7 +379,7 @@ class Writer:
         marked: Optional[Tuple[int, str]] = None
         while not self._stop_watch.wait(0.2):
             process, job = self._process, self.in_flight
-            if job is None or process.is_alive() or marked == (process.pid, job.ckpt_id) or not self._results.empty():
+            if job is None or process is None or process.is_alive() or marked == (process.pid, job.ckpt_id) or not self._results.empty():
                 continue  # (a result already queued: the job ended before its writer did)
             marked = (process.pid, job.ckpt_id)
             try:
@@ -376,13 +393,17 @@ class Writer:
         """Over a local tier: have the writer open it for ``rank`` now and flush, under ``lease``,
         what earlier writers left only on it (cnr.write.local_flush.OpenTier), before any job and
         also when none comes. A writer started after a death opens it with its first job."""
+        if self._options.local_dir:
+            self.start()
         if self._options.local_dir and self._process.is_alive():
             self._jobs.put(OpenTier(rank, lease, exchange))
 
     def submit(self, job: WriteJob) -> None:
         if self.in_flight is not None:
             raise RuntimeError(f"checkpoint {self.in_flight.ckpt_id} is still in flight; one at a time")
-        if not self._process.is_alive():
+        if self._process is None:
+            self._start()
+        elif not self._process.is_alive():
             self.deaths += 1
             self._check_deaths()
             self._restart()
@@ -440,6 +461,8 @@ class Writer:
         ``timeout_s``: seconds it gets to exit before it is killed (None: 60, and with a local tier
         60 + ``commit_timeout_s`` for the flush)."""
         self._stop_watch.set()
+        if self._process is None:  # never started: nothing to stop
+            return
         if self._process.is_alive():
             self._jobs.put(None)
             if not self._options.local_dir:
