@@ -144,3 +144,42 @@ def test_first_save_waits_neither_for_the_writer_nor_for_buffers(tmp_path, monke
     monkeypatch.setenv("CNR_FAULT_INJECT", "sleep=8:writer_start@0")
     result = launch(_first_save, 2, {"uri": str(tmp_path / "ck")})
     assert result == {"missing": [], "allocations": 0, "writer_ready": False, "committed": True}
+
+
+def _save_after_restore(rank: int, world_size: int, arg: dict) -> dict:
+    from cnr.write.engine import pieces_to_write, rng_piece
+    from examples.two_tower import build
+
+    dmp, adam, sched = build(world_size)
+    app = {"model": dmp, "optim": adam, "sched": sched}
+    with cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="full")) as first:
+        first.save(1).wait()
+    ckpt = cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="full"))
+    buffers = ckpt.engine.buffers
+    pieces = pieces_to_write(ckpt.app.pieces(), rank, world_size) + [rng_piece(rank)]
+    buffers.wait_prepared()
+    before = sum(buffers.holds(p) for p in pieces)
+    writer_before = ckpt.engine.writer.started
+    ckpt.restore()
+    writer_after = ckpt.engine.writer.started
+    buffers.wait_prepared()
+    missing = [p.name for p in pieces if not buffers.holds(p)]
+    info = ckpt.save(2).wait()
+    ckpt.close()
+    # never restored: nothing started, and it closes all the same
+    idle = cnr.Checkpointer(arg["uri"], app, cnr.CheckpointOptions(policy="full"))
+    idle_started = idle.engine.writer.started
+    idle.close()
+    return {"held_before_restore": before, "writer_before_restore": writer_before, "writer_after": writer_after,
+            "missing": missing, "allocations": buffers.allocations, "committed": info.step == 2,
+            "idle_started": idle_started}
+
+
+def test_where_checkpoints_stand_the_background_starts_after_restore(tmp_path):
+    """#39 item 5: a Checkpointer over committed checkpoints must restore before it saves, and a job
+    restores at once: the writer process's startup and faulting in a full snapshot's buffers
+    would compete with the restore for the cores. Neither starts before restore(); both after
+    it, so the first save allocates no buffer, and it commits."""
+    result = launch(_save_after_restore, 1, {"uri": str(tmp_path / "ck")})
+    assert result == {"held_before_restore": 0, "writer_before_restore": False, "writer_after": True,
+                      "missing": [], "allocations": 0, "committed": True, "idle_started": False}
