@@ -39,7 +39,7 @@ def test_the_summary_takes_medians_and_reads_the_longest_chain_against_the_targe
 
 def test_tiny_run(tmp_path):
     rc, out, err = run_cnr(["bench", "restore", "--config", TINY, "--links", "1,3", "--repeats", "2",
-                            "--peer-steps", "5", "--set", "checkpoint.interval=5"], str(tmp_path))
+                            "--peer-steps", "5", "--api-repeats", "2", "--set", "checkpoint.interval=5"], str(tmp_path))
     assert rc == 0, err[-3000:]
     got = json.loads(out)
     assert got["bit_exact"] == {"1": True, "3": True}
@@ -55,13 +55,29 @@ def test_tiny_run(tmp_path):
     assert got["chain1_rows_from_increments"] == got["chain1_increment_rows"]  # one link: every row is distinct
     assert set(got["targets_met"]) == {"chain1_over_baseline<=1.35", "chain1_s_per_byte_over_baseline<=1.3",
                                        "chain3_s_per_byte_over_baseline<=1.3", "newest_first_equals_replay",
-                                       "peer_bit_exact", "full32_over_dcp_load<=1.0", "int4_chain_over_dcp_load<=1.0"}
+                                       "peer_bit_exact", "full32_over_dcp_load<=1.0", "int4_chain_over_dcp_load<=1.0",
+                                       "restore_api_over_dcp<=1.0", "restore_api_exact"}
     # against dcp.load: both restores gave back the state saved, the 4-bit chain the same state twice
     assert got["peer_bit_exact"] is True and got["peer_steps"] == 5
     assert got["full32_restore_s"] > 0 and got["dcp_load_s"] > 0 and got["int4_chain_restore_s"] > 0
     assert got["full32_over_dcp_load"] == pytest.approx(got["full32_restore_s"] / got["dcp_load_s"], rel=0.01, abs=1e-3)
     baseline_bytes, increment_bytes = got["int4_chain_bytes"]
     assert 0 < increment_bytes < baseline_bytes < got["full32_bytes"]  # 4-bit rows, fewer of them in the increment
+    # Checkpointer.restore() as users call it (cnr.bench.restore_api): every restore gave the saved state back
+    assert got["restore_api_exact"] is True
+    for kind in ("fresh", "settled", "dcp", "int4"):
+        spread = got[f"restore_api_{kind}_s"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+    assert got["restore_api_over_dcp"] == pytest.approx(
+        got["restore_api_fresh_s"]["median"] / got["restore_api_dcp_s"]["median"], rel=0.01, abs=1e-3)
+    for kind in ("fresh", "settled", "int4"):
+        phases = got["restore_api_phases_s"][kind]
+        # one manifest read, its rank index verified, the data path entered once; the phases and
+        # the rest add up to the restore
+        assert phases["calls"]["manifest"] == 1 and phases["calls"]["data"] == 1
+        assert phases["calls"]["verify_rank_indexes"] == (2 if kind == "int4" else 1)  # a link each
+        assert 0 < phases["data"] < got[f"restore_api_{kind}_s"]["max"]
+        assert phases["outside_data"] > 0
 
 
 @pytest.mark.parametrize("args,message", [
@@ -70,6 +86,7 @@ def test_tiny_run(tmp_path):
     (["--bits", "5"], "--bits 5 is not allowed"),
     (["--repeats", "0"], "--repeats 0 is not allowed"),
     (["--peer-steps", "-1"], "--peer-steps -1 is not allowed"),
+    (["--api-repeats", "-1"], "--api-repeats -1 is not allowed"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
     rc, _out, err = run_cnr(["bench", "restore", "--config", TINY, *args], str(tmp_path))

@@ -24,6 +24,14 @@ that model's fp32 state (#27 target <= 1.0). Each restore is checked against the
 (``peer_bit_exact``: exactly; the 4-bit chain's table rows within 4-bit quantization, and each
 of its restores equal to the first).
 
+Then, as users call them (cnr.bench.restore_api; ``--api-repeats`` rounds, 0: none): a new
+``Checkpointer``'s ``restore()`` of the fp32 checkpoint, called as soon as it is built
+(``restore_api_fresh_s``; building it is not timed), the same Checkpointer's ``restore()`` once its startup ended
+(``restore_api_settled_s``), and of the 4-bit chain (``restore_api_int4_s``), against the state
+dicts, ``dcp.load`` and ``load_state_dict`` (``restore_api_dcp_s``), each after every tensor was
+perturbed: ``restore_api_over_dcp`` (#39 target <= 1.0) and where restore()'s time goes
+(``restore_api_phases_s``).
+
 Every checkpoint here is written with every compaction trigger off (``no_compaction``), so that the
 chains are the ones written; ``merges``, ``compaction_read_bytes`` and ``compaction_write_bytes``
 (cnr.bench.common.storage_traffic) show that no merge ran, ``total_storage_bytes`` the store's traffic.
@@ -47,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 
 from cnr.app.report_points import Entry
 from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio, scan_entries, storage_traffic
+from cnr.bench.restore_api import TARGET as API_TARGET, Stored, side_by_side
 from cnr.bench.restore_run import parse_run, run_mode
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.restore.chain import restore_chain
@@ -156,17 +165,20 @@ def _close_to(saved: List[torch.Tensor], restored: List[torch.Tensor], pieces: L
     return True
 
 
-def _against_dcp(model: TrainedModel, root: str, repeats: int, steps: int) -> Dict[str, Any]:
+def _against_dcp(model: TrainedModel, root: str, repeats: int, steps: int, api_repeats: int = 0) -> Dict[str, Any]:
     """Medians of cnr's restores of a full fp32 checkpoint and of an intermittent 4-bit chain,
-    and of ``dcp.load`` of the same model's fp32 state, all from files under ``root``."""
+    and of ``dcp.load`` of the same model's fp32 state, all from files under ``root``; then
+    ``api_repeats`` rounds of the same restores as users call them (cnr.bench.restore_api)."""
     threads = model.config.checkpoint.restore_threads
-    full32 = _save_chain(model, os.path.join(root, "full32"), {"policy": "full", "bits": 32}, [])
+    full32_changes = {"policy": "full", "bits": 32}
+    int4_changes = {"policy": "intermittent", "bits": 4}
+    full32 = _save_chain(model, os.path.join(root, "full32"), full32_changes, [])
     saved = _snapshot(model)
     state = {"model": model.sharded.model.state_dict(), "sparse_optim": model.sharded.model.fused_optimizer.state_dict(),
              "dense_optim": model.sharded.dense_optimizer.state_dict()}
     dcp_path = os.path.join(root, "dcp")
     dcp.save(state, checkpoint_id=dcp_path)
-    int4 = _save_chain(model, os.path.join(root, "int4"), {"policy": "intermittent", "bits": 4}, [steps])
+    int4 = _save_chain(model, os.path.join(root, "int4"), int4_changes, [steps])
     int4_saved = _snapshot(model)
     if [m.kind for m in int4] != [CheckpointKind.FULL, CheckpointKind.INCREMENTAL]:
         raise RuntimeError(f"the intermittent 4-bit chain is {[m.kind.value for m in int4]}, not a baseline and an increment")
@@ -194,7 +206,13 @@ def _against_dcp(model: TrainedModel, root: str, repeats: int, steps: int) -> Di
         for store in stores.values():
             store.close()
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    return {"full32_restore_s": round(median["full32"], 4), "dcp_load_s": round(median["dcp_load"], 4),
+    api: Dict[str, Any] = {}
+    if api_repeats:
+        stored = Stored(os.path.join(root, "full32"), no_compaction(model.config, full32_changes),
+                        os.path.join(root, "int4"), no_compaction(model.config, int4_changes), dcp_path, saved,
+                        lambda now: _close_to(int4_saved, now, model.state()))
+        api = side_by_side(model, stored, api_repeats)
+    return {**api, "full32_restore_s": round(median["full32"], 4), "dcp_load_s": round(median["dcp_load"], 4),
             "int4_chain_restore_s": round(median["int4_chain"], 4),
             "full32_over_dcp_load": ratio(median["full32"], median["dcp_load"]),
             "int4_chain_over_dcp_load": ratio(median["int4_chain"], median["dcp_load"]),
@@ -225,7 +243,8 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
                 del newest
     finally:
         storage.close()
-    peer = _against_dcp(model, arg["peer_root"], arg["repeats"], arg["peer_steps"]) if arg["peer_steps"] else {}
+    peer = (_against_dcp(model, arg["peer_root"], arg["repeats"], arg["peer_steps"], arg["api_repeats"])
+            if arg["peer_steps"] else {})
     # string keys: the result crosses a process boundary as JSON
     return {"runs": runs, "exact": {str(k): v for k, v in exact.items()}, "peer": peer, "traffic": traffic,
             "chain_bytes": {str(k): [m.bytes for m in chains[k]] for k in chains},
@@ -269,6 +288,9 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
         for name in ("full32_over_dcp_load", "int4_chain_over_dcp_load"):
             result["targets_met"][f"{name}<={PEER_TARGET}"] = peer[name] <= PEER_TARGET
         result["targets_met"]["peer_bit_exact"] = peer["peer_bit_exact"]
+    if "restore_api_over_dcp" in peer:
+        result["targets_met"][f"restore_api_over_dcp<={API_TARGET}"] = peer["restore_api_over_dcp"] <= API_TARGET
+        result["targets_met"]["restore_api_exact"] = peer["restore_api_exact"]
     return result
 
 
@@ -283,6 +305,9 @@ def _check(args: Any, config: Config) -> List[int]:
         raise ConfigError(f"--bits {args.bits} is not allowed; allowed: 2, 3, 4, 8, 32")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats} is not allowed; it must be >= 1")
+    if args.api_repeats < 0:
+        raise ConfigError(f"--api-repeats {args.api_repeats} is not allowed; it must be >= 0 (0: no restore as users "
+                          "call it)")
     if args.peer_steps < 0:
         raise ConfigError(f"--peer-steps {args.peer_steps} is not allowed; it must be >= 0 (0: no comparison with dcp.load)")
     if not config.checkpoint.enabled:
@@ -300,6 +325,9 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--peer-steps", type=int, default=100,
                         help="training steps between the 4-bit chain's baseline and its increment in the comparison "
                              "with dcp.load (0: no comparison)")
+    parser.add_argument("--api-repeats", type=int, default=5,
+                        help="rounds of Checkpointer.restore() against dcp.load + load_state_dict, as users call "
+                             "them (cnr.bench.restore_api; 0: none; needs --peer-steps > 0)")
     parser.add_argument("--run", default=None, metavar="N",
                         help="instead: train N intervals (consecutive policy, default options) and restore the newest "
                              "committed checkpoint after each (cnr.bench.restore_run)")
@@ -318,6 +346,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
     try:
         out = launch(_bench, 1, {"config": config, "uri": os.path.join(workdir, "store"), "bits": args.bits,
                                  "links": links, "repeats": args.repeats, "peer_steps": args.peer_steps,
+                                 "api_repeats": args.api_repeats,
                                  "peer_root": os.path.join(workdir, "peer")})
     finally:
         if args.workdir is None:
