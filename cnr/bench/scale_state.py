@@ -26,6 +26,7 @@ from cnr.types import ChunkRef, Encoding, Role, TableSpec
 
 DIM = 128
 ROW_BYTES = DIM * 4
+DENSE_COLS = 256  # columns of each replicated dense tensor (fp32)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ def table_name(t: int) -> str:
 
 def state_name(t: int) -> str:
     return f"optim/sparse.embedding_bags.t{t:04d}.weight/momentum1"
+
+
+def dense_name(d: int) -> str:
+    return f"model/dense.layer{d:03d}.weight"
 
 
 def table_rows(shape: ScaleShape) -> List[int]:
@@ -132,9 +137,10 @@ def rank_indexes(shape: ScaleShape, ranks: int, ckpt_id: str) -> List[RankIndex]
         for d in range(shape.dense_tensors):
             a, b = max(lo, d * shape.dense_rows), min(hi, (d + 1) * shape.dense_rows)
             if a < b:
-                name = f"model/dense.layer{d:03d}.weight"
-                ref = _chunk(object_key(ckpt_id, rank, n), name, a - d * shape.dense_rows, b - a, 256, 1024)
-                tensors[name] = TensorEntry((shape.dense_rows, 256), "float32", True, (ref,), Role.DENSE, None)
+                name = dense_name(d)
+                ref = _chunk(object_key(ckpt_id, rank, n), name, a - d * shape.dense_rows, b - a, DENSE_COLS,
+                             DENSE_COLS * 4)
+                tensors[name] = TensorEntry((shape.dense_rows, DENSE_COLS), "float32", True, (ref,), Role.DENSE, None)
         out.append(RankIndex(ckpt_id, rank, ranks, tensors, {}))
     return out
 
