@@ -96,6 +96,13 @@ def test_a_small_job_meets_the_per_rank_targets(figures):
         assert f["restore_requests_per_rank"] == 2  # the manifest and its own rank index, nothing else
 
 
+def test_dcp_figures_and_the_ratios_over_them_are_in_every_n(figures):
+    for f in figures.values():
+        assert f["dcp_metadata_bytes_per_rank"] > 0 and f["dcp_load_plan_s"] > 0
+        assert f["restore_metadata_over_dcp"] == round(f["restore_metadata_bytes_per_rank"] / f["dcp_metadata_bytes_per_rank"], 2)
+    assert scale.over_dcp({"restore_plan_s": 1.0, "dcp_load_plan_s": 0.0}) == {"restore_plan_over_dcp": None}
+
+
 def test_growth_exponents():
     got = scale.growth({8: {"a": 2.0, "b": 5, "c": 0}, 64: {"a": 16.0, "b": 5, "c": 3}})
     assert got == {"a": 1.0, "b": 0.0, "c": None}

@@ -19,9 +19,10 @@ cnr's retries). Everything else is cnr's own code, run as a job runs it:
 
 Figures per N: commit latency (last rank's index stored -> manifest committed), requests by
 rank 0 and by an average other rank per checkpoint, ``SlowDown`` answers, metadata bytes a rank
-reads to restore and its planning seconds, retention's requests, and (when the DCP peer's module
-is there, cnr.bench.scale_dcp) DCP's metadata bytes for the same state; then each figure's
-growth exponent against N (the slope of log figure over log N between the smallest and largest N).
+reads to restore and its planning seconds, retention's requests; DCP's metadata bytes and planning
+seconds for the same state (cnr.bench.scale_dcp) and cnr's figures over DCP's (``OVER_DCP``);
+then each figure's growth exponent against N (the slope of log figure over log N between the
+smallest and largest N).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from cnr.bench.common import number_arg
+from cnr.bench.scale_dcp import dcp_figures
 from cnr.bench.scale_state import ScaleShape, objects_of, rank_indexes, shard_tables, state_name, table_name, table_specs
 from cnr.bench.scale_store import MemoryStorage, SimulatedS3
 from cnr.errors import ConfigError
@@ -223,16 +225,26 @@ def measure(ranks: int, shape: ScaleShape, latency_s: float, checkpoints: int, e
     figures.update(_retention(store, [r.ckpt_id for r in runs]))
     figures["commit_latency_s_each"] = [round(r.commit_latency_s, 3) for r in runs]
     figures.update(_dcp(shape, ranks))
+    figures.update(over_dcp(figures))
     return figures
 
 
 def _dcp(shape: ScaleShape, ranks: int) -> Dict[str, float]:
-    """DCP's figures for the same state (cnr.bench.scale_dcp), when that module is installed."""
-    try:
-        from cnr.bench.scale_dcp import dcp_figures
-    except ImportError:
-        return {}
+    """DCP's figures for the same state (cnr.bench.scale_dcp: its planners, data-less shards)."""
     return dict(vars(dcp_figures(shape, ranks)))
+
+
+OVER_DCP = {  # cnr's figure over DCP's: the metadata a rank reads to restore, and planning
+    "restore_metadata_over_dcp": ("restore_metadata_bytes_per_rank", "dcp_metadata_bytes_per_rank"),
+    "restore_plan_over_dcp": ("restore_plan_s", "dcp_load_plan_s"),
+    "commit_latency_over_dcp_save_plan": ("commit_latency_s", "dcp_save_plan_s"),
+}
+
+
+def over_dcp(figures: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """``OVER_DCP``'s ratios of one N's figures (None where DCP's is 0)."""
+    return {name: (round(figures[ours] / figures[theirs], 2) if figures.get(theirs) else None)
+            for name, (ours, theirs) in OVER_DCP.items() if ours in figures and theirs in figures}
 
 
 def growth(figures: Dict[int, Dict[str, Any]]) -> Dict[str, Optional[float]]:
