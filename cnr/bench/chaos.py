@@ -63,7 +63,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
-from cnr.bench import chaos_job
+from cnr.bench import chaos_job, nodes
 from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_merge import FAULT_SPEC, MergeEvents
@@ -102,7 +102,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--config", default=TINY, help="YAML config (default configs/tiny.yaml)")
     p.add_argument("--steps", type=int, default=1200, help="training steps of the job")
     p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the job")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the job (with --nodes: ranks per node)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="torchrun agents of the job, each a node of --nproc ranks (cnr.bench.nodes); 1: cnr train "
+                   "--nproc spawns the ranks")
     p.add_argument("--events", type=int, default=16,
                    help=f"events to inject (each kind at least once when >= {len(EVENTS)})")
     p.add_argument("--kinds", default=",".join(EVENTS), help="comma-separated event kinds to draw from")
@@ -117,7 +120,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    "as a failed result")
     p.add_argument("--workdir", default=None, type=workdir_arg, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv_list(argv))
-    for name in ("steps", "interval", "nproc", "events"):
+    for name in ("steps", "interval", "nproc", "nodes", "events"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed; it must be >= 1")
     if args.job_timeout_s is None:
@@ -147,6 +150,11 @@ def plan_events(count: int, rng: random.Random, kinds: Sequence[str] = EVENTS) -
     plan = list(kinds)[:count] + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
     rng.shuffle(plan)
     return plan
+
+
+def launcher(args: argparse.Namespace) -> List[str]:
+    """The argv (after the interpreter) that runs ``python -m cnr`` as the job: on ``--nodes`` agents when > 1."""
+    return nodes.command(args.nodes, args.nproc) if args.nodes > 1 else ["-m", "cnr"]
 
 
 def train_args(args: argparse.Namespace, storage: str, trace_dir: str, resume: bool) -> List[str]:
@@ -205,7 +213,7 @@ def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str], uri:
     """The same job uninterrupted, on the same kind of store (S3 through the proxy, no faults);
     killed after ``args.job_timeout_s``. On failure: ``error`` says why (and nothing else is set)."""
     trace = os.path.join(workdir, "trace-reference")
-    job = Job(train_args(args, uri, trace, False), env, workdir, "reference").start()
+    job = Job(train_args(args, uri, trace, False), env, workdir, "reference", launcher(args)).start()
     rc = job.wait(timeout=args.job_timeout_s)
     seconds = round(job.ended - job.started, 1)
     if job.killed:
@@ -270,7 +278,7 @@ class Chaos(NewEvents, MergeEvents):
     def _job(self, resume: bool, name: str, trace_dir: Optional[str] = None,
              env: Optional[Dict[str, str]] = None) -> Job:
         return Job(train_args(self.args, self.uri, trace_dir or self.trace_dir, resume), env or self.env, self.workdir,
-                   name)
+                   name, launcher(self.args))
 
     def _training(self, job: Job, started_unix: float, timeout: float = 180.0) -> bool:
         """Wait until ``job`` trains (its writers run and its trace moved since it started);

@@ -1,7 +1,8 @@
 """What ``bench chaos`` does to a running ``cnr train`` job and to its store.
 
-- ``Job``: one attempt, a ``cnr train`` launcher in its own session (so a SIGKILL of its process
-  group is a machine failure of the whole job), its output in files;
+- ``Job``: one attempt, a ``cnr train`` launcher in its own session, its output in files; a kill
+  SIGKILLs its process group and every process below it (torchrun's workers, cnr.bench.nodes,
+  run in sessions of their own): a machine failure of the whole job;
 - process lookup by name (cnr.write.proc names the writers and readers) below the launcher;
 - damage to stored objects: a flipped byte in a chunk object, a flipped bit in a manifest,
   always of the newest committed checkpoint's own objects, so that older chains stay intact.
@@ -32,6 +33,7 @@ class Job:
     env: Dict[str, str]
     workdir: str
     name: str
+    launcher: List[str] = field(default_factory=lambda: ["-m", "cnr"])  # argv after the interpreter, before args
     proc: Optional[subprocess.Popen] = None
     started: float = 0.0
     ended: float = 0.0
@@ -42,7 +44,7 @@ class Job:
         self._out = open(os.path.join(self.workdir, f"{self.name}.out"), "w")
         self._err = open(os.path.join(self.workdir, f"{self.name}.err"), "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "cnr", *self.args], cwd=self.workdir, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, *self.launcher, *self.args], cwd=self.workdir, env=self.env,
                                      stdout=self._out, stderr=self._err, start_new_session=True)
         return self
 
@@ -52,10 +54,16 @@ class Job:
     def kill(self) -> None:
         """SIGKILL the whole job (launcher, ranks, writers, readers): a machine failure."""
         self.killed = True
+        below = descendants(self.proc.pid)  # before the kill: orphans are re-parented
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout: float) -> int:
         try:
