@@ -130,6 +130,7 @@ SLOW_TESTS = {
     "tests/test_train_tsv.py::test_tsv_training_resumes_bit_exact",  # test_readers_tsv
     # multi-node and cross-world-size resumes: test_train_resume ws2 -> ws1
     "tests/test_multinode.py::test_two_nodes_resume_bit_exact_and_restore_on_one_node",
+    "tests/test_eight_ranks.py::test_eight_ranks_on_four_nodes_resume_bit_exact_and_move_to_four_ranks_and_back",
     "tests/test_train_policies.py::test_consecutive_chain_restores_across_world_sizes",
     "tests/test_api.py::test_kill_and_resume_at_world_size_1_then_restore_at_2[full]",
     "tests/test_api.py::test_kill_and_resume_at_world_size_1_then_restore_at_2[consecutive]",

@@ -11,54 +11,25 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from typing import List
 
 from cli_helpers import MIXED_SHARDING, ROOT, TINY, train
 from cnr.format.catalog import list_checkpoints
 from cnr.write.local_tier import local_tier_root
 from cnr.format.manifest import parse_rank_index, rank_index_key
 from cnr.storage.local import LocalStorage
+from torchrun_helpers import run_nodes
 
 TIMEOUT_S = 300
+
 MODEL = [*MIXED_SHARDING, "--set", "model.arch=dcn", "--set", "model.over_arch=[1024,512,1]"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_nodes(cwd: str, *extra: str, local_tier: bool = False) -> dict:
     """One job on two torchrun agents (nodes 0 and 1, two ranks each); rank 0's summary.
     ``local_tier``: node N's local tier is ``<cwd>/node-N``."""
-    env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
-    env.pop("CNR_FAULT_INJECT", None)
-    port = _free_port()
-    agents: List[subprocess.Popen] = []
-    for node in (0, 1):
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "cnr", "train", "--config", TINY, "--storage", "ck", *MODEL, *extra,
-             *(["--set", f"checkpoint.local_dir=node-{node}"] if local_tier else [])],
-            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for agent in agents:
-            outs.append(agent.communicate(timeout=TIMEOUT_S))
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    for agent, (_out, err) in zip(agents, outs):
-        assert agent.returncode == 0, err[-3000:]
-    lines = outs[0][0].strip().splitlines()  # rank 0 runs on node 0 and alone prints the summary
-    assert len(lines) == 1 and not outs[1][0].strip()
-    return json.loads(lines[0])
+    return run_nodes(cwd, 2, "--storage", "ck", *MODEL, *extra, local_tier=local_tier, timeout=TIMEOUT_S)
 
 
 def test_two_nodes_resume_bit_exact_and_restore_on_one_node(tmp_path):

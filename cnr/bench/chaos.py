@@ -162,7 +162,9 @@ def train_args(args: argparse.Namespace, storage: str, trace_dir: str, resume: b
             "checkpoint.keep_last=3", "checkpoint.bits=32", "checkpoint.commit_timeout_s=60",
             "checkpoint.lease_ttl_s=30", "data.reader_processes=2", f"data.trace_dir={trace_dir}",
             "train.eval_interval=0"]
-    out = ["train", "--config", args.config, "--storage", storage, "--nproc", str(args.nproc)]
+    out = ["train", "--config", args.config, "--storage", storage]
+    if args.nodes == 1:  # under torchrun the agents set the ranks (and torchrun's parser takes --nproc for its own)
+        out += ["--nproc", str(args.nproc)]
     for s in sets:
         out += ["--set", s]
     return out + (["--resume"] if resume else [])

@@ -7,6 +7,8 @@ ARGS`` on K x P ranks (``--nnodes K``, rendezvous on 127.0.0.1, gloo on the loop
 command behaves as a launcher of the whole job:
 
 - the agents inherit its stdout and stderr (rank 0 alone prints ``cnr train``'s summary line);
+- ``ARGS`` must not hold an option that torchrun's parser reads as an abbreviation of its own
+  (it scans them all): ``cnr train --nproc`` is one, and under torchrun it has no use;
 - its exit status is the first failing rank's (``cnr train``'s 2 for a refusal, 3 for checkpoints
   that did not commit; 128 + N for a rank killed by signal N), not torchrun's 1 for any failure:
   each agent runs torchrun's own entry point (torch.distributed.run.main) and exits with the
