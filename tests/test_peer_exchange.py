@@ -87,6 +87,8 @@ def test_a_failure_published_by_a_rank_ends_the_wait_naming_it(tmp_path, exchang
     PeerExchange(address).publish_failed("0000000005-e", 2, "disk full on node 1")
     with pytest.raises(CheckpointError, match="rank 2 failed to write its part of checkpoint 0000000005-e: disk full"):
         wait_for_ranks(LocalStorage(str(tmp_path)), "0000000005-e", 3, timeout_s=30, exchange=peer)
+    peer.forget_indexes("0000000005-e")  # nothing of the checkpoint is left on the exchange
+    assert peer.progress("0000000005-e") == (0, 0) and peer.failures("0000000005-e") == []
 
 
 def test_a_mislabelled_published_index_is_refused(tmp_path, exchange):

@@ -414,3 +414,28 @@ def test_silent_server_times_out_instead_of_hanging(s3_bucket):
             store.put("k", b"v")
         assert time.monotonic() - start < 5
         store.close()
+
+
+def test_delete_many_retries_keys_that_failed_transiently_and_names_a_lasting_failure(store, monkeypatch):
+    """DeleteObjects answers 200 with per-key errors: transient ones (InternalError) are retried,
+    any other one is an error naming the key; nothing is passed over silently."""
+    keys = [f"dm/{i}" for i in range(5)]
+    for key in keys:
+        store.put(key, b"x")
+    real = store._client.delete_objects
+    answers = iter([[{"Key": "dm/3", "Code": "InternalError", "Message": "try again"}], []])
+
+    def flaky(**kwargs):
+        errors = next(answers, [])
+        out = real(**kwargs) if not errors else {}  # a failed batch deletes nothing here: the retry must
+        return {**out, "Errors": errors} if errors else out
+
+    monkeypatch.setattr(store._client, "delete_objects", flaky)
+    store.delete_many(keys)
+    assert store.list("dm") == []
+    store.put("dm/9", b"y")
+    monkeypatch.setattr(store._client, "delete_objects",
+                        lambda **kw: {"Errors": [{"Key": "dm/9", "Code": "AccessDenied", "Message": "no"}]})
+    with pytest.raises(StorageError, match="'dm/9': AccessDenied"):
+        store.delete_many(["dm/9"])
+    assert store.list("dm") == ["dm/9"]

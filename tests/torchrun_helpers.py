@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,46 +21,15 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cli_helpers import ROOT, TINY
+from cnr.bench.chaos_job import descendants
+from cnr.bench.nodes import free_port, kill_tree  # noqa: F401 - free_port re-exported for the tests
 
 TIMEOUT_S = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children() -> Dict[int, List[int]]:
-    out: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
 def tree(root: int) -> List[int]:
-    """``root`` and every process below it."""
-    children, found, frontier = _children(), [root], [root]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
-
-
-def kill_tree(root: int) -> None:
-    """SIGKILL ``root`` and everything below it (found first: a killed parent's children are re-parented)."""
-    for pid in tree(root):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """``root`` and every live process below it."""
+    return [root, *descendants(root)]
 
 
 def _pss_kb(pid: int) -> int:

@@ -46,7 +46,7 @@ def command(nodes: int, nproc_per_node: int) -> List[str]:
     return ["-m", "cnr.bench.nodes", "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node), "--"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,7 +70,7 @@ def _agent(argv: Sequence[str]) -> int:
     return 0
 
 
-def _kill_tree(root: int, sig: int) -> None:
+def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to ``root`` and every process below it (found first, before any is re-parented)."""
     from cnr.bench.chaos_job import descendants
 
@@ -91,7 +91,7 @@ def _stop(agents: Sequence[subprocess.Popen]) -> None:
         try:
             agent.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _kill_tree(agent.pid, signal.SIGKILL)
+            kill_tree(agent.pid)
             agent.wait()
 
 
@@ -100,7 +100,7 @@ def launch(nodes: int, nproc_per_node: int, args: Sequence[str]) -> int:
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the agents on the way out
-    port = _free_port()
+    port = free_port()
     agents: List[subprocess.Popen] = []
     for node in range(nodes):
         agents.append(subprocess.Popen(

@@ -39,7 +39,9 @@ import torch
 
 from cnr.bench.common import number_arg
 from cnr.bench.scale_dcp import dcp_figures
-from cnr.bench.scale_state import ScaleShape, objects_of, rank_indexes, shard_tables, state_name, table_name, table_specs
+from cnr.bench.scale_state import (
+    DIM, ScaleShape, objects_of, rank_indexes, shard_tables, state_name, table_name, table_rows, table_specs,
+)
 from cnr.bench.scale_store import MemoryStorage, SimulatedS3
 from cnr.errors import ConfigError
 from cnr.format.catalog import read_manifest, resolve_chain, restore_ids
@@ -71,6 +73,7 @@ class CheckpointRun:
     ckpt_id: str
     index_stored: List[float]
     committed: float
+    objects_per_rank: float  # objects each rank stored, mean over ranks
     commit_error: Optional[BaseException] = None
 
     @property
@@ -121,7 +124,7 @@ def _run_checkpoint(store: SimulatedS3, shape: ScaleShape, ranks: int, step: int
                    manifest_fields={"tables": table_specs(shape, ranks), "counters": {}, "metadata": {}},
                    app=indexes[0].app, lease=lease.ref, retention=RetentionScope())
     stored = [math.inf] * ranks
-    run = CheckpointRun(ckpt_id, stored, math.inf)
+    run = CheckpointRun(ckpt_id, stored, math.inf, sum(map(len, objects)) / ranks)
 
     def commit() -> None:
         with store.acting_as(0):
@@ -147,18 +150,16 @@ def _run_checkpoint(store: SimulatedS3, shape: ScaleShape, ranks: int, step: int
 
 def _rank_pieces(shape: ScaleShape, ranks: int, rank: int) -> List[StatePiece]:
     """The pieces ``rank`` restores into under the same plan: its table shards, as meta tensors."""
-    rows = {s.table: None for s in shard_tables(shape, ranks)}
+    rows = table_rows(shape)
     pieces = []
     for s in shard_tables(shape, ranks):
         if s.rank != rank:
             continue
-        total = sum(x.rows for x in shard_tables(shape, ranks) if x.table == s.table) if rows[s.table] is None else 0
-        rows[s.table] = total
-        for name, cols, role in ((table_name(s.table), 128, Role.TABLE_ROWS), (state_name(s.table), 0, Role.TABLE_STATE)):
-            shape_global = (total, cols) if cols else (total,)
+        for name, cols, role in ((table_name(s.table), DIM, Role.TABLE_ROWS), (state_name(s.table), 0, Role.TABLE_STATE)):
+            global_shape = (rows[s.table], cols) if cols else (rows[s.table],)
             region = ShardRegion((s.row_start, 0) if cols else (s.row_start,), (s.rows, cols) if cols else (s.rows,))
             tensor = torch.empty(region.sizes, dtype=torch.float32, device="meta")
-            pieces.append(StatePiece(name, shape_global, region, tensor, False, role, table_name(s.table)))
+            pieces.append(StatePiece(name, global_shape, region, tensor, False, role, table_name(s.table)))
     return pieces
 
 
@@ -218,7 +219,7 @@ def measure(ranks: int, shape: ScaleShape, latency_s: float, checkpoints: int, e
         others = [store.counts[r].requests for r in range(1, ranks)] or [0]
         figures = {"commit_latency_s": runs[-1].commit_latency_s, "requests_rank0": store.counts[0].requests,
                    "requests_per_rank": sum(others) / len(others), "slowdown": store.total_slowdowns(),
-                   "chunks_per_rank": sum(len(objects_of(i)) for i in rank_indexes(shape, ranks, runs[-1].ckpt_id)) / ranks}
+                   "chunks_per_rank": runs[-1].objects_per_rank}
     store.reset_counts()
     figures.update(_restore_plan(store, shape, ranks, ranks // 2))
     figures["slowdown"] += store.total_slowdowns()

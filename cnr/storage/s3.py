@@ -49,6 +49,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without boto3
 
 from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to be installed
     NOT_FOUND_CODES,
+    RETRYABLE_CODES,
     describe,
     error_code,
     redact,
@@ -330,17 +331,11 @@ class S3Storage(Storage):
         return sorted(self.list_sizes(prefix))
 
     def list_sizes(self, prefix: str = "") -> Dict[str, int]:
-        prefix = validate_prefix(prefix)
-        if self._closed:
-            raise StorageError(f"{self.uri} is closed")
         base = f"{self._prefix}/" if self._prefix else ""
-        s3_prefix = f"{base}{prefix}/" if prefix else base
 
         def listing() -> Dict[str, int]:
-            paginator = self._client.get_paginator("list_objects_v2")
-            config = {"PageSize": self.options.list_page_size} if self.options.list_page_size else {}
             sizes: Dict[str, int] = {}
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=s3_prefix, PaginationConfig=config):
+            for page in self._pages(prefix):
                 for obj in page.get("Contents", ()):
                     name = obj["Key"][len(base):]
                     if name and not name.endswith("/"):  # skip "folder" marker objects
@@ -352,29 +347,36 @@ class S3Storage(Storage):
     def list_folders(self, prefix: str = "") -> List[str]:
         """ListObjectsV2 with the delimiter '/': one request per 1,000 folders (issue #39: a listing
         of every object was hundreds of requests per checkpoint at thousands of ranks)."""
-        prefix = validate_prefix(prefix)
-        if self._closed:
-            raise StorageError(f"{self.uri} is closed")
-        base = f"{self._prefix}/" if self._prefix else ""
-        s3_prefix = f"{base}{prefix}/" if prefix else base
-
         def listing() -> List[str]:
-            paginator = self._client.get_paginator("list_objects_v2")
-            config = {"PageSize": self.options.list_page_size} if self.options.list_page_size else {}
             names = set()
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=s3_prefix, Delimiter="/",
-                                           PaginationConfig=config):
+            for page in self._pages(prefix, delimiter="/"):
                 for common in page.get("CommonPrefixes", ()):
-                    name = common["Prefix"][len(s3_prefix):].rstrip("/")
+                    name = common["Prefix"][len(self._s3_prefix(prefix)):].rstrip("/")
                     if name:
                         names.add(name)
             return sorted(names)
 
         return self._retrying("list", prefix or "", listing)
 
+    def _s3_prefix(self, prefix: str) -> str:
+        """The bucket key prefix that lists ``prefix`` (validated) under this store's root."""
+        prefix = validate_prefix(prefix)
+        base = f"{self._prefix}/" if self._prefix else ""
+        return f"{base}{prefix}/" if prefix else base
+
+    def _pages(self, prefix: str, delimiter: str = ""):
+        """ListObjectsV2's pages of ``prefix`` (with ``delimiter``: its CommonPrefixes too)."""
+        if self._closed:
+            raise StorageError(f"{self.uri} is closed")
+        paginator = self._client.get_paginator("list_objects_v2")
+        config = {"PageSize": self.options.list_page_size} if self.options.list_page_size else {}
+        extra = {"Delimiter": delimiter} if delimiter else {}
+        return paginator.paginate(Bucket=self._bucket, Prefix=self._s3_prefix(prefix), PaginationConfig=config, **extra)
+
     def delete_many(self, keys: Sequence[str]) -> None:
-        """DeleteObjects, up to ``DELETE_BATCH`` keys per request (each batch retried whole: a
-        delete of a missing key succeeds)."""
+        """DeleteObjects, up to ``DELETE_BATCH`` keys per request. A batch whose failed keys all
+        failed transiently (S3's per-key InternalError, SlowDown) is retried whole (deleting a
+        missing key succeeds); any other per-key error raises StorageError naming it."""
         for start in range(0, len(keys), DELETE_BATCH):
             batch = list(keys[start:start + DELETE_BATCH])
             full = [{"Key": self._full_key(k)} for k in batch]
@@ -382,10 +384,14 @@ class S3Storage(Storage):
             def remove() -> None:
                 answer = self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": full, "Quiet": True})
                 errors = [e for e in answer.get("Errors", ()) if e.get("Code") not in NOT_FOUND_CODES]
-                if errors:
-                    first = errors[0]
-                    raise StorageError(f"cannot delete {len(errors)} of {len(batch)} objects of {self.uri}, e.g. "
-                                       f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}")
+                if not errors:
+                    return
+                first = errors[0]
+                if all(e.get("Code") in RETRYABLE_CODES for e in errors):  # retried by _retrying
+                    raise bexc.ClientError({"Error": {"Code": first.get("Code"), "Message": first.get("Message", "")}},
+                                           "DeleteObjects")
+                raise StorageError(f"cannot delete {len(errors)} of {len(batch)} objects of {self.uri}, e.g. "
+                                   f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}")
 
             self._retrying("delete", batch[0], remove)
 

@@ -120,10 +120,14 @@ class PeerExchange:
         return out
 
     def forget_indexes(self, ckpt_id: str) -> None:
-        """Drop ``ckpt_id``'s indexes and counters (rank 0, once it committed or failed)."""
+        """Drop ``ckpt_id``'s indexes, counters and failures (rank 0, once it committed or failed)."""
+        failed = self.progress(ckpt_id)[1]
         for rank in range(self.address.world_size):
             self._store.delete_key(_index_key(ckpt_id, rank))
+            if failed:
+                self._store.delete_key(_failed_key(ckpt_id, rank))
         self._store.delete_key(_stored_key(ckpt_id))
+        self._store.delete_key(_failed_key(ckpt_id))
 
     def publish_outcome(self, ckpt_id: str, manifest: Optional[bytes]) -> None:
         """Rank 0: the committed manifest of ``ckpt_id``, or None when it failed."""
