@@ -93,7 +93,8 @@ def test_a_small_job_meets_the_per_rank_targets(figures):
         assert f["requests_rank0"] <= chunks0 + 10, (n, f)
         assert f["slowdown"] == 0
         assert f["retention_deleted"] == 1  # keep_last 1 and single-damage safety keep two states of three
-        assert f["restore_requests_per_rank"] == 2  # the manifest and its own rank index, nothing else
+        # the manifest (split: no other rank's chunks), its own rank index and rank 0's (app state), nothing else
+        assert f["restore_requests_per_rank"] == 3
 
 
 def test_dcp_figures_and_the_ratios_over_them_are_in_every_n(figures):

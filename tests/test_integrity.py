@@ -15,7 +15,7 @@ import pytest
 
 from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
-from cnr.format.manifest import manifest_key, parse_manifest, parse_rank_index, rank_index_key
+from cnr.format.manifest import manifest_key, manifest_to_bytes, parse_manifest, parse_rank_index, rank_index_key
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention import plan_retention
 from cnr.storage.local import LocalStorage
@@ -64,9 +64,9 @@ def test_every_single_bit_flip_is_refused(store, which):
 
 def test_a_flip_cannot_downgrade_a_sealed_manifest(store):
     blob = LocalStorage(str(store)).get(manifest_key(_ids(store)[-1]))
-    assert b'"version": 6' in blob
+    assert b'"version": 7' in blob
     with pytest.raises(CheckpointError, match="SHA-256"):
-        parse_manifest(blob.replace(b'"version": 6', b'"version": 2'))
+        parse_manifest(blob.replace(b'"version": 7', b'"version": 2'))
     unsealed = b"{" + blob[blob.index(b", ") + 2:]  # the seal cut off whole
     with pytest.raises(CheckpointError, match="has no SHA-256 seal"):
         parse_manifest(unsealed)
@@ -149,44 +149,54 @@ def test_a_chunk_dropped_from_a_resealed_manifest_is_caught_by_its_rank_indexes(
         check_rank_indexes(storage, resealed)
 
 
-def _as_version_5(path) -> None:
-    """Rewrite every checkpoint under ``path`` as version 5 stored it: rank indexes beside the
-    manifest (``rank-<r>.json``), manifests and indexes sealed as version 5."""
+def _as_version(path, version: int) -> None:
+    """Rewrite every checkpoint under ``path`` as ``version`` (5 or 6) stored it: the manifest
+    listing every chunk and every rank's app state (before version 7 split it), rank indexes
+    without extents, beside the manifest (``rank-<r>.json``) in version 5."""
     from cnr.format.integrity import seal, unseal
 
     storage = LocalStorage(str(path))
+    whole = {i: manifest_to_bytes(read_manifest(storage, i)) for i in _ids(path)}  # before the indexes change
     for key in storage.list("checkpoints"):
         if not key.endswith(".json") or "/deleting" in key or "/failed" in key:
             continue
-        document, _ = unseal(storage.get(key), key)
+        ckpt_id = key.split("/")[1]
+        document, _ = unseal(whole[ckpt_id] if key.endswith("/manifest.json") else storage.get(key), key)
         body = json.loads(document)
-        body["version"] = 5
+        body["version"] = version
+        body.pop("indexes", None)
+        body.pop("summary", None)
+        for tensor in body["tensors"].values():
+            del tensor["extents"]
         blob = seal(json.dumps(body, sort_keys=True).encode())
-        if key.endswith("/index.json"):
+        if key.endswith("/index.json") and version == 5:
             storage.delete(key)
             key = key[:-len("/index.json")] + ".json"
         storage.put(key, blob)
 
 
-def test_checkpoints_of_version_5_layout_still_verify_list_and_restore(copy, tmp_path):
-    """Issue #39 moved each rank index into its rank's folder (version 6); a location written by
-    version 5 (indexes beside the manifest) still lists, verifies (``inspect --verify`` reads the
-    indexes at the old keys) and resumes to the same training state."""
+@pytest.mark.parametrize("version", [5, 6])
+def test_checkpoints_of_older_versions_still_verify_list_and_restore(copy, tmp_path, version):
+    """Issue #39 moved each rank index into its rank's folder (version 6), then split the manifest
+    (version 7: sharded tensors' chunks and app state only in the rank indexes); a location written
+    by version 5 (indexes beside the manifest) or 6 still lists, verifies (``inspect --verify``
+    reads the indexes at the old keys) and resumes to the same training state."""
     newest = _ids(copy)[-1]
-    _as_version_5(copy)
+    _as_version(copy, version)
     storage = LocalStorage(str(copy))
-    assert storage.exists(f"checkpoints/{newest}/rank-00000.json")
-    assert not storage.exists(rank_index_key(newest, 0))
-    assert read_manifest(storage, newest).version == 5
+    assert storage.exists(f"checkpoints/{newest}/rank-00000.json") == (version == 5)
+    assert storage.exists(rank_index_key(newest, 0)) == (version == 6)
+    old = read_manifest(storage, newest)
+    assert old.version == version and not old.indexes and old.loaded is None and old.app_ranks[0]
     assert all(i.status == CheckpointStatus.COMMITTED for i in list_checkpoints(storage))
     rc, out, err = run_cnr(["inspect", str(copy), "--verify", "--json"], str(tmp_path))
     assert rc == 0, out + err
     from cnr.format.verify import check_rank_indexes
-    check_rank_indexes(storage, read_manifest(storage, newest))  # reads rank-00000.json
+    check_rank_indexes(storage, old)  # reads rank-00000.json (version 5)
     resumed = train(str(copy.parent), copy.name, "--set", "train.steps=50", "--set", "checkpoint.interval=10",
                     "--set", "checkpoint.policy=consecutive", "--set", "checkpoint.keep_last=0",
                     "--set", "checkpoint.compact_at_chain_ratio=0", "--resume")
     assert resumed["restores"] and resumed["steps"] == 50
     newer = read_manifest(storage, _ids(copy)[-1])
-    assert newer.version == 6 and newer.base == newest  # the next increment builds on the version 5 one
+    assert newer.version == 7 and newer.base == newest  # the next increment builds on the older one
     assert storage.exists(rank_index_key(newer.id, 0))

@@ -14,6 +14,7 @@ import pytest
 from cnr.write.commit import wait_for_ranks
 from cnr.errors import CheckpointError
 from cnr.format.manifest import RankIndex, rank_index_key, rank_index_to_bytes
+from cnr.format.split import summarize, summary_to_bytes
 from cnr.write.peer_exchange import PeerExchange, host_exchange
 from cnr.storage.local import LocalStorage
 
@@ -28,6 +29,11 @@ def exchange():
 
 def _index(ckpt_id: str, rank: int) -> RankIndex:
     return RankIndex(ckpt_id, rank, 3, {}, {})
+
+
+def _summary(ckpt_id: str, rank: int) -> bytes:
+    """What a writer publishes once its index is stored (cnr.format.split.IndexSummary)."""
+    return summary_to_bytes(summarize(_index(ckpt_id, rank), rank_index_to_bytes(_index(ckpt_id, rank))))
 
 
 class _Counting(LocalStorage):
@@ -52,7 +58,7 @@ def test_ranks_counted_in_on_the_exchange_commit_without_asking_the_store(tmp_pa
     peer = PeerExchange(address)
     assert peer.progress("0000000001-a") == (0, 0)
     for rank in (2, 0, 1):
-        PeerExchange(address).publish_stored("0000000001-a", rank, rank_index_to_bytes(_index("0000000001-a", rank)))
+        PeerExchange(address).publish_stored("0000000001-a", rank, _summary("0000000001-a", rank))
     assert peer.progress("0000000001-a") == (3, 0)
     _Counting.requests = 0
     indexes = wait_for_ranks(storage, "0000000001-a", 3, timeout_s=5, exchange=peer)
@@ -75,7 +81,7 @@ def test_a_rank_missing_on_the_exchange_is_found_in_the_store_after_the_recheck(
     storage.put(rank_index_key("0000000004-d", 1), rank_index_to_bytes(_index("0000000004-d", 1)))
     peer = PeerExchange(address)
     for rank in (0, 2):
-        peer.publish_stored("0000000004-d", rank, rank_index_to_bytes(_index("0000000004-d", rank)))
+        peer.publish_stored("0000000004-d", rank, _summary("0000000004-d", rank))
     indexes = wait_for_ranks(storage, "0000000004-d", 3, timeout_s=10, exchange=peer)
     assert [i.rank for i in indexes] == [0, 1, 2]
 
@@ -83,7 +89,7 @@ def test_a_rank_missing_on_the_exchange_is_found_in_the_store_after_the_recheck(
 def test_a_failure_published_by_a_rank_ends_the_wait_naming_it(tmp_path, exchange):
     _server, address = exchange
     peer = PeerExchange(address)
-    peer.publish_stored("0000000005-e", 0, rank_index_to_bytes(_index("0000000005-e", 0)))
+    peer.publish_stored("0000000005-e", 0, _summary("0000000005-e", 0))
     PeerExchange(address).publish_failed("0000000005-e", 2, "disk full on node 1")
     with pytest.raises(CheckpointError, match="rank 2 failed to write its part of checkpoint 0000000005-e: disk full"):
         wait_for_ranks(LocalStorage(str(tmp_path)), "0000000005-e", 3, timeout_s=30, exchange=peer)
@@ -95,7 +101,7 @@ def test_a_mislabelled_published_index_is_refused(tmp_path, exchange):
     _server, address = exchange
     peer = PeerExchange(address)
     for rank in range(3):
-        peer.publish_stored("0000000002-b", rank, rank_index_to_bytes(_index("0000000009-z", rank)))
+        peer.publish_stored("0000000002-b", rank, _summary("0000000009-z", rank))
     with pytest.raises(CheckpointError, match="describes checkpoint '0000000009-z'"):
         wait_for_ranks(LocalStorage(str(tmp_path)), "0000000002-b", 3, timeout_s=5, exchange=peer)
 

@@ -17,7 +17,7 @@ import torch
 from cnr.app.config import Config
 from cnr.app.config_checks import check_device_support, check_host_memory
 from cnr.errors import ConfigError
-from cnr.format.manifest import Manifest
+from cnr.format.manifest import Manifest, read_head
 from cnr.format.catalog import newest_committed
 from cnr.app.launch import check_nproc, under_torchrun
 from cnr.policy.kinds import failure_rate
@@ -123,7 +123,7 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
         storage = open_checkpoint_store(storage_uri, config.checkpoint.options(config.train.steps))
-        newest = newest_committed(storage)
+        newest = newest_committed(storage, read_head)  # its config is in the manifest itself
         if resume and newest is None:
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
         if resume and newest is not None:

@@ -29,7 +29,8 @@ from cnr.app.evaluate import evaluate
 from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
-from cnr.format.manifest import Manifest, step_of
+from cnr.format.manifest import Manifest, read_head, step_of
+from cnr.format.split import load_ranks
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_uri
@@ -158,10 +159,11 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
 
 
 def _newest(storage) -> Manifest:
-    manifest = newest_committed(storage)
+    """The newest committed checkpoint, with rank 0's app state (the readers' cursor)."""
+    manifest = newest_committed(storage, read_head)
     if manifest is None:
         raise CheckpointError(f"--resume: no committed checkpoint in {storage.uri}")
-    return manifest
+    return load_ranks(storage, manifest, [0])
 
 
 def _options(config: Config) -> CheckpointOptions:

@@ -47,7 +47,7 @@ _INTO = "cnr.restore.into_app:"
 # phase -> the functions whose exclusive time it is, named where restore() looks them up
 PHASES: Dict[str, List[str]] = {
     "listing": ["cnr.restore.newest:recorded_lineages", "cnr.restore.newest:restore_ids"],
-    "manifest": ["cnr.restore.newest:read_manifest"],
+    "manifest": ["cnr.restore.newest:read_head", "cnr.restore.newest:load_ranks"],
     "chain": ["cnr.restore.newest:resolve_chain"],
     "verify_rank_indexes": ["cnr.restore.newest:check_rank_indexes"],
     "fit_checks": [_INTO + n for n in ("check_keys", "check_placements", "check_managed_collisions",

@@ -9,13 +9,13 @@ cnr's retries). Everything else is cnr's own code, run as a job runs it:
 2. per checkpoint (``--checkpoints``, full fp32 ones), every rank stores its objects and then its
    rank index, as a writer does (cnr.write.writer: objects, then ``storage.commit`` of the index);
    meanwhile rank 0's writer runs the commit (cnr.write.commit.commit_checkpoint: wait for every
-   index, merge, manifest under the lease fence);
+   rank's index summary on the writers' exchange, join them, manifest under the lease fence);
 3. retention (cnr.policy.retention) after the last commit, ``keep_last`` 1, with every checkpoint
    counted as verifying; what verifying one checkpoint reads is counted from its manifest;
 4. one rank's restore planning: rank 0's listing (cnr.format.catalog.restore_ids), then on a middle
-   rank the manifest read, the chain, its share of the rank index check (its own index,
-   cnr.format.verify.check_rank_indexes) and the plan of which chunks land in its pieces
-   (cnr.restore.pieces.plan_restore).
+   rank what cnr.restore.newest reads (the manifest as stored, the chain, the rank indexes its
+   pieces overlap and rank 0's, its share of the rank index check) and the plan of which chunks
+   land in its pieces (cnr.restore.pieces.plan_restore): its table shards and the whole dense part.
 
 Figures per N: commit latency (last rank's index stored -> manifest committed), requests by
 rank 0 and by an average other rank per checkpoint, ``SlowDown`` answers, metadata bytes a rank
@@ -33,22 +33,23 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from cnr.bench.common import number_arg
 from cnr.bench.scale_dcp import dcp_figures
 from cnr.bench.scale_state import (
-    DIM, ScaleShape, objects_of, rank_indexes, shard_tables, state_name, table_name, table_rows, table_specs,
+    DENSE_COLS, DIM, ScaleShape, dense_name, objects_of, rank_indexes, shard_tables, state_name, table_name, table_rows, table_specs,
 )
 from cnr.bench.scale_store import MemoryStorage, SimulatedS3
 from cnr.errors import ConfigError
-from cnr.format.catalog import read_manifest, resolve_chain, restore_ids
-from cnr.format.manifest import make_id, rank_index_key, rank_index_to_bytes
-from cnr.format.verify import check_rank_indexes
+from cnr.format.catalog import restore_ids
+from cnr.format.manifest import make_id, rank_index_key, rank_index_to_bytes, read_head
+from cnr.format.split import summarize, summary_to_bytes
 from cnr.policy.retention import retain_after_commit
 from cnr.policy.retention_plan import plan_with
+from cnr.restore.newest import _read_chain, _spans_of
 from cnr.restore.pieces import plan_restore
 from cnr.track.state import StatePiece
 from cnr.types import CheckpointKind, RetentionScope, Role, ShardRegion
@@ -100,17 +101,18 @@ class Exchange:
             self.clients[i].publish_stored(ckpt_id, rank, blob)
 
 
-def _write_rank(store: SimulatedS3, index_blob: bytes, objects: Sequence[str], rank: int, ckpt_id: str,
+def _write_rank(store: SimulatedS3, blobs: Tuple[bytes, bytes], objects: Sequence[str], rank: int, ckpt_id: str,
                 stored: List[float], exchange: Optional[Exchange]) -> None:
     """Rank ``rank``'s writer: its objects, then its index (a commit object, as cnr.write.writer
-    stores it), then counted in on the exchange."""
+    stores it), then counted in on the exchange with the index's summary. ``blobs``: (the index,
+    its summary)."""
     with store.acting_as(rank):
         for key in objects:
             store.put(key, _STUB)
-        store.commit(rank_index_key(ckpt_id, rank), index_blob)
+        store.commit(rank_index_key(ckpt_id, rank), blobs[0])
     stored[rank] = time.monotonic()
     if exchange is not None:
-        exchange.publish_stored(ckpt_id, rank, index_blob)
+        exchange.publish_stored(ckpt_id, rank, blobs[1])
 
 
 def _run_checkpoint(store: SimulatedS3, shape: ScaleShape, ranks: int, step: int, lease: Lease,
@@ -118,7 +120,7 @@ def _run_checkpoint(store: SimulatedS3, shape: ScaleShape, ranks: int, step: int
     """One full checkpoint: every rank writes, rank 0's writer commits (see the module docstring)."""
     ckpt_id = make_id(step, f"{step:08x}")
     indexes = rank_indexes(shape, ranks, ckpt_id)
-    blobs = [rank_index_to_bytes(i) for i in indexes]
+    blobs = [(blob, summary_to_bytes(summarize(i, blob))) for i, blob in ((i, rank_index_to_bytes(i)) for i in indexes)]
     objects = [objects_of(i) for i in indexes]
     job = WriteJob(ckpt_id, step, CheckpointKind.FULL, None, 0, ranks, [],
                    manifest_fields={"tables": table_specs(shape, ranks), "counters": {}, "metadata": {}},
@@ -149,9 +151,12 @@ def _run_checkpoint(store: SimulatedS3, shape: ScaleShape, ranks: int, step: int
 
 
 def _rank_pieces(shape: ScaleShape, ranks: int, rank: int) -> List[StatePiece]:
-    """The pieces ``rank`` restores into under the same plan: its table shards, as meta tensors."""
+    """The pieces ``rank`` restores into under the same plan, as meta tensors: its table shards,
+    and every dense tensor whole (replicated: every rank holds it)."""
     rows = table_rows(shape)
-    pieces = []
+    pieces = [StatePiece(dense_name(d), (shape.dense_rows, DENSE_COLS), ShardRegion((0, 0), (shape.dense_rows, DENSE_COLS)),
+                         torch.empty((shape.dense_rows, DENSE_COLS), dtype=torch.float32, device="meta"), True,
+                         Role.DENSE, None) for d in range(shape.dense_tensors)]
     for s in shard_tables(shape, ranks):
         if s.rank != rank:
             continue
@@ -172,11 +177,8 @@ def _restore_plan(store: SimulatedS3, shape: ScaleShape, ranks: int, rank: int) 
     rank0_s = time.monotonic() - start
     pieces = _rank_pieces(shape, ranks, rank)
     start = time.monotonic()
-    with store.acting_as(rank):
-        manifest = read_manifest(store, newest)
-        chain = resolve_chain(store, manifest)
-        for link in chain:
-            check_rank_indexes(store, link, range(rank, link.world_size, ranks))
+    with store.acting_as(rank, alone=True):
+        _manifest, chain = _read_chain(store, newest, rank, ranks, frozenset(), (), _spans_of(pieces))
         plan = plan_restore(chain[0], pieces)
     plan_s = time.monotonic() - start
     counts = store.counts[rank]
@@ -185,10 +187,10 @@ def _restore_plan(store: SimulatedS3, shape: ScaleShape, ranks: int, rank: int) 
             "restore_objects_per_rank": len(plan.objects)}
 
 
-def _retention(store: SimulatedS3, ckpt_ids: List[str]) -> Dict[str, float]:
+def _retention(store: SimulatedS3, ckpt_ids: List[str], objects: int) -> Dict[str, float]:
     """Retention after the last commit, every checkpoint counted as verifying; and what verifying
     one checkpoint reads (cnr.policy.retention.own_damage: its manifest, its rank indexes and every
-    object, once each), counted from its manifest: the stubs do not decode, so running it would
+    one of its ``objects``, once each), counted: the stubs do not decode, so running it would
     count the re-reads of damage instead."""
     store.reset_counts()
     start = time.monotonic()
@@ -196,11 +198,10 @@ def _retention(store: SimulatedS3, ckpt_ids: List[str]) -> Dict[str, float]:
         report = retain_after_commit(store, lambda infos: plan_with(infos, 1, RetentionScope(),
                                                                   lambda ids: {i: True for i in ids}), "checkpoint")
     seconds = time.monotonic() - start
-    manifest = read_manifest(store, ckpt_ids[-1])
-    objects = {c.key for t in manifest.tensors.values() for c in t.chunks}
+    manifest = read_head(store, ckpt_ids[-1])
     return {"retention_requests": store.counts[0].requests, "retention_s": seconds,
             "retention_deleted": len(report.get("deleted", [])),
-            "retention_verify_requests": 1 + manifest.world_size + len(objects), "retention_verify_bytes": manifest.bytes}
+            "retention_verify_requests": 1 + manifest.world_size + objects, "retention_verify_bytes": manifest.bytes}
 
 
 def measure(ranks: int, shape: ScaleShape, latency_s: float, checkpoints: int, exchange: bool = True) -> Dict[str, Any]:
@@ -223,7 +224,7 @@ def measure(ranks: int, shape: ScaleShape, latency_s: float, checkpoints: int, e
     store.reset_counts()
     figures.update(_restore_plan(store, shape, ranks, ranks // 2))
     figures["slowdown"] += store.total_slowdowns()
-    figures.update(_retention(store, [r.ckpt_id for r in runs]))
+    figures.update(_retention(store, [r.ckpt_id for r in runs], round(runs[-1].objects_per_rank * ranks)))
     figures["commit_latency_s_each"] = [round(r.commit_latency_s, 3) for r in runs]
     figures.update(_dcp(shape, ranks))
     figures.update(over_dcp(figures))

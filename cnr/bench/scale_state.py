@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from cnr.format.manifest import RankIndex, TensorEntry, object_key
 from cnr.types import ChunkRef, Encoding, Role, TableSpec
@@ -128,10 +128,11 @@ def rank_indexes(shape: ScaleShape, ranks: int, ckpt_id: str) -> List[RankIndex]
                 refs.append(_chunk(object_key(ckpt_id, rank, n), table_name(s.table), lo, count, DIM, ROW_BYTES))
                 state.append(_chunk(object_key(ckpt_id, rank, n), state_name(s.table), lo, count, 0, 4))
                 n += 1
+            span = (rank, s.row_start, s.row_start + s.rows)
             tensors[table_name(s.table)] = TensorEntry((rows[s.table], DIM), "float32", False, tuple(refs),
-                                                       Role.TABLE_ROWS, table_name(s.table))
+                                                       Role.TABLE_ROWS, table_name(s.table), (span + (0, DIM),))
             tensors[state_name(s.table)] = TensorEntry((rows[s.table],), "float32", False, tuple(state),
-                                                       Role.TABLE_STATE, table_name(s.table))
+                                                       Role.TABLE_STATE, table_name(s.table), (span + (0, 0),))
         # this rank's share of the dense part: rows [lo, hi) of the dense tensors laid end to end
         lo, hi = dense_rows * rank // ranks, dense_rows * (rank + 1) // ranks
         for d in range(shape.dense_tensors):
@@ -140,9 +141,26 @@ def rank_indexes(shape: ScaleShape, ranks: int, ckpt_id: str) -> List[RankIndex]
                 name = dense_name(d)
                 ref = _chunk(object_key(ckpt_id, rank, n), name, a - d * shape.dense_rows, b - a, DENSE_COLS,
                              DENSE_COLS * 4)
-                tensors[name] = TensorEntry((shape.dense_rows, DENSE_COLS), "float32", True, (ref,), Role.DENSE, None)
-        out.append(RankIndex(ckpt_id, rank, ranks, tensors, {}))
+                extent = (rank, ref.row_start, ref.row_start + ref.rows, 0, DENSE_COLS)
+                tensors[name] = TensorEntry((shape.dense_rows, DENSE_COLS), "float32", True, (ref,), Role.DENSE, None,
+                                            (extent,))
+        out.append(RankIndex(ckpt_id, rank, ranks, tensors, app_state(rank, [table_name(s.table) for s in held])))
     return out
+
+
+def app_state(rank: int, tables: List[str]) -> Dict[str, Any]:
+    """The JSON app state a rank of such a job saves (cnr.track.app_state): its reader's position
+    and training progress, its dense optimizer's param groups, and the values of the fused
+    optimizer of each table it holds."""
+    group = {"lr": 0.01, "eps": 1e-08, "weight_decay": 0.0, "initial_lr": 0.01}
+    return {
+        "reader": {"kind": "stateful", "state": {"next_batch": 120000 + rank, "epoch": 3, "rank": rank}},
+        "progress": {"kind": "stateful", "state": {"samples": 983040000, "steps": 120000}},
+        "optim": {"kind": "optimizer", "param_groups": [group], "group_params": [["dense.weight"]],
+                  "group_classes": ["Adagrad"], "state": {}},
+        "model": {"kind": "module", "fused_table_groups": {t: group for t in tables},
+                  "fused_table_optimizers": {t: "ROWWISE_ADAGRAD" for t in tables}},
+    }
 
 
 def objects_of(index: RankIndex) -> List[str]:

@@ -155,22 +155,27 @@ class SimulatedS3(WrapperStorage):
         self._windows: Dict[Tuple[str, str], _Window] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._alone = OUTSIDE
         self.counts: Dict[int, RankCounts] = collections.defaultdict(RankCounts)
 
     # -- accounting ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def acting_as(self, rank: int) -> Iterator[None]:
-        """Count this thread's requests for simulated rank ``rank`` while in the block."""
-        before = getattr(self._local, "rank", OUTSIDE)
+    def acting_as(self, rank: int, alone: bool = False) -> Iterator[None]:
+        """Count this thread's requests for simulated rank ``rank`` while in the block; ``alone``
+        (no other thread acts meanwhile): also those of threads it starts (cnr's read pools)."""
+        before, before_alone = getattr(self._local, "rank", OUTSIDE), self._alone
         self._local.rank = rank
+        if alone:
+            self._alone = rank
         try:
             yield
         finally:
             self._local.rank = before
+            self._alone = before_alone
 
     def _counts(self) -> RankCounts:
-        return self.counts[getattr(self._local, "rank", OUTSIDE)]
+        return self.counts[getattr(self._local, "rank", self._alone)]
 
     def reset_counts(self) -> None:
         with self._lock:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import AbstractSet, List, Optional, Tuple
+from typing import AbstractSet, Callable, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
 from cnr.format.manifest import (
-    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_manifest,
+    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head,
     state_id, step_of,
 )
+from cnr.format.split import read_manifest
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order
 from cnr.storage.base import Storage
@@ -44,7 +45,8 @@ def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
 
 
 def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Manifest]]]:
-    """Every checkpoint in storage, oldest first, with its manifest (None unless committed).
+    """Every checkpoint in storage, oldest first, with its manifest as stored (None unless
+    committed; a split one without its indexes' chunks: cnr.format.split).
 
     Kind, bit-width and rows are the manifest's to say: a checkpoint without a readable one
     (uncommitted: a writer killed before its manifest; failed; damaged) lists them as None,
@@ -59,7 +61,7 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
                                          error=error), None))
             continue
         try:
-            m = read_manifest(storage, ckpt_id)
+            m = read_head(storage, ckpt_id)
         except KeyNotFoundError:
             continue  # deleted since the listing (a live job's retention): not in the store any more
         except CheckpointError as e:  # one damaged manifest must not hide the others
@@ -91,8 +93,13 @@ def list_checkpoints(storage: Storage) -> List[CheckpointInfo]:
     return [info for info, _ in scan_checkpoints(storage)]
 
 
-def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] = frozenset()) -> List[Manifest]:
-    """The manifests to apply in order to restore ``manifest``: its full baseline first.
+Reader = Callable[[Storage, str], Manifest]  # read_manifest (the whole form) or read_head (as stored)
+
+
+def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] = frozenset(),
+                  read: Reader = read_manifest) -> List[Manifest]:
+    """The manifests to apply in order to restore ``manifest``: its full baseline first, each
+    link read by ``read`` (a restore reads them as stored, then the indexes it needs).
 
     Follows ``base`` links: a one-shot or intermittent increment names its full baseline, a
     consecutive increment the checkpoint before it. Every link must be committed and older. A link
@@ -103,7 +110,7 @@ def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] =
     verify, is passed over and the walk goes on through the links it merged.
     """
     if manifest.kind != CheckpointKind.FULL:
-        merged = _shortcut(storage, merged_id(manifest.id), manifest, skip)
+        merged = _shortcut(storage, merged_id(manifest.id), manifest, skip, read)
         if merged is not None:
             return [merged]
     chain = [manifest]
@@ -111,11 +118,11 @@ def resolve_chain(storage: Storage, manifest: Manifest, skip: AbstractSet[str] =
         head = chain[0]
         if not head.base:
             raise CheckpointError(f"incremental checkpoint {head.id} names no baseline")
-        merged = _shortcut(storage, merged_id(head.base), head, skip)
+        merged = _shortcut(storage, merged_id(head.base), head, skip, read)
         if merged is not None:
             chain.insert(0, merged)
             break
-        base = _read_if_committed(storage, head.base)
+        base = _read_if_committed(storage, head.base, read)
         if base is None:
             raise CheckpointError(f"checkpoint {manifest.id} needs {head.base} (the base of {head.id}), "
                                   f"which is not committed in {storage.uri}")
@@ -136,21 +143,22 @@ def damaged_merges(chain: List[Manifest], error: BaseException) -> Tuple[str, ..
     return tuple(m.id for m in chain if m.id.endswith(MERGED_SUFFIX) and m.id in str(error))
 
 
-def _read_if_committed(storage: Storage, ckpt_id: str) -> Optional[Manifest]:
+def _read_if_committed(storage: Storage, ckpt_id: str, read: Reader = read_manifest) -> Optional[Manifest]:
     try:
-        return read_manifest(storage, ckpt_id)
+        return read(storage, ckpt_id)
     except KeyNotFoundError:
         return None
 
 
-def _shortcut(storage: Storage, merged: str, after: Manifest, skip: AbstractSet[str]) -> Optional[Manifest]:
+def _shortcut(storage: Storage, merged: str, after: Manifest, skip: AbstractSet[str],
+              read: Reader) -> Optional[Manifest]:
     """The committed merged baseline ``merged`` standing for ``after``'s chain up to it: None when
     there is none, it is in ``skip``, or it is damaged (a manifest that does not verify, or not a
     full checkpoint at or before ``after``: then with a warning)."""
     if merged in skip:
         return None
     try:
-        found = _read_if_committed(storage, merged)
+        found = _read_if_committed(storage, merged, read)
         if found is not None and (found.kind != CheckpointKind.FULL or found.step > after.step):
             raise CheckpointError(f"{merged} is not a full checkpoint at or before step {after.step}")
     except CheckpointError as e:  # damaged where stored (cnr.format.verify.DAMAGE); a storage error propagates
@@ -178,14 +186,14 @@ def restore_ids(storage: Storage) -> List[str]:
     return restore_order(storage, [i for i in ids if not (i.endswith(MERGED_SUFFIX) and state_id(i) in listed)])
 
 
-def newest_committed(storage: Storage) -> Optional[Manifest]:
-    """The committed checkpoint a restore tries first (``restore_ids``) whose manifest reads, or
-    None. A damaged newer manifest, or one of another job's lineage (cnr.format.lineage.foreign_reason),
-    is skipped with a warning naming it."""
+def newest_committed(storage: Storage, read: Reader = read_manifest) -> Optional[Manifest]:
+    """The committed checkpoint a restore tries first (``restore_ids``) whose manifest reads (by
+    ``read``: whole, or as stored), or None. A damaged newer manifest, or one of another job's
+    lineage (cnr.format.lineage.foreign_reason), is skipped with a warning naming it."""
     recorded = recorded_lineages(storage)
     for ckpt_id in restore_ids(storage):
         try:
-            manifest = read_manifest(storage, ckpt_id)
+            manifest = read(storage, ckpt_id)
         except KeyNotFoundError:
             continue  # deleted by retention since the listing
         except CheckpointError as e:

@@ -10,8 +10,10 @@ from cnr.format.manifest import TensorEntry
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef
 
 
-def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> None:
+def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind, whole: bool = True) -> None:
     """Every tensor must be covered exactly once by its chunks, except table rows of an incremental.
+    ``whole`` False: only some of the chunks are listed (a split manifest, cnr.format.split), which
+    must be disjoint.
 
     Exactly once: the chunks are disjoint rectangles (rows x columns) whose elements add up to the
     tensor's. Chunks holding explicit row ids (increments) must be table rows of an incremental.
@@ -26,7 +28,7 @@ def check_coverage(tensors: Dict[str, TensorEntry], kind: CheckpointKind) -> Non
         numel = math.prod(entry.shape)
         trailing = math.prod(entry.shape[2:])
         covered = sum(c.rows * _columns(c, entry) * trailing for c in entry.chunks)
-        if covered != numel:
+        if covered != numel and (whole or covered > numel):
             raise CheckpointError(f"checkpoint chunks cover {covered} of {numel} elements of {name!r}")
         overlap = _overlap(entry)
         if overlap is not None:

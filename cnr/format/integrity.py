@@ -56,6 +56,13 @@ def unseal(blob: bytes, where: str) -> Tuple[bytes, bool]:
     return document, True
 
 
+def seal_digest(blob: bytes) -> str:
+    """The SHA-256 (hex) a sealed document's seal states, "" when it has none (not checked here:
+    ``unseal`` checks it)."""
+    match = _SEAL.match(blob)
+    return match.group(1).decode() if match else ""
+
+
 def check_sealed(version: Any, sealed: bool, where: str) -> None:
     """A document of a sealed version must have carried a seal."""
     if isinstance(version, int) and version >= SEALED_VERSION and not sealed:

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import Manifest, check_lineage, read_manifest
+from cnr.format.manifest import Manifest, check_lineage, read_head
 from cnr.format.records import read_record as read_json_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
@@ -179,7 +179,7 @@ def restore_order(storage: Storage, committed: Sequence[str]) -> List[str]:
 
     def activation(ckpt_id: str) -> int:
         try:
-            return ranks.get(read_manifest(storage, ckpt_id).lineage, -1)
+            return ranks.get(read_head(storage, ckpt_id).lineage, -1)
         except KeyNotFoundError:  # deleted since the listing (a store that cannot be read raises)
             return -2
         except CheckpointError as e:

@@ -5,7 +5,10 @@ Layout under the storage root (docs/format.md is the full specification):
     checkpoints/<id>/rank-<r>/chunk-<n>.bin   rank r's encoded chunks: one large chunk, or small ones back to back
     checkpoints/<id>/rank-<r>/index.json      rank r's index, written after its chunks are durable
                                               (checkpoints/<id>/rank-<r>.json before version 6)
-    checkpoints/<id>/manifest.json            the commit: written last, after every rank's index
+    checkpoints/<id>/manifest.json            the commit: written last, after every rank's index; from
+                                              version 7 it lists where each rank's part lies (extents)
+                                              and each index's digest, not the chunks of the sharded
+                                              tensors, which only their rank's index lists (cnr.format.split)
     checkpoints/<id>/failed-rank-<r>.json     rank r's writer failed (error text)
     checkpoints/<id>/failed.json              the checkpoint will never commit (error text)
 
@@ -22,7 +25,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from cnr.codec import array_encoding, check_chain_names
 from cnr.codec.spec import spec_from_json, spec_to_json
@@ -39,16 +42,22 @@ logger = logging.getLogger(__name__)
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 6
-"""Version 6 stores each rank's index in its rank's folder (``rank_index_key``), beside its chunks,
+VERSION = 7
+"""Version 7 splits the manifest (issue #39): a sharded tensor's chunks are listed only in the
+indexes of the ranks that wrote them, and the manifest records, per tensor, each rank's extents
+(``TensorEntry.extents``), per rank its index's digest (``Manifest.indexes``) and the chunk totals
+(``Manifest.summary``), so a rank restores from the manifest and the few indexes its part overlaps
+(cnr.format.split); replicated tensors' chunks and a merged baseline's stay in the manifest;
+version 6 stores each rank's index in its rank's folder (``rank_index_key``), beside its chunks,
 so the indexes of thousands of ranks are not all written under one S3 prefix at once (issue #39);
 version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
 version 2 (the library API) records each tensor's role and table, the application's state per
 rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 5 still read
 (versions 1 to 4 with lineage "", none recorded)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 LINEAGE_VERSION = 5
 RANK_FOLDER_VERSION = 6
+SPLIT_VERSION = 7
 _LINEAGE = re.compile(r"^(|[0-9a-f]{32})$")
 
 
@@ -160,11 +169,21 @@ def id_order(ckpt_id: str) -> Tuple[int, str]:
     return step_of(ckpt_id), ckpt_id
 
 
+Extent = Tuple[int, int, int, int, int]
+"""``(rank, row_lo, row_hi, col_lo, col_hi)``: the rows and columns of a tensor that ``rank`` wrote
+(its shard, or its share of a replicated tensor); columns ``(0, 0)`` for a 0-d or 1-D tensor, whose
+0-d form is the one row ``(0, 1)`` (as cnr.restore.pieces.piece_span spans a piece)."""
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """A global tensor in a checkpoint: its shape, dtype, role, and the chunks that hold it.
 
     ``table``: for the table roles, the id of the table it belongs to (its weight's name).
+    ``extents`` (version 7): where each rank's part of it lies. In a rank index, that rank's
+    parts, and ``chunks`` are its chunks of them. In a manifest, a tensor with extents has its
+    chunks listed in those ranks' indexes only (``chunks`` holds those of the indexes read so far,
+    cnr.format.split); one without lists all of them in ``chunks``.
     """
 
     shape: Tuple[int, ...]
@@ -173,6 +192,25 @@ class TensorEntry:
     chunks: Tuple[ChunkRef, ...]
     role: Role = Role.DENSE
     table: Optional[str] = None
+    extents: Tuple[Extent, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkSummary:
+    """A checkpoint's chunk totals: what ``Manifest.bytes``, ``rows``, ``bits`` and ``method`` say."""
+
+    bytes: int
+    rows: int
+    bits: int
+    method: str
+
+
+def summarize_chunks(tensors: Mapping[str, TensorEntry]) -> ChunkSummary:
+    """The totals of every chunk of ``tensors`` (see ``Manifest``'s properties)."""
+    rows = [c for t in tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks]
+    methods = sorted({c.method for c in rows if c.method})
+    return ChunkSummary(bytes=sum(c.nbytes for t in tensors.values() for c in t.chunks), rows=sum(c.rows for c in rows),
+                        bits=min((c.bits for c in rows), default=32), method=",".join(methods))
 
 
 @dataclass(frozen=True)
@@ -199,6 +237,11 @@ class Manifest:
     ``lineage``: the job history it belongs to (cnr.format.lineage: 32 hex digits; "" when none is
     recorded, as in every manifest before version 5).
     ``version``: the format version it was read from.
+    ``indexes`` (version 7, split): per rank, the SHA-256 its index is sealed with; empty when the
+    manifest lists every chunk itself (before version 7, a merged baseline, a manifest read whole).
+    ``summary``: a split manifest's chunk totals (None: computed from ``tensors``' chunks).
+    ``loaded``: of a split manifest, the ranks whose indexes' chunks (and app state) it holds
+    (cnr.format.split.load_ranks); None when it holds every chunk.
     """
 
     id: str
@@ -216,11 +259,17 @@ class Manifest:
     bit_width: Dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
     lineage: str = ""
+    indexes: Tuple[str, ...] = ()
+    summary: Optional[ChunkSummary] = None
+    loaded: Optional[FrozenSet[int]] = None
+
+    def _summary(self) -> ChunkSummary:
+        return self.summary if self.summary is not None else summarize_chunks(self.tensors)
 
     @property
     def bytes(self) -> int:
         """Bytes of every chunk this checkpoint stored (manifest and indexes excluded)."""
-        return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+        return self._summary().bytes
 
     @property
     def full_fp32_bytes(self) -> int:
@@ -231,19 +280,17 @@ class Manifest:
     @property
     def rows(self) -> int:
         """Embedding rows stored (rows of table weight chunks)."""
-        return sum(c.rows for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks)
+        return self._summary().rows
 
     @property
     def bits(self) -> int:
         """Bit-width of the stored embedding rows (32 for fp32)."""
-        bits = {c.bits for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks}
-        return min(bits) if bits else 32
+        return self._summary().bits
 
     @property
     def method(self) -> str:
         """Quantizer of the stored embedding rows ("" when they are raw)."""
-        methods = sorted({c.method for t in self.tensors.values() if t.role == Role.TABLE_ROWS for c in t.chunks})
-        return ",".join(m for m in methods if m)
+        return self._summary().method
 
 
 # ---- serialisation ---------------------------------------------------------------------------
@@ -259,12 +306,18 @@ def _chunk_to_dict(c: ChunkRef) -> Dict[str, Any]:
     return d
 
 
-def _tensors_to_dict(tensors: Dict[str, TensorEntry]) -> Dict[str, Any]:
+def _tensors_to_dict(tensors: Dict[str, TensorEntry], in_indexes: bool) -> Dict[str, Any]:
+    """``in_indexes``: a manifest's, whose tensors with extents have their chunks in rank indexes."""
     return {
         name: {"shape": list(t.shape), "dtype": t.dtype, "replicated": t.replicated, "role": t.role.value,
-               "table": t.table, "chunks": [_chunk_to_dict(c) for c in t.chunks]}
+               "table": t.table, "extents": [list(e) for e in t.extents],
+               "chunks": [] if in_indexes and t.extents else [_chunk_to_dict(c) for c in t.chunks]}
         for name, t in sorted(tensors.items())
     }
+
+
+def summary_to_dict(s: ChunkSummary) -> Dict[str, Any]:
+    return {"bytes": s.bytes, "rows": s.rows, "bits": s.bits, "method": s.method}
 
 
 def manifest_to_bytes(m: Manifest) -> bytes:
@@ -274,17 +327,22 @@ def manifest_to_bytes(m: Manifest) -> bytes:
         "base": m.base, "world_size": m.world_size, "created_unix": m.created_unix,
         "tables": [{"name": t.name, "rows": t.rows, "dim": t.dim, "features": list(t.features),
                     "placement": t.placement} for t in m.tables],
-        "tensors": _tensors_to_dict(m.tensors), "counters": m.counters, "metadata": m.metadata,
-        "app": list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
-        "lineage": check_lineage(m.lineage, f"manifest {m.id}"),
+        "tensors": _tensors_to_dict(m.tensors, True), "counters": m.counters, "metadata": m.metadata,
+        # a split manifest's app state is in its rank indexes
+        "app": [] if m.indexes else list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
+        "lineage": check_lineage(m.lineage, f"manifest {m.id}"), "indexes": list(m.indexes),
+        "summary": summary_to_dict(m._summary()),
     }
+    if bool(m.indexes) != any(t.extents for t in m.tensors.values()) or m.indexes and len(m.indexes) != m.world_size:
+        raise ValueError(f"manifest {m.id} has {len(m.indexes)} index digests for {m.world_size} ranks; a manifest has "
+                         "extents and one digest per rank, or neither")
     # no indent: json's C encoder runs only without one (with it, 48 s for 4,096 ranks' 200 MB)
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
 def rank_index_to_bytes(r: RankIndex) -> bytes:
     body = {"format": RANK_INDEX_FORMAT, "version": VERSION, "id": r.id, "rank": r.rank,
-            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors), "app": r.app}
+            "world_size": r.world_size, "tensors": _tensors_to_dict(r.tensors, False), "app": r.app}
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
@@ -298,6 +356,13 @@ class _Reader:
         """``optional``: fields that may be absent (added after version 1 first shipped)."""
         if not isinstance(obj, dict):
             raise CheckpointError(f"{where} must be a JSON object, got {type(obj).__name__}")
+        if obj.keys() == fields.keys():  # the common case, checked in C: exactly the fields
+            for name, kind in fields.items():
+                value = obj[name]
+                if not isinstance(value, kind) or (value is True or value is False) and kind in _NUMBERS:
+                    raise CheckpointError(f"{where} field {name!r} = {value!r:.80} has the wrong type")
+            self.obj = obj
+            return
         optional = optional or {}
         if len(obj) < len(fields) or any(name not in fields and name not in optional for name in obj):
             missing = sorted(set(fields) - set(obj))
@@ -372,6 +437,8 @@ def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str
     fields = {"shape": list, "dtype": str, "replicated": bool, "chunks": list}
     if version >= 2:
         fields.update(role=str, table=_OPT_STR)
+    if version >= SPLIT_VERSION:
+        fields["extents"] = list
     out = {}
     for name, raw in obj.items():
         r = _Reader(raw, f"{where}[{name!r}]", fields)
@@ -382,8 +449,49 @@ def _parse_tensors(obj: Any, where: str, ckpt_id: str, version: int) -> Dict[str
         role, table = v1_role(name) if version == 1 else (_parse_role(r["role"], f"{where}[{name!r}]"), r["table"])
         if (role in TABLE_ROLES) != (table is not None):
             raise CheckpointError(f"{where}[{name!r}] has role {role.value!r} but table {table!r}")
-        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks, role, table)
+        extents = _parse_extents(r["extents"], f"{where}[{name!r}].extents") if version >= SPLIT_VERSION else ()
+        out[name] = TensorEntry(tuple(r["shape"]), r["dtype"], r["replicated"], chunks, role, table, extents)
     return out
+
+
+def _parse_extents(raw: List[Any], where: str) -> Tuple[Extent, ...]:
+    out = []
+    for i, e in enumerate(raw):
+        if not isinstance(e, list) or len(e) != 5 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                                         for v in e) or e[2] < e[1] or e[4] < e[3]:
+            raise CheckpointError(f"{where}[{i}] = {e!r:.80} is not [rank, row_lo, row_hi, col_lo, col_hi] of "
+                                  "non-negative integers with lo <= hi")
+        out.append(tuple(e))
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _parse_summary(raw: Dict[str, Any], where: str) -> ChunkSummary:
+    r = _Reader(raw, f"{where}.summary", {"bytes": int, "rows": int, "bits": int, "method": str})
+    if min(r["bytes"], r["rows"], r["bits"]) < 0:
+        raise CheckpointError(f"{where}.summary holds a negative count: {raw!r:.200}")
+    return ChunkSummary(r["bytes"], r["rows"], r["bits"], r["method"])
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_split(where: str, tensors: Dict[str, TensorEntry], indexes: List[Any], world_size: int,
+                 app: Tuple[Any, ...]) -> None:
+    """A version 7 manifest's extents and index digests agree: one digest per rank when some
+    tensor has extents (then its chunks are in the indexes, its app state too), none otherwise."""
+    split = any(t.extents for t in tensors.values())
+    if indexes and (len(indexes) != world_size or any(not isinstance(d, str) or not _DIGEST.match(d) for d in indexes)):
+        raise CheckpointError(f"{where}.indexes must list one SHA-256 (64 hex digits) per rank ({world_size}), "
+                              f"got {len(indexes)}")
+    if split != bool(indexes) or split and app:
+        raise CheckpointError(f"{where} has {'' if split else 'no '}extents, {len(indexes)} index digests and "
+                              f"{len(app)} app states: a split manifest has extents, one digest per rank and its app "
+                              "state in the indexes; another, none of the first two")
+    for name, t in tensors.items():
+        if t.extents and t.chunks:
+            raise CheckpointError(f"{where}.tensors[{name!r}] has extents and chunks: its chunks belong in rank indexes")
+        if any(e[0] >= world_size for e in t.extents):
+            raise CheckpointError(f"{where}.tensors[{name!r}] has an extent of a rank outside world size {world_size}")
 
 
 def _parse_role(value: str, where: str) -> Role:
@@ -422,6 +530,7 @@ _COMMON = {"format": str, "version": int, "id": str, "step": int, "kind": str, "
 _V1_FIELDS = {**_COMMON, "arch": str, "sparse_optimizer": str, "dense_optimizer": str, "reader": dict, "config": dict}
 _V2_FIELDS = {**_COMMON, "metadata": dict, "app": list, "chain_bytes": list, "bit_width": dict}
 _V5_FIELDS = {**_V2_FIELDS, "lineage": str}
+_V7_FIELDS = {**_V5_FIELDS, "indexes": list, "summary": dict}
 
 
 def check_lineage(value: str, where: str) -> str:
@@ -449,10 +558,11 @@ def parse_manifest(blob: bytes, where: str = "manifest") -> Manifest:
     return _untrusted(_parse_manifest, blob, where)
 
 
-def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
-    """The manifest of committed ``ckpt_id`` (from the first of the store's sources that has it),
-    parsed strictly; CheckpointError when it names another checkpoint. (cnr.format.catalog, the
-    usual place to import it from, re-exports it.)"""
+def read_head(storage: Storage, ckpt_id: str) -> Manifest:
+    """The manifest document of committed ``ckpt_id`` as stored (from the first of the store's
+    sources that has it), parsed strictly; CheckpointError when it names another checkpoint. A
+    split manifest (version 7) comes without the chunks and app state its rank indexes hold
+    (``loaded`` empty): cnr.format.split reads those (its ``read_manifest``: all of them)."""
     key = manifest_key(ckpt_id)
     manifest = from_sources(storage, key, lambda source: parse_manifest(read_document(source, key),
                                                                         where=f"{source.uri}/{key}"))
@@ -475,7 +585,8 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
     if version == 1:
         r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
     else:
-        r = _Reader(obj, where, _V5_FIELDS if version >= LINEAGE_VERSION else _V2_FIELDS)
+        r = _Reader(obj, where, _V7_FIELDS if version >= SPLIT_VERSION else
+                    _V5_FIELDS if version >= LINEAGE_VERSION else _V2_FIELDS)
     try:
         kind = CheckpointKind(r["kind"])
     except ValueError as e:
@@ -499,12 +610,20 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
         metadata, app_ranks = r["metadata"], tuple(r["app"])
         if len(app_ranks) not in (0, r["world_size"]) or any(not isinstance(a, dict) for a in app_ranks):
             raise CheckpointError(f"{where}.app must hold one object per rank ({r['world_size']}), or none")
+    indexes: Tuple[str, ...] = ()
+    summary = None
+    if version >= SPLIT_VERSION:
+        _check_split(where, tensors, r["indexes"], r["world_size"], app_ranks)
+        indexes, summary = tuple(r["indexes"]), _parse_summary(r["summary"], where)
+        if indexes:
+            app_ranks = tuple({} for _ in range(r["world_size"]))  # from the indexes, as they are read
     return Manifest(
         id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
         created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),
         tensors=tensors, counters=counters, metadata=metadata, app_ranks=app_ranks,
         chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}), version=version,
-        lineage=check_lineage(r.get("lineage", ""), where),
+        lineage=check_lineage(r.get("lineage", ""), where), indexes=indexes,
+        summary=summary if indexes else None, loaded=frozenset() if indexes else None,
     )
 
 
@@ -521,7 +640,28 @@ def _parse_rank_index(blob: bytes, where: str) -> RankIndex:
     if not 0 <= r["rank"] < r["world_size"]:
         raise CheckpointError(f"{where} rank {r['rank']} is outside world size {r['world_size']}")
     tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+    if version >= SPLIT_VERSION:
+        _check_extents(where, r["rank"], tensors)
     return RankIndex(r["id"], r["rank"], r["world_size"], tensors, r.get("app", {}))
+
+
+def _check_extents(where: str, rank: int, tensors: Dict[str, TensorEntry]) -> None:
+    """Every tensor of rank ``rank``'s (version 7) index has extents of that rank, and each of its
+    chunks lies in one of them: a chunk of contiguous rows by its rows and columns, one listing row
+    ids by its columns (its ids are checked against its extent as it is read, cnr.restore)."""
+    for name, t in tensors.items():
+        if not t.extents or any(e[0] != rank for e in t.extents):
+            raise CheckpointError(f"{where}.tensors[{name!r}] must list extents of rank {rank}, got {list(t.extents)}")
+        for c in t.chunks:
+            if not any(_inside(c, e) for e in t.extents):
+                raise CheckpointError(f"{where}.tensors[{name!r}] chunk {c.key}@{c.offset} lies outside the rank's "
+                                      f"extents {list(t.extents)}")
+
+
+def _inside(c: ChunkRef, e: Extent) -> bool:
+    _rank, r0, r1, c0, c1 = e
+    cols = c0 <= c.col_offset and c.col_offset + c.cols <= c1 if c1 > c0 else c.cols == 0
+    return cols and (c.row_ids or r0 <= c.row_start and c.row_start + c.rows <= r1)
 
 
 def merge_rank_indexes(indexes: List[RankIndex]) -> Dict[str, TensorEntry]:

@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key
 from cnr.format.catalog import read_manifest, resolve_chain, scan_checkpoints
+from cnr.format.split import read_rank_index, whole
 from cnr.format.chunks import fetch_chunk
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.types import CheckpointStatus
@@ -53,8 +54,16 @@ def check_rank_indexes(storage: Storage, manifest: Manifest, ranks: Optional[Ite
     in that rank's folder; every chunk of the manifest must lie in the folder of one of its ranks
     (checked from the manifest alone, whatever ``ranks``). So ranks that each check a share, and
     agree on the outcome (cnr.restore.newest), check what one rank checking all would, reading
-    one index each instead of every rank's (issue #39: thousands of reads on one rank)."""
+    one index each instead of every rank's (issue #39: thousands of reads on one rank).
+
+    A split manifest as stored (version 7, cnr.format.split) lists the digest of each index: each
+    of ``ranks``' indexes must carry it and list the extents the manifest gives its rank."""
     if manifest.version == 1:
+        return
+    if manifest.indexes:
+        for rank in (range(manifest.world_size) if ranks is None else ranks):
+            if manifest.loaded is None or rank not in manifest.loaded:  # a loaded one was checked as it was read
+                read_rank_index(storage, manifest, rank)
         return
     listed: Dict[int, Set[_ChunkId]] = {}
     for chunk in _chunk_ids(manifest.tensors):
@@ -110,6 +119,10 @@ def verify_checkpoint(storage: Storage, ckpt_id: str,
         except DAMAGE as e:
             return [f"manifest: {e}"], ()
     damage: List[str] = []
+    try:
+        manifest = whole(storage, manifest)  # a split manifest as stored: every index read and checked
+    except DAMAGE as e:
+        return [f"rank indexes: {e}"], ()
     if not manifest.id.endswith(MERGED_SUFFIX):
         try:
             check_rank_indexes(storage, manifest)

@@ -2,8 +2,11 @@
 
 Collective. Rank 0 lists the committed checkpoints in restore order (the current history's first,
 each history's highest step first, cnr.format.lineage); every rank tries the first:
-it reads the manifest and its chain (and checks each link's manifest against a share of its rank
-indexes, cnr.format.verify: together the ranks check them all), then restores it into the application (cnr.restore.into_app), whose chunks are
+it reads the manifest and its chain as stored, and of each link's rank indexes those its own part
+of the state overlaps (a split manifest, cnr.format.split: at an unchanged world size, its own
+and rank 0's; every rank's for the newest at another world size, whose app state it checks),
+and checks each link against a share of its rank indexes (cnr.format.verify: together the ranks
+check them all), then restores it into the application (cnr.restore.into_app), whose chunks are
 verified as they are read. The ranks agree after each of the two (cnr.track.agreement's steps
 "restore: read checkpoint <id> and its chain" and "restore: attempt checkpoint <id>", each an
 all-gather of what went wrong, if anything):
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from cnr.restore.into_app import RestoredChain, restore_app
 from cnr.track.app_state import AppState
@@ -47,7 +50,11 @@ from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError, RankAgreementError
 from cnr.track import agreement
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id
-from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain, restore_ids
+from cnr.format.catalog import damaged_merges, resolve_chain, restore_ids
+from cnr.format.manifest import read_head
+from cnr.format.split import load_ranks, ranks_for
+from cnr.restore.pieces import piece_span
+from cnr.track.state import StatePiece
 from cnr.format.lineage import foreign_reason, recorded_lineages
 from cnr.storage.base import Storage
 from cnr.types import OnDamage
@@ -66,17 +73,43 @@ class Skipped:
     reason: str
 
 
+Spans = Dict[str, List[Tuple[int, int, int, int]]]  # tensor name -> the spans this rank restores of it
+
+
+def _spans_of(pieces: Sequence[StatePiece]) -> Spans:
+    """What a rank restores into ``pieces``: each one's span (cnr.restore.pieces.piece_span), by tensor."""
+    out: Spans = {}
+    for piece in pieces:
+        out.setdefault(piece.name, []).append(piece_span(piece))
+    return out
+
+
+def _app_ranks(manifest: Manifest, rank: int, world_size: int) -> Sequence[int]:
+    """Whose app state this rank reads of the checkpoint it restores: its own and rank 0's at the
+    world size it was saved at; every rank's at another (cnr.restore.into_app checks they agree)."""
+    if manifest.world_size != world_size:
+        return range(manifest.world_size)
+    return sorted({0, rank})
+
+
 def _read_chain(storage: Storage, ckpt_id: str, rank: int, world_size: int, skip: AbstractSet[str],
-                recorded: Sequence[str] = ()) -> Tuple[Manifest, List[Manifest]]:
+                recorded: Sequence[str] = (), spans: Optional[Spans] = None) -> Tuple[Manifest, List[Manifest]]:
     """``ckpt_id``'s manifest and chain (full baseline first; a merged baseline may stand for the
-    manifest itself, unless named in ``skip``); raises (as damage) unless its manifests and links
-    read and verify, and unless it is of a lineage in ``recorded`` (cnr.format.lineage.foreign_reason;
-    empty: any)."""
-    manifest = read_manifest(storage, ckpt_id)
-    foreign = foreign_reason(manifest, recorded)
+    manifest itself, unless named in ``skip``), each with the rank indexes ``spans`` overlap (see
+    the module docstring; None: every rank's); raises (as damage) unless its manifests, those indexes
+    and links read and verify, and unless it is of a lineage in ``recorded``
+    (cnr.format.lineage.foreign_reason; empty: any)."""
+    head = read_head(storage, ckpt_id)
+    foreign = foreign_reason(head, recorded)
     if foreign:
         raise CheckpointError(foreign)
-    chain = resolve_chain(storage, manifest, skip)
+
+    def wanted(link: Manifest) -> Sequence[int]:
+        return range(link.world_size) if spans is None else ranks_for(link, spans)
+
+    manifest = load_ranks(storage, head, list(_app_ranks(head, rank, world_size)) + list(wanted(head)))
+    chain = [manifest if link.id == manifest.id else load_ranks(storage, link, wanted(link))
+             for link in resolve_chain(storage, head, skip, read=read_head)]
     for link in chain:
         if not link.id.endswith(MERGED_SUFFIX):  # a merge writes no rank indexes
             # each rank checks a share of the link's indexes; the agreement that follows joins them
@@ -124,7 +157,7 @@ def _attempt_together(storage: Storage, ckpt_id: str, app: AppState, rank: int, 
     read: Optional[Tuple[Manifest, List[Manifest]]] = None
     problem, error = None, None
     try:
-        read = _read_chain(storage, ckpt_id, rank, world_size, skip, recorded)
+        read = _read_chain(storage, ckpt_id, rank, world_size, skip, recorded, _spans_of(app.pieces()))
     except Exception as e:  # noqa: BLE001 - agreed below
         problem, error = _problem(e), e
     reason, merges = _agree(f"restore: read checkpoint {ckpt_id} and its chain", problem, error)

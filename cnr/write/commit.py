@@ -1,5 +1,9 @@
 """Rank 0's commit: once every rank's index is stored, check coverage and write the manifest.
 
+The manifest is split (format version 7, cnr.format.split): rank 0 joins every rank's index
+summary (its digest, chunk totals, extents and replicated chunks), never reading the indexes
+themselves unless a writer could not publish its summary.
+
 Runs in rank 0's writer process. It waits for the other ranks' indexes (written by other
 processes, possibly on other machines): through the writers' exchange when the job has one
 (cnr.write.peer_exchange: two counters per look, whatever the number of ranks), else by polling
@@ -14,18 +18,19 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import Cancelled, CheckpointError, StorageError
 from cnr.write.faults import maybe_crash
 from cnr.write.lease import check_held
 from cnr.format.manifest import (
-    Manifest, RankIndex, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, merge_rank_indexes, parse_rank_index, rank_index_key,
+    ChunkSummary, Manifest, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, parse_rank_index,
+    rank_index_key,
 )
+from cnr.format.split import IndexSummary, check_extent_coverage, join_summaries, parse_summary, summarize
 from cnr.format.catalog import marker_error
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.storage.registry import open_storage
 from cnr.storage.tiered import TieredStorage
-from cnr.types import CheckpointKind, Role
+from cnr.types import CheckpointKind
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +41,8 @@ the store about the ranks not counted in (a writer that stored its index but cou
 
 
 def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None,
-                   exchange=None) -> List[RankIndex]:
-    """Every rank's index of ``ckpt_id``, once all are stored; raise on a failed rank or timeout.
+                   exchange=None) -> List[IndexSummary]:
+    """Every rank's index summary of ``ckpt_id``, once all are stored; raise on a failed rank or timeout.
 
     With the writers' ``exchange`` (cnr.write.peer_exchange) the ranks count themselves in there
     once their index is stored, and the store is asked nothing unless ``_STORAGE_RECHECK_S`` pass
@@ -45,7 +50,7 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
     its index is then found in the store). Without one, or once it cannot be reached, the store is polled: an
     ``exists`` per pending rank and round."""
     deadline = time.monotonic() + timeout_s
-    indexes: Dict[int, RankIndex] = {}
+    indexes: Dict[int, IndexSummary] = {}
     recheck = time.monotonic() + _STORAGE_RECHECK_S
     counted = -1
     while True:
@@ -77,13 +82,13 @@ def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: f
     return [indexes[r] for r in range(world_size)]
 
 
-def _checked(index: RankIndex, ckpt_id: str, rank: int, world_size: int, key: str) -> RankIndex:
+def _checked(index: IndexSummary, ckpt_id: str, rank: int, world_size: int, key: str) -> IndexSummary:
     if index.id != ckpt_id or index.rank != rank or index.world_size != world_size:
         raise CheckpointError(f"{key} describes checkpoint {index.id!r} rank {index.rank}")
     return index
 
 
-def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex]) -> Tuple[bool, int]:
+def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, IndexSummary]) -> Tuple[bool, int]:
     """One look at the exchange's counters: raise when a rank failed; (True, ...) and ``indexes``
     filled once every rank counted its stored index in; also how many ranks counted in."""
     stored, failed = exchange.progress(ckpt_id)
@@ -94,8 +99,8 @@ def _exchange_round(exchange, ckpt_id: str, world_size: int, indexes: Dict[int, 
     if stored < world_size or len(indexes) == world_size:
         return len(indexes) == world_size, stored
     for rank, blob in enumerate(exchange.indexes(ckpt_id)):
-        where = f"rank {rank}'s published index of {ckpt_id}"
-        indexes[rank] = _checked(parse_rank_index(blob, where=where), ckpt_id, rank, world_size, where)
+        where = f"rank {rank}'s published index summary of {ckpt_id}"
+        indexes[rank] = _checked(parse_summary(blob, where=where), ckpt_id, rank, world_size, where)
     return True, stored
 
 
@@ -110,7 +115,7 @@ def _published_or_none(exchange, ckpt_id: str, rank: int) -> Optional[bytes]:
         return None
 
 
-def _storage_round(storage: Storage, ckpt_id: str, world_size: int, indexes: Dict[int, RankIndex],
+def _storage_round(storage: Storage, ckpt_id: str, world_size: int, indexes: Dict[int, IndexSummary],
                    exchange=None) -> None:
     """Ask the store about each rank not yet in ``indexes`` (nor published on the ``exchange``):
     read its index when stored, raise on its failure marker."""
@@ -120,32 +125,40 @@ def _storage_round(storage: Storage, ckpt_id: str, world_size: int, indexes: Dic
         key = rank_index_key(ckpt_id, r)
         blob = _published_or_none(exchange, ckpt_id, r)
         if blob is not None:
-            where = f"rank {r}'s published index of {ckpt_id}"
-            indexes[r] = _checked(parse_rank_index(blob, where=where), ckpt_id, r, world_size, where)
+            where = f"rank {r}'s published index summary of {ckpt_id}"
+            indexes[r] = _checked(parse_summary(blob, where=where), ckpt_id, r, world_size, where)
         elif storage.exists(key):
             where = f"{storage.uri}/{key}"
             # read from the store: verified, and read again when damaged in transit (from_sources)
-            index = from_sources(storage, key, lambda source: parse_rank_index(read_document(source, key), where=where))
+            index = from_sources(storage, key, lambda source: _stored_summary(source, key, where))
             indexes[r] = _checked(index, ckpt_id, r, world_size, key)
         elif storage.exists(failed_key(ckpt_id, r)):
             raise CheckpointError(f"rank {r} failed to write its part of checkpoint {ckpt_id}: "
                                   f"{marker_error(storage, failed_key(ckpt_id, r))}")
 
 
-def build_manifest(job, tensors: Dict[str, TensorEntry], app_ranks: List[Dict[str, Any]]) -> Manifest:
-    """The manifest of ``job``: rank 0's ``manifest_fields`` (tables, metadata, counters, bit_width,
-    chain_bytes) and its retention scope's lineage (cnr.format.lineage), with every rank's tensors and app
-    state. Its ``chain_bytes`` extend the history the trainer sent with the chunk bytes every rank
-    stored for this checkpoint."""
+def _stored_summary(source: Storage, key: str, where: str) -> IndexSummary:
+    """The summary of the rank index stored at ``key`` (a writer that could not publish its own)."""
+    blob = read_document(source, key)
+    return summarize(parse_rank_index(blob, where=where), blob)
+
+
+def build_manifest(job, tensors: Dict[str, TensorEntry], totals: ChunkSummary, digests: Tuple[str, ...]) -> Manifest:
+    """The split manifest of ``job`` (cnr.format.split): rank 0's ``manifest_fields`` (tables,
+    metadata, counters, bit_width, chain_bytes) and its retention scope's lineage
+    (cnr.format.lineage), with the joined ``tensors``, chunk ``totals`` and index ``digests`` of
+    every rank. Its ``chain_bytes`` extend the history the trainer sent with the chunk bytes every
+    rank stored for this checkpoint."""
     fields: Dict[str, Any] = job.manifest_fields or {}
-    stored = sum(c.nbytes for t in tensors.values() for c in t.chunks)
     before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
     return Manifest(
         id=job.ckpt_id, step=job.step, kind=job.kind, base=job.base, world_size=job.world_size,
         created_unix=time.time(), tables=tuple(fields.get("tables", ())), tensors=tensors,
         counters={"step": job.step, **fields.get("counters", {})}, metadata=dict(fields.get("metadata", {})),
-        app_ranks=tuple(app_ranks), chain_bytes=tuple(before + [stored]), bit_width=dict(fields.get("bit_width", {})),
+        app_ranks=tuple({} for _ in range(job.world_size)), chain_bytes=tuple(before + [totals.bytes]),
+        bit_width=dict(fields.get("bit_width", {})),
         lineage=job.retention.lineage if getattr(job, "retention", None) is not None else "",
+        indexes=digests, summary=totals, loaded=frozenset(),
     )
 
 
@@ -200,11 +213,10 @@ def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union
 def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None) -> Tuple[Manifest, bytes]:
     """Commit ``job``'s checkpoint; return its manifest and the manifest's bytes. ``exchange``:
     where other nodes' writers also publish their indexes (cnr.write.peer_exchange)."""
-    indexes = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange)
-    tensors = merge_rank_indexes(indexes)
-    state = {n: t for n, t in tensors.items() if t.role != Role.RNG}
-    check_coverage(state, job.kind)
-    manifest = build_manifest(job, tensors, [index.app for index in indexes])
+    summaries = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange)
+    tensors, totals, digests = join_summaries(summaries)
+    manifest = build_manifest(job, tensors, totals, digests)
+    check_extent_coverage(manifest)
     blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
     if cancel is not None and cancel.is_set():

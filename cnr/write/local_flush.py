@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, CnrError, StorageError
-from cnr.format.catalog import checkpoint_ids, committed_ids, read_manifest
+from cnr.format.catalog import checkpoint_ids, committed_ids
 from cnr.format.manifest import (
-    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, step_of, stored_rank_index_key,
+    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head, step_of, stored_rank_index_key,
 )
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
@@ -90,7 +90,7 @@ def node_only_branches(tier: TieredStorage) -> List[str]:
         walk, link, broken = [ckpt_id], ckpt_id, None
         while True:
             try:
-                manifest = read_manifest(tier.local, link)
+                manifest = read_head(tier.local, link)
             except CheckpointError as e:  # damaged on the node: a restore passes over it too
                 logger.warning("the local tier's manifest of %s does not read (%s)", link, e)
                 broken = link
@@ -139,7 +139,7 @@ def resume_flush(tier: TieredStorage, rank: int, fence: Optional[Callable[[Stora
         tier.commit(index, tier.local.get(index))  # after this rank's objects, as the writer stores it
         if rank == 0:
             tier.remote.delete(failed_key(ckpt_id))  # a purge's marker (the data went, the checkpoint now commits)
-            manifest = read_manifest(tier.local, ckpt_id)
+            manifest = read_head(tier.local, ckpt_id)
             tier.commit(manifest_key(ckpt_id), tier.local.get(manifest_key(ckpt_id)), commit_requires(manifest),
                         fence=fence)
     if chosen:

@@ -1,16 +1,17 @@
 """The ranks' writers hand each other small commit objects over a TCPStore rank 0's trainer hosts.
 
-Completion (every job of more than one rank): each writer publishes its rank index here once it
-is stored, and counts itself in (``publish_stored``), or counts itself failed with its error
+Completion (every job of more than one rank): each writer publishes the summary of its rank index
+(cnr.format.split.IndexSummary: digest, totals, extents; a few KB) here once the index is stored,
+and counts itself in (``publish_stored``), or counts itself failed with its error
 (``publish_failed``); rank 0's writer learns that every rank is done from two counters, one round
-trip each, and takes every index in one more (``progress``, ``indexes``), instead of asking the
+trip each, and takes every summary in one more (``progress``, ``indexes``), instead of asking the
 store about each rank in turn (2 requests per rank and round: minutes at thousands of ranks on
 S3, issue #39).
 
 With a node-local tier (cnr.write.local_tier) on several nodes, rank 0's writer cannot read another
 node's rank index from its own disk, and the remote store may be slow or down. So every writer
-also publishes its rank index here, rank 0's writer takes indexes from here as well as from
-storage, and publishes the checkpoint's outcome (its manifest, or b"" when it failed); every
+also publishes its index's summary here, rank 0's writer takes summaries from here as well as
+indexes from storage, and publishes the checkpoint's outcome (its manifest, or b"" when it failed); every
 other rank's writer then stores that manifest in its own node's local tier, so each node's tier
 commits the checkpoint and a restart on the same nodes resumes from them.
 
@@ -88,7 +89,7 @@ class PeerExchange:
         self._store = dist.TCPStore(address.host, address.port, None, False, timeout=_CONNECT_TIMEOUT)
 
     def publish_stored(self, ckpt_id: str, rank: int, blob: bytes) -> None:
-        """Rank ``rank``'s index ``blob`` of ``ckpt_id``, already stored durably; counts it in."""
+        """The summary ``blob`` of rank ``rank``'s index of ``ckpt_id``, already stored durably; counts it in."""
         self._store.set(_index_key(ckpt_id, rank), blob)
         self._store.add(_stored_key(ckpt_id), 1)
 
@@ -102,11 +103,11 @@ class PeerExchange:
         return int(self._store.add(_stored_key(ckpt_id), 0)), int(self._store.add(_failed_key(ckpt_id), 0))
 
     def indexes(self, ckpt_id: str) -> List[bytes]:
-        """Every rank's published index of ``ckpt_id``, rank order; call once ``progress`` counts all."""
+        """Every rank's published index summary of ``ckpt_id``, rank order; call once ``progress`` counts all."""
         return list(self._store.multi_get([_index_key(ckpt_id, r) for r in range(self.address.world_size)]))
 
     def published(self, ckpt_id: str, rank: int) -> Optional[bytes]:
-        """Rank ``rank``'s published index of ``ckpt_id``, or None (two round trips)."""
+        """Rank ``rank``'s published index summary of ``ckpt_id``, or None (two round trips)."""
         key = _index_key(ckpt_id, rank)
         return self._store.get(key) if self._store.check([key]) else None
 

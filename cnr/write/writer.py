@@ -39,6 +39,7 @@ from cnr.errors import Cancelled, CnrError, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.format.split import extent_of, summarize, summary_to_bytes
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
 from cnr.write.peer_exchange import PeerExchange, connect_exchange
@@ -99,7 +100,8 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
                 written += ref.nbytes
             have = tensors.get(piece.name)
             tensors[piece.name] = TensorEntry(piece.global_shape, dtype_name(piece.data.dtype), piece.replicated,
-                                              (have.chunks if have else ()) + tuple(refs), piece.role, piece.table)
+                                              (have.chunks if have else ()) + tuple(refs), piece.role, piece.table,
+                                              (have.extents if have else ()) + (extent_of(job.rank, piece.region),))
             if i == 0:
                 packer.flush()
                 uploader.wait()
@@ -151,7 +153,8 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
         fused = search.for_job(searched_rows(job)) if search is not None else None
         encoder = encoders[0] if fused is None else encoders[1]
         index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder, fused)
-        _published(exchange, "its stored index", lambda e: e.publish_stored(index.id, index.rank, rank_index_to_bytes(index)))
+        summary = summary_to_bytes(summarize(index, rank_index_to_bytes(index)))  # what rank 0 commits from
+        _published(exchange, "its stored index", lambda e: e.publish_stored(index.id, index.rank, summary))
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
