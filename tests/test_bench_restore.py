@@ -60,7 +60,8 @@ def test_tiny_run(tmp_path):
     # against dcp.load: both restores gave back the state saved, the 4-bit chain the same state twice
     assert got["peer_bit_exact"] is True and got["peer_steps"] == 5
     assert got["full32_restore_s"] > 0 and got["dcp_load_s"] > 0 and got["int4_chain_restore_s"] > 0
-    assert got["full32_over_dcp_load"] == pytest.approx(got["full32_restore_s"] / got["dcp_load_s"], rel=0.01, abs=1e-3)
+    # of the unrounded seconds: those printed are rounded to ms, which moves a ratio of tiny times by ~1%
+    assert got["full32_over_dcp_load"] == pytest.approx(got["full32_restore_s"] / got["dcp_load_s"], rel=0.01, abs=0.01)
     baseline_bytes, increment_bytes = got["int4_chain_bytes"]
     assert 0 < increment_bytes < baseline_bytes < got["full32_bytes"]  # 4-bit rows, fewer of them in the increment
     # Checkpointer.restore() as users call it (cnr.bench.restore_api): every restore gave the saved state back
@@ -72,9 +73,11 @@ def test_tiny_run(tmp_path):
         got["restore_api_fresh_s"]["median"] / got["restore_api_dcp_s"]["median"], rel=0.01, abs=1e-3)
     for kind in ("fresh", "settled", "int4"):
         phases = got["restore_api_phases_s"][kind]
-        # one manifest read, its rank index verified, the data path entered once; the phases and
-        # the rest add up to the restore
-        assert phases["calls"]["manifest"] == 1 and phases["calls"]["data"] == 1
+        # each link's manifest read as stored and its rank indexes read once (cnr.format.split), and
+        # for the 4-bit chain's increment the look for a merged baseline of each link (none); the
+        # data path entered once; the phases and the rest add up to the restore
+        reads = 2 if kind != "int4" else 2 * 2 + 2
+        assert phases["calls"]["manifest"] == reads and phases["calls"]["data"] == 1, (kind, phases["calls"])
         assert phases["calls"]["verify_rank_indexes"] == (2 if kind == "int4" else 1)  # a link each
         assert 0 < phases["data"] < got[f"restore_api_{kind}_s"]["max"]
         assert phases["outside_data"] > 0

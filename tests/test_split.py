@@ -228,3 +228,14 @@ def test_a_summary_round_trips_and_a_damaged_one_is_refused(indexes):
     assert summary.digest in blob.decode()
     with pytest.raises(CheckpointError, match="SHA-256"):
         parse_summary(summary_to_bytes(summary).replace(b'"rank": 1', b'"rank": 2'), "s")
+
+
+def test_a_job_of_replicated_tensors_alone_is_split_without_extents(indexes):
+    """Its chunks are all in the manifest, its app state still in the indexes (each digest checked)."""
+    dense = [dataclasses.replace(i, tensors={n: t for n, t in i.tensors.items() if t.replicated}) for i in indexes]
+    storage = MemoryStorage()
+    head = _commit(storage, dense)
+    assert head.indexes and not any(t.extents for t in head.tensors.values())
+    head = read_head(storage, CKPT)
+    assert head.loaded == frozenset() and load_ranks(storage, head, [3]).app_ranks[3] == dense[3].app
+    assert _chunks(read_manifest(storage, CKPT).tensors) == _chunks(merge_rank_indexes(dense))

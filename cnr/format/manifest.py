@@ -333,9 +333,9 @@ def manifest_to_bytes(m: Manifest) -> bytes:
         "lineage": check_lineage(m.lineage, f"manifest {m.id}"), "indexes": list(m.indexes),
         "summary": summary_to_dict(m._summary()),
     }
-    if bool(m.indexes) != any(t.extents for t in m.tensors.values()) or m.indexes and len(m.indexes) != m.world_size:
-        raise ValueError(f"manifest {m.id} has {len(m.indexes)} index digests for {m.world_size} ranks; a manifest has "
-                         "extents and one digest per rank, or neither")
+    if m.indexes and len(m.indexes) != m.world_size or not m.indexes and any(t.extents for t in m.tensors.values()):
+        raise ValueError(f"manifest {m.id} has {len(m.indexes)} index digests for {m.world_size} ranks; a manifest "
+                         "with extents has one digest per rank")
     # no indent: json's C encoder runs only without one (with it, 48 s for 4,096 ranks' 200 MB)
     return seal(json.dumps(body, sort_keys=True).encode())
 
@@ -477,16 +477,17 @@ _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 def _check_split(where: str, tensors: Dict[str, TensorEntry], indexes: List[Any], world_size: int,
                  app: Tuple[Any, ...]) -> None:
-    """A version 7 manifest's extents and index digests agree: one digest per rank when some
-    tensor has extents (then its chunks are in the indexes, its app state too), none otherwise."""
-    split = any(t.extents for t in tensors.values())
+    """A version 7 manifest's extents and index digests agree: a split one has a digest per rank
+    (and its app state in the indexes), and only a split one has extents (of the tensors whose
+    chunks are in the indexes; a job of replicated tensors alone has none)."""
+    extents = any(t.extents for t in tensors.values())
     if indexes and (len(indexes) != world_size or any(not isinstance(d, str) or not _DIGEST.match(d) for d in indexes)):
         raise CheckpointError(f"{where}.indexes must list one SHA-256 (64 hex digits) per rank ({world_size}), "
                               f"got {len(indexes)}")
-    if split != bool(indexes) or split and app:
-        raise CheckpointError(f"{where} has {'' if split else 'no '}extents, {len(indexes)} index digests and "
-                              f"{len(app)} app states: a split manifest has extents, one digest per rank and its app "
-                              "state in the indexes; another, none of the first two")
+    if extents and not indexes or indexes and app:
+        raise CheckpointError(f"{where} has {'' if extents else 'no '}extents, {len(indexes)} index digests and "
+                              f"{len(app)} app states: a split manifest has one digest per rank, its app state in the "
+                              "indexes and may have extents; another, no extents")
     for name, t in tensors.items():
         if t.extents and t.chunks:
             raise CheckpointError(f"{where}.tensors[{name!r}] has extents and chunks: its chunks belong in rank indexes")
