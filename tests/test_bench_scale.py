@@ -95,6 +95,10 @@ def test_a_small_job_meets_the_per_rank_targets(figures):
         assert f["retention_deleted"] == 1  # keep_last 1 and single-damage safety keep two states of three
         # the manifest (split: no other rank's chunks), its own rank index and rank 0's (app state), nothing else
         assert f["restore_requests_per_rank"] == 3
+        # its data: its own shards' objects and the dense part's, in shares of at least MIN_SHARE_BYTES
+        # (here one, rank 0's), not a tiny object of every rank (N per rank, N² over the job)
+        own = len(objects_of(rank_indexes(SMALL, n, "0000000100-00000064")[n // 2]))
+        assert f["restore_objects_per_rank"] <= own + SMALL.dense_tensors, (n, f)
 
 
 def test_dcp_figures_and_the_ratios_over_them_are_in_every_n(figures):

@@ -8,6 +8,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+import cnr.track.shares as shares_module
 from cnr.track.shares import replicated_share
 from cnr.track.state import StatePiece, whole_piece
 from cnr.types import Role, ShardRegion
@@ -39,7 +40,8 @@ def _covered(shares: Dict[int, List[StatePiece]]) -> Dict[str, List[int]]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
-def test_every_replicated_row_is_written_once_and_the_bytes_are_even(world_size):
+def test_every_replicated_row_is_written_once_and_the_bytes_are_even(world_size, monkeypatch):
+    monkeypatch.setattr(shares_module, "MIN_SHARE_BYTES", 1)  # every rank writes a share
     pieces = _pieces()
     shares = {r: replicated_share(pieces, r, world_size) for r in range(world_size)}
     assert all(c == [1] * len(c) for c in _covered(shares).values())
@@ -56,3 +58,23 @@ def test_every_replicated_row_is_written_once_and_the_bytes_are_even(world_size)
 def test_a_rank_outside_the_world_is_refused():
     with pytest.raises(ValueError, match="rank 2 is not allowed with world size 2; it must be in 0..1"):
         replicated_share(_pieces(), 2, 2)
+
+
+@pytest.mark.parametrize("world_size,min_share,writers", [(7, 4 * 1024, 7), (7, 10_000, 3), (64, 10_000, 3),
+                                                          (64, 10**9, 1), (3, 10_000, 3)])
+def test_shares_are_never_smaller_than_the_minimum_when_fewer_ranks_can_write_them(world_size, min_share, writers,
+                                                                                    monkeypatch):
+    """Issue #39: at thousands of ranks, a share per rank made every restoring rank read thousands
+    of tiny objects. Shares are at least MIN_SHARE_BYTES (when the replicated part allows one),
+    written by ranks spread over the job, rank 0 first; still every row exactly once."""
+    monkeypatch.setattr(shares_module, "MIN_SHARE_BYTES", min_share)
+    pieces = _pieces()
+    total = sum(p.tensor.numel() * p.tensor.element_size() for p in pieces if p.replicated)
+    assert writers == max(1, min(world_size, total // min_share))
+    shares = {r: replicated_share(pieces, r, world_size) for r in range(world_size)}
+    assert all(c == [1] * len(c) for c in _covered(shares).values())
+    nbytes = {r: sum(p.tensor.numel() * 4 for p in share) for r, share in shares.items()}
+    writing = [r for r, n in nbytes.items() if n]
+    assert len(writing) == writers and writing[0] == 0
+    assert writing == [i * world_size // writers for i in range(writers)]  # spread over the ranks (nodes)
+    assert min(nbytes[r] for r in writing) >= min(min_share, total) - 2 * 13 * 4

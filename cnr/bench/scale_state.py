@@ -11,7 +11,8 @@ torchrec's planner would: a table larger than half a rank's share is split row-w
 ranks as it fills, the others are placed whole (table-wise) on the least loaded rank. Each table
 has a row-wise optimizer state (one fp32 per row, as row-wise Adagrad keeps). A rank stores its
 rows in about ``chunks_per_rank`` objects (at least one per table shard it holds), and a share of
-the replicated dense part (``dense_tensors`` tensors, cut as cnr.track.shares cuts them).
+the replicated dense part (``dense_tensors`` tensors, cut as cnr.track.shares cuts them: shares of
+at least ``MIN_SHARE_BYTES``, by as many ranks as that allows).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from cnr.format.manifest import RankIndex, TensorEntry, object_key
+from cnr.track.shares import share_of, share_writers
 from cnr.types import ChunkRef, Encoding, Role, TableSpec
 
 DIM = 128
@@ -114,6 +116,7 @@ def rank_indexes(shape: ScaleShape, ranks: int, ckpt_id: str) -> List[RankIndex]
     for shard in shard_tables(shape, ranks):
         by_rank[shard.rank].append(shard)
     dense_rows = shape.dense_tensors * shape.dense_rows
+    writers = share_writers(dense_rows * DENSE_COLS * 4, ranks)
     out = []
     for rank in range(ranks):
         held = by_rank[rank]
@@ -133,8 +136,9 @@ def rank_indexes(shape: ScaleShape, ranks: int, ckpt_id: str) -> List[RankIndex]
                                                        Role.TABLE_ROWS, table_name(s.table), (span + (0, DIM),))
             tensors[state_name(s.table)] = TensorEntry((rows[s.table],), "float32", False, tuple(state),
                                                        Role.TABLE_STATE, table_name(s.table), (span + (0, 0),))
-        # this rank's share of the dense part: rows [lo, hi) of the dense tensors laid end to end
-        lo, hi = dense_rows * rank // ranks, dense_rows * (rank + 1) // ranks
+        # this rank's share of the dense part, if it writes one: rows [lo, hi) of the dense tensors laid end to end
+        mine = share_of(rank, ranks, writers)
+        lo, hi = (dense_rows * mine // writers, dense_rows * (mine + 1) // writers) if mine is not None else (0, 0)
         for d in range(shape.dense_tensors):
             a, b = max(lo, d * shape.dense_rows), min(hi, (d + 1) * shape.dense_rows)
             if a < b:

@@ -2,9 +2,13 @@
 
 Replicated tensors (dense parameters and their optimizer state, data-parallel tables) are the
 same on every rank, so one copy is stored. Written by rank 0 alone, they made rank 0's writer
-the slowest one on a model with a large dense part. Instead every rank writes a share: the
-replicated tensors, in name order, are laid end to end and cut into ``world_size`` ranges of
-equal bytes at row boundaries; a row belongs to the rank whose range holds its first byte.
+the slowest one on a model with a large dense part. Instead the ranks write shares: the
+replicated tensors, in name order, are laid end to end and cut into ranges of equal bytes at row
+boundaries, one per writing rank; a row belongs to the rank whose range holds its first byte.
+Every rank writes a share, unless that would make shares smaller than ``MIN_SHARE_BYTES``: then
+``total // MIN_SHARE_BYTES`` ranks (at least one), spread evenly over the ranks (rank 0 first),
+write them. Every rank restores the whole replicated part, reading each share's object: shares of
+thousands of ranks would be thousands of tiny reads per rank, N² over the job (issue #39).
 Every rank computes the same plan from the same tensors, so the shares are disjoint and cover
 every row (the commit checks this, cnr.write.commit.check_coverage), and each rank's share is the
 mean within one row's bytes at either end. A restore reads any split (cnr.restore.pieces).
@@ -15,10 +19,13 @@ second to the rank holding their byte.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from cnr.track.state import StatePiece
 from cnr.types import ShardRegion
+
+MIN_SHARE_BYTES = 1 << 20
+"""The least bytes of a share when fewer ranks can write shares of at least this (see above)."""
 
 
 def _nbytes(piece: StatePiece) -> int:
@@ -35,13 +42,26 @@ def _rows(piece: StatePiece, r0: int, r1: int) -> StatePiece:
                       piece.table)
 
 
+def share_writers(total_bytes: int, world_size: int) -> int:
+    """How many ranks write shares of ``total_bytes`` replicated bytes (see the module docstring)."""
+    return max(1, min(world_size, total_bytes // MIN_SHARE_BYTES))
+
+
+def share_of(rank: int, world_size: int, writers: int) -> Optional[int]:
+    """Which of ``writers`` shares ``rank`` writes (share i: rank ``i * world_size // writers``), or None."""
+    i = -(-rank * writers // world_size)  # the least i with i * world_size // writers >= rank
+    return i if i < writers and i * world_size // writers == rank else None
+
+
 def replicated_share(pieces: List[StatePiece], rank: int, world_size: int) -> List[StatePiece]:
     """The parts of the replicated ``pieces`` that ``rank`` writes (see the module docstring)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not allowed with world size {world_size}; it must be in 0..{world_size - 1}")
     replicated = sorted((p for p in pieces if p.replicated), key=lambda p: (p.name, p.region.offsets))
     total = sum(_nbytes(p) for p in replicated)
-    lo, hi = total * rank // world_size, total * (rank + 1) // world_size  # this rank's bytes [lo, hi)
+    writers = share_writers(total, world_size)
+    mine = share_of(rank, world_size, writers)
+    lo, hi = (total * mine // writers, total * (mine + 1) // writers) if mine is not None else (0, 0)  # bytes [lo, hi)
     share: List[StatePiece] = []
     start = 0
     for piece in replicated:
