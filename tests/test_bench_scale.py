@@ -111,3 +111,4 @@ def test_dcp_figures_and_the_ratios_over_them_are_in_every_n(figures):
 def test_growth_exponents():
     got = scale.growth({8: {"a": 2.0, "b": 5, "c": 0}, 64: {"a": 16.0, "b": 5, "c": 3}})
     assert got == {"a": 1.0, "b": 0.0, "c": None}
+

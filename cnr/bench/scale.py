@@ -11,7 +11,8 @@ cnr's retries). Everything else is cnr's own code, run as a job runs it:
    meanwhile rank 0's writer runs the commit (cnr.write.commit.commit_checkpoint: wait for every
    rank's index summary on the writers' exchange, join them, manifest under the lease fence);
 3. retention (cnr.policy.retention) after the last commit, ``keep_last`` 1, with every checkpoint
-   counted as verifying; what verifying one checkpoint reads is counted from its manifest;
+   counted as verifying; what verifying one checkpoint reads is counted from its objects: each
+   writer reads back its own objects and index (cnr.write.writer), rank 0 the manifest;
 4. one rank's restore planning: rank 0's listing (cnr.format.catalog.restore_ids), then on a middle
    rank what cnr.restore.newest reads (the manifest as stored, the chain, the rank indexes its
    pieces overlap and rank 0's, its share of the rank index check) and the plan of which chunks
@@ -189,9 +190,10 @@ def _restore_plan(store: SimulatedS3, shape: ScaleShape, ranks: int, rank: int) 
 
 def _retention(store: SimulatedS3, ckpt_ids: List[str], objects: int) -> Dict[str, float]:
     """Retention after the last commit, every checkpoint counted as verifying; and what verifying
-    one checkpoint reads (cnr.policy.retention.own_damage: its manifest, its rank indexes and every
-    one of its ``objects``, once each), counted: the stubs do not decode, so running it would
-    count the re-reads of damage instead."""
+    one checkpoint reads, counted (the stubs do not decode, so running it would count the re-reads
+    of damage instead): each writer reads back each of its objects and its index once (``objects``
+    of the job, one GET each), rank 0 the manifest too (cnr.policy.retention.note_verified); before
+    issue #39 rank 0 read every one of them."""
     store.reset_counts()
     start = time.monotonic()
     with store.acting_as(0):
@@ -201,7 +203,9 @@ def _retention(store: SimulatedS3, ckpt_ids: List[str], objects: int) -> Dict[st
     manifest = read_head(store, ckpt_ids[-1])
     return {"retention_requests": store.counts[0].requests, "retention_s": seconds,
             "retention_deleted": len(report.get("deleted", [])),
-            "retention_verify_requests": 1 + manifest.world_size + objects, "retention_verify_bytes": manifest.bytes}
+            "verify_requests_rank0": 1 + objects // manifest.world_size + 1,
+            "verify_requests_per_rank": objects / manifest.world_size + 1,
+            "verify_bytes_per_rank": manifest.bytes // manifest.world_size}
 
 
 def measure(ranks: int, shape: ScaleShape, latency_s: float, checkpoints: int, exchange: bool = True) -> Dict[str, Any]:

@@ -51,32 +51,35 @@ class IndexSummary:
     digest: str
     totals: ChunkSummary
     tensors: Dict[str, TensorEntry]
+    verified: bool = False  # its writer read back every object and the index it stored (cnr.write.writer)
 
 
-def summarize(index: RankIndex, blob: bytes) -> IndexSummary:
-    """The summary of ``index``, stored as ``blob`` (``rank_index_to_bytes``)."""
+def summarize(index: RankIndex, blob: bytes, verified: bool = False) -> IndexSummary:
+    """The summary of ``index``, stored as ``blob`` (``rank_index_to_bytes``); ``verified``: its
+    writer read back every object and the index."""
     tensors = {name: dataclasses.replace(t, extents=()) if t.replicated else dataclasses.replace(t, chunks=())
                for name, t in index.tensors.items()}
     return IndexSummary(index.id, index.rank, index.world_size, seal_digest(blob), summarize_chunks(index.tensors),
-                        tensors)
+                        tensors, verified)
 
 
 def summary_to_bytes(s: IndexSummary) -> bytes:
     body = {"format": SUMMARY_FORMAT, "version": VERSION, "id": s.id, "rank": s.rank, "world_size": s.world_size,
-            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": _tensors_to_dict(s.tensors, False)}
+            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": _tensors_to_dict(s.tensors, False),
+            "verified": s.verified}
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
 def parse_summary(blob: bytes, where: str) -> IndexSummary:
     obj, version = _parse_json(blob, where, SUMMARY_FORMAT)
     r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
-                             "totals": dict, "tensors": dict})
+                             "totals": dict, "tensors": dict, "verified": bool})
     try:
         tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
         totals = _parse_summary(r["totals"], where)
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
-    return IndexSummary(r["id"], r["rank"], r["world_size"], r["digest"], totals, tensors)
+    return IndexSummary(r["id"], r["rank"], r["world_size"], r["digest"], totals, tensors, r["verified"])
 
 
 def join_summaries(summaries: List[IndexSummary]) -> Tuple[Dict[str, TensorEntry], ChunkSummary, Tuple[str, ...]]:

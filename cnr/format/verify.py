@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key
 from cnr.format.catalog import read_manifest, resolve_chain, scan_checkpoints
 from cnr.format.split import read_rank_index, whole
+from cnr.codec.chunk_format import decode_chunk
 from cnr.format.chunks import fetch_chunk
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.types import CheckpointStatus
@@ -83,6 +84,27 @@ def check_rank_indexes(storage: Storage, manifest: Manifest, ranks: Optional[Ite
             missing, extra = sorted(found - mine)[:3], sorted(mine - found)[:3]
             raise CheckpointError(f"checkpoint {manifest.id}: its manifest and rank {rank}'s index list different "
                                   f"chunks (only in the index: {missing}; only in the manifest: {extra})")
+
+
+def check_stored(storage: Storage, tensors) -> List[str]:
+    """Every chunk of ``tensors`` (name -> TensorEntry) read back and decoded, one GET per object
+    (as stored: its first source that holds it, cnr.storage.base.from_sources); what does not
+    verify (empty when all do). A writer's check of what it just stored (cnr.write.writer)."""
+    by_object: Dict[str, List[Tuple[Any, Optional[int]]]] = {}
+    for entry in tensors.values():
+        for ref in entry.chunks:
+            by_object.setdefault(ref.key, []).append((ref, entry.shape[0] if entry.shape else None))
+    damage: List[str] = []
+    for key, chunks in by_object.items():
+        def read(source: Storage) -> None:
+            blob = source.get(key)
+            for ref, rows in chunks:
+                decode_chunk(blob[ref.offset:ref.offset + ref.nbytes], ref, dequantize=False, tensor_rows=rows)
+        try:
+            from_sources(storage, key, read)
+        except DAMAGE as e:
+            damage.append(f"{key}: {e}")
+    return damage
 
 
 def check_objects(storage: Storage, manifest: Manifest) -> List[str]:

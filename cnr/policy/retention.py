@@ -192,6 +192,24 @@ def verified(storage: Storage, ckpt_ids: Sequence[str]) -> Dict[str, bool]:
     return out
 
 
+def note_verified(storage: Storage, ckpt_id: str) -> bool:
+    """Count ``ckpt_id``, which this job's writers just committed, as verified (``verified``)
+    without rank 0 reading back its objects: every writer read back each object and its index as
+    it stored them (cnr.write.writer: at thousands of ranks, rank 0 alone reading a checkpoint of
+    terabytes back was the job's largest cost, issue #39). Its manifest is read back here; False
+    (nothing noted: ``verified`` reads it all back later) when that does not verify."""
+    from cnr.format.manifest import read_head
+    from cnr.format.verify import DAMAGE
+
+    try:
+        read_head(storage, ckpt_id)
+    except DAMAGE as e:
+        logger.warning("checkpoint %s's manifest does not read back (%s); retention verifies it whole", ckpt_id, e)
+        return False
+    _VERIFIED[(storage.uri, ckpt_id)] = True
+    return True
+
+
 def forget_verified(storage: Storage, ckpt_id: str) -> None:
     """Drop what this process cached about ``ckpt_id`` verifying (``verified``): a damaged merged
     baseline merged again and re-committed (cnr.write.merge) is read back anew."""

@@ -41,16 +41,17 @@ the store about the ranks not counted in (a writer that stored its index but cou
 
 
 def wait_for_ranks(storage: Storage, ckpt_id: str, world_size: int, timeout_s: float, cancel=None,
-                   exchange=None) -> List[IndexSummary]:
+                   exchange=None, known: Optional[IndexSummary] = None) -> List[IndexSummary]:
     """Every rank's index summary of ``ckpt_id``, once all are stored; raise on a failed rank or timeout.
 
     With the writers' ``exchange`` (cnr.write.peer_exchange) the ranks count themselves in there
     once their index is stored, and the store is asked nothing unless ``_STORAGE_RECHECK_S`` pass
     with no rank counting in while some are missing (a writer that could not reach the exchange:
     its index is then found in the store). Without one, or once it cannot be reached, the store is polled: an
-    ``exists`` per pending rank and round."""
+    ``exists`` per pending rank and round. ``known``: the caller's own summary (rank 0's writer's),
+    not asked for again."""
     deadline = time.monotonic() + timeout_s
-    indexes: Dict[int, IndexSummary] = {}
+    indexes: Dict[int, IndexSummary] = {} if known is None else {known.rank: known}
     recheck = time.monotonic() + _STORAGE_RECHECK_S
     counted = -1
     while True:
@@ -210,10 +211,13 @@ def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union
     storage.commit(key, blob, requires, fence=fence)
 
 
-def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None) -> Tuple[Manifest, bytes]:
-    """Commit ``job``'s checkpoint; return its manifest and the manifest's bytes. ``exchange``:
-    where other nodes' writers also publish their indexes (cnr.write.peer_exchange)."""
-    summaries = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange)
+def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None,
+                      own: Optional[IndexSummary] = None) -> Tuple[Manifest, bytes, bool]:
+    """Commit ``job``'s checkpoint; return its manifest, the manifest's bytes, and whether every
+    writer read back what it stored (its summary says so). ``exchange``: where other nodes'
+    writers also publish their index summaries (cnr.write.peer_exchange); ``own``: rank 0's own
+    index summary."""
+    summaries = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange, own)
     tensors, totals, digests = join_summaries(summaries)
     manifest = build_manifest(job, tensors, totals, digests)
     check_extent_coverage(manifest)
@@ -223,4 +227,4 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exch
         raise Cancelled(f"checkpoint {job.ckpt_id} was abandoned before its commit")
     _commit_under_lease(storage, job, blob, commit_requires(manifest))  # the commit point
     maybe_crash("after_commit", job.step, job.rank)
-    return manifest, blob
+    return manifest, blob, all(s.verified for s in summaries)

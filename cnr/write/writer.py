@@ -29,13 +29,14 @@ import torch.multiprocessing as mp
 
 from cnr.write.commit import commit_checkpoint
 from cnr.write.lease import check_held
-from cnr.policy.retention import retain_checkpoints, use_scope
+from cnr.policy.retention import note_verified, retain_checkpoints, use_scope
+from cnr.format.verify import check_stored
 from cnr.options import CheckpointOptions
 from cnr.write.job import WriteJob, WriteResult, row_blocks
 from cnr.write.plan import encode_block, searched_rows
 from cnr.codec.chunk_format import dtype_name
 from cnr.write.encode_pool import EncodePool
-from cnr.errors import Cancelled, CnrError, redact, redact_logging
+from cnr.errors import Cancelled, CheckpointError, CnrError, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
@@ -120,6 +121,20 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
     return index, written + len(blob)
 
 
+def _read_back(storage: Storage, job: WriteJob, blob: bytes, index: RankIndex) -> None:
+    """Read back every object this rank stored for ``job`` and its index (one GET each): raise
+    CheckpointError when any does not verify, and the checkpoint does not commit. Each rank checks
+    its own part, so the job's retention (cnr.policy.retention.verified) does not read the whole
+    checkpoint back on rank 0."""
+    key = rank_index_key(job.ckpt_id, job.rank)
+    damage = check_stored(storage, index.tensors)
+    if storage.get(key) != blob:
+        damage.append(f"{key}: the index read back is not the one stored")
+    if damage:
+        raise CheckpointError(f"rank {job.rank}'s objects of checkpoint {job.ckpt_id} do not read back as stored: "
+                              + "; ".join(damage[:3]))
+
+
 def _mark_failed(storage: Storage, job: WriteJob, error: str) -> str:
     """Write the failure marker; return ``error``, extended when even the marker cannot be written."""
     key = failed_key(job.ckpt_id, None if job.rank == 0 else job.rank)
@@ -153,13 +168,20 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
         fused = search.for_job(searched_rows(job)) if search is not None else None
         encoder = encoders[0] if fused is None else encoders[1]
         index, written = write_rank_data(storage, uploader, job, options.chunk_bytes, cancel, encoder, fused)
-        summary = summary_to_bytes(summarize(index, rank_index_to_bytes(index)))  # what rank 0 commits from
+        index_blob = rank_index_to_bytes(index)
+        verified = options.keep_last > 0  # retention runs: it counts on every object read back once
+        if verified:
+            _read_back(storage, job, index_blob, index)
+        own = summarize(index, index_blob, verified)  # what rank 0 commits from
+        summary = summary_to_bytes(own)
         _published(exchange, "its stored index", lambda e: e.publish_stored(index.id, index.rank, summary))
         if job.rank != 0:
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
-            manifest, blob = commit_checkpoint(storage, job, options.commit_timeout_s, cancel, exchange)
+            manifest, blob, verified = commit_checkpoint(storage, job, options.commit_timeout_s, cancel, exchange, own)
             manifest_bytes = len(blob)
+            if verified:  # every writer read back what it stored: rank 0's retention need not read it all
+                note_verified(storage, job.ckpt_id)
             _published(exchange, "the outcome", lambda e: _outcome(e, job.ckpt_id, blob, peers))
             # stored_at: wall clock of the commit, for the time from snapshot to commit
             extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
