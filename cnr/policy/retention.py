@@ -13,7 +13,8 @@ job of lineage L (cnr.format.lineage) keeping ``keep_last`` states:
   verify) reaches a full checkpoint over committed links that all verify: every object read back
   and checked (cnr.format.verify: manifest seal, rank indexes, every chunk's CRC). A checkpoint is
   verified at most once per process (``verified``), in the background writer, never on the
-  training thread. A merged baseline replaces nothing until it verified;
+  training thread; one this job's writers committed was read back by each writer as it stored
+  its part (cnr.write.writer), and rank 0 reads back only its manifest (``note_verified``). A merged baseline replaces nothing until it verified;
 - the newest ``keep_last`` states of L that restore are kept with their paths; call the newest V.
   Without V nothing is deleted or purged. Then, since any one stored object may be damaged,
   older states are kept too while the damage of a single checkpoint could leave no kept state
