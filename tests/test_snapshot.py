@@ -53,3 +53,49 @@ def test_empty_increment():
     host, _ = HostBuffers().capture(_pieces(weight, momentum, row0=0), {W: torch.empty(0, dtype=torch.int64)})
     by_name = {h.name: h for h in host}
     assert by_name[W].data.shape == (0, 2) and by_name[W].row_ids.numel() == 0
+
+
+def _add_one(queue, done):
+    buf = queue.get()
+    buf.add_(1)
+    done.put(True)
+
+
+def test_unpinned_host_buffers_are_shared_memory_that_torch_did_not_allocate_holding_the_gil(monkeypatch):
+    """#39 item 5: torch's _new_shared allocates the pages holding the GIL (0.7-0.9 s on rank 0 of
+    bench restore --api-ranks 8), stopping the trainer's thread while the buffers are prepared in
+    the background. On Linux under the file_descriptor strategy a buffer that is not to be pinned
+    comes from a memfd that os.posix_fallocate filled without the GIL: zeroed, shared, and the
+    writer process writes into the same pages. A buffer to be pinned for CUDA keeps torch's."""
+    import os
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    from cnr.track.snapshot import _alloc
+
+    if not hasattr(os, "memfd_create") or mp.get_sharing_strategy() != "file_descriptor":
+        pytest.skip("torch's own allocation there")
+    torch_alloc = torch.UntypedStorage._new_shared
+    asked = []
+
+    def counted(nbytes, *args, **kwargs):
+        asked.append(nbytes)
+        return torch_alloc(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", counted)
+    buf = _alloc((1000, 8), torch.float32, touch=True)
+    assert asked == [] and buf.shape == (1000, 8) and buf.is_shared() and not buf.any()
+    assert _alloc((0, 8), torch.float32).shape == (0, 8) and asked == [0]  # nothing to allocate: torch's path
+    pinned = _alloc((10, 8), torch.float32, pin=True)
+    assert asked == [0, 320] and pinned.is_shared()
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_add_one, args=(queue, done))
+    child.start()
+    try:
+        queue.put(buf)
+        assert done.get(timeout=60)
+    finally:
+        child.join(30)
+    assert bool((buf == 1).all())

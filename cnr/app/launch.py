@@ -152,6 +152,32 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
             return json.load(f)
 
 
+def spawn(fn: RankFn, nproc: int, arg: Any, timeout_s: float) -> Optional[Dict[str, Any]]:
+    """``launch`` always spawned, with a deadline and on any number of ranks: for benchmarks that
+    stand in for a larger job on this machine (``check_nproc`` does not apply: the gloo ranks
+    time-share the cores), or that must outlive a rank's crash. Past ``timeout_s`` (a hang) the
+    ranks are stopped and RankFailed raised."""
+    with tempfile.TemporaryDirectory(prefix="cnr-spawn-") as workdir:
+        context = mp.start_processes(_entry, args=(nproc, fn, arg, workdir, True, os.getpid()), nprocs=nproc,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=0.5, grace_period=RANK_GRACE_S):
+                if time.monotonic() > deadline:
+                    _stop_ranks(context.processes)
+                    raise RankFailed(f"the launch ran past {timeout_s:.0f} s (a hang?); stopped")
+        except ProcessException as e:
+            raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
+        except KeyboardInterrupt:
+            _stop_ranks(context.processes)
+            raise
+        path = os.path.join(workdir, "result.json")
+        if not os.path.exists(path):
+            raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
+        with open(path) as f:
+            return json.load(f)
+
+
 def _stop_ranks(processes, grace_s: float = 10.0) -> None:
     """SIGTERM every rank still running, SIGKILL what is left after ``grace_s`` seconds. A rank's
     background writer and readers die with it (PR_SET_PDEATHSIG); committed checkpoints stay."""

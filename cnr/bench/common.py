@@ -152,13 +152,14 @@ def trained_embedding_rows(steps: int, rows: int, config_path: str = BENCH_CONFI
 
 
 class TrainedModel:
-    """A model of ``config`` at world size 1, its reader and step, shared by every measurement
-    of a benchmark run (each cnr.Checkpointer on it brings its own tracker)."""
+    """A model of ``config`` on this rank (world size 1 unless given: then built collectively
+    over the default process group), its reader and step, shared by every measurement of a
+    benchmark run (each cnr.Checkpointer on it brings its own tracker)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.sharded: ShardedModel = build_sharded_model(config, torch.device("cpu"))
-        self.reader = make_reader(config, 0, 1, None, "train")
+        self.reader = make_reader(config, rank, world_size, None, "train")
         self.step = 0
 
     def train(self, steps: int) -> None:

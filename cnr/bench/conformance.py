@@ -36,9 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
+from cnr.app.launch import spawn
 from cnr.bench.common import argv_list, number_arg, workdir_arg
 from cnr.errors import ConfigError
 
@@ -204,26 +203,7 @@ def _probe(rank: int, world_size: int, job: Dict[str, Any]) -> Dict[str, Any]:
 
 def _spawn(fn, world_size: int, arg: Any, timeout_s: float) -> Dict[str, Any]:
     """cnr.app.launch.launch, always spawned (a torchrec crash cannot take the bench down) and with a deadline."""
-    from cnr.app.launch import RankFailed, _entry, _first_error, _stop_ranks
-
-    with tempfile.TemporaryDirectory(prefix="cnr-conformance-") as workdir:
-        context = mp.start_processes(_entry, args=(world_size, fn, arg, workdir), nprocs=world_size, join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    _stop_ranks(context.processes)
-                    raise RankFailed(f"the launch ran past {timeout_s:.0f} s (a hang?); stopped")
-        except ProcessException as e:
-            raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
-        path = os.path.join(workdir, "result.json")
-        if not os.path.exists(path):
-            raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
-        import json
-
-        with open(path) as f:
-            return json.load(f)
+    return spawn(fn, world_size, arg, timeout_s) or {}
 
 
 def _last_line(message: Any) -> str:

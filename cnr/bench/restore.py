@@ -36,6 +36,11 @@ Every checkpoint here is written with every compaction trigger off (``no_compact
 chains are the ones written; ``merges``, ``compaction_read_bytes`` and ``compaction_write_bytes``
 (cnr.bench.common.storage_traffic) show that no merge ran, ``total_storage_bytes`` the store's traffic.
 
+``--api-ranks N`` (N > 1) measures instead ``--api-repeats`` rounds of the same restores as users
+call them (a new Checkpointer's ``restore()`` against ``dcp.load`` + ``load_state_dict``) at N
+spawned ranks, the model sharded over them (cnr.bench.restore_ranks):
+``restore_api_over_dcp_ranks<N>`` (#39 target <= 1.0).
+
 ``--run N`` measures a run instead: N intervals with the consecutive policy at the default
 options, the newest committed checkpoint restored after each (cnr.bench.restore_run).
 """
@@ -56,6 +61,7 @@ import torch.distributed.checkpoint as dcp
 from cnr.app.report_points import Entry
 from cnr.bench.common import TrainedModel, argv_list, base_parser, load, ratio, scan_entries, storage_traffic
 from cnr.bench.restore_api import TARGET as API_TARGET, Stored, side_by_side
+from cnr.bench.restore_ranks import run_ranks
 from cnr.bench.restore_run import parse_run, run_mode
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.restore.chain import restore_chain
@@ -294,6 +300,12 @@ def _summary(out: Dict[str, Any], links: List[int]) -> Dict[str, Any]:
     return result
 
 
+def _ranks_summary(out: Dict[str, Any], ranks: int) -> Dict[str, Any]:
+    """cnr.bench.restore_ranks's figures and their targets."""
+    over, exact = f"restore_api_over_dcp_ranks{ranks}", f"restore_api_exact_ranks{ranks}"
+    return {**out, "targets_met": {f"{over}<={API_TARGET}": out[over] <= API_TARGET, exact: out[exact]}}
+
+
 def _check(args: Any, config: Config) -> List[int]:
     try:
         links = sorted({int(k) for k in args.links.split(",") if k})
@@ -312,6 +324,14 @@ def _check(args: Any, config: Config) -> List[int]:
         raise ConfigError(f"--peer-steps {args.peer_steps} is not allowed; it must be >= 0 (0: no comparison with dcp.load)")
     if not config.checkpoint.enabled:
         raise ConfigError("bench restore needs checkpoint.enabled: true in the config")
+    if args.api_ranks < 1:
+        raise ConfigError(f"--api-ranks {args.api_ranks} is not allowed; it must be >= 1 (1: the comparison at world "
+                          "size 1 beside the chains)")
+    if args.api_ranks > 1 and args.api_repeats < 1:
+        raise ConfigError(f"--api-repeats {args.api_repeats} is not allowed with --api-ranks {args.api_ranks}; it "
+                          "must be >= 1")
+    if args.api_ranks > 1 and args.run is not None:
+        raise ConfigError("--api-ranks and --run are not allowed together; give one")
     if args.run is not None:
         parse_run(args.run)
     return links
@@ -328,6 +348,9 @@ def run(argv: List[str]) -> Dict[str, Any]:
     parser.add_argument("--api-repeats", type=int, default=5,
                         help="rounds of Checkpointer.restore() against dcp.load + load_state_dict, as users call "
                              "them (cnr.bench.restore_api; 0: none; needs --peer-steps > 0)")
+    parser.add_argument("--api-ranks", type=int, default=1,
+                        help="instead, at this many spawned ranks (> 1): --api-repeats rounds of a new Checkpointer's "
+                             "restore() against dcp.load + load_state_dict (cnr.bench.restore_ranks)")
     parser.add_argument("--run", default=None, metavar="N",
                         help="instead: train N intervals (consecutive policy, default options) and restore the newest "
                              "committed checkpoint after each (cnr.bench.restore_run)")
@@ -337,6 +360,16 @@ def run(argv: List[str]) -> Dict[str, Any]:
     common = {"bench": "restore", "config": os.path.basename(args.config), "bits": args.bits, "repeats": args.repeats,
               "interval": config.checkpoint.interval, "restore_threads": config.checkpoint.restore_threads}
     workdir = args.workdir or tempfile.mkdtemp(prefix="cnr-bench-restore-")
+    if args.api_ranks > 1:
+        try:
+            options = no_compaction(config, {"policy": "full", "bits": 32})
+            return {"bench": "restore", "config": common["config"], "interval": common["interval"],
+                    "restore_threads": common["restore_threads"], "api_ranks": args.api_ranks,
+                    "api_repeats": args.api_repeats, **_ranks_summary(run_ranks(config, options, workdir, args.api_ranks, args.api_repeats),
+                                     args.api_ranks)}
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
     if args.run is not None:
         try:
             return {**common, **run_mode(config, workdir, parse_run(args.run), args.bits, args.repeats)}
