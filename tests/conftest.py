@@ -66,7 +66,8 @@ def pytest_sessionfinish(session, exitstatus):
     stop_moto_s3()
 
 
-# ---- shared training runs (each costs seconds of process start-up, so they are made once) ----
+# ---- shared training runs (each costs seconds of process start-up, so they are made once, and
+# the two below once for both of make test's xdist workers: tests/session_once.py) ----
 
 @pytest.fixture(scope="session")
 def baseline_ws1(tmp_path_factory):
@@ -75,9 +76,12 @@ def baseline_ws1(tmp_path_factory):
     Its sample trace is in ``<cwd>/trace``.
     """
     from cli_helpers import train
+    from session_once import once
 
-    cwd = str(tmp_path_factory.mktemp("baseline_ws1"))
-    return train(cwd, "ck", "--set", "data.trace_dir=trace"), cwd, "ck"
+    def make(cwd):
+        return train(str(cwd), "ck", "--set", "data.trace_dir=trace"), str(cwd), "ck"
+
+    return tuple(once(tmp_path_factory, "baseline_ws1", make))  # once for both xdist workers
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +89,14 @@ def runs_ws2(tmp_path_factory):
     """World size 2, one sharding type per table: uninterrupted (60 steps; its sample trace in
     ``<cwd>/trace-full2``) and stopped at step 40."""
     from cli_helpers import MIXED_SHARDING, train
+    from session_once import once
 
-    cwd = str(tmp_path_factory.mktemp("runs_ws2"))
-    return {"full": train(cwd, "full2", *MIXED_SHARDING, "--set", "data.trace_dir=trace-full2", nproc=2),
-            "at40": train(cwd, "split2", *MIXED_SHARDING, "--set", "train.steps=40", nproc=2), "cwd": cwd}
+    def make(path):
+        cwd = str(path)
+        return {"full": train(cwd, "full2", *MIXED_SHARDING, "--set", "data.trace_dir=trace-full2", nproc=2),
+                "at40": train(cwd, "split2", *MIXED_SHARDING, "--set", "train.steps=40", nproc=2), "cwd": cwd}
+
+    return once(tmp_path_factory, "runs_ws2", make)  # once for both xdist workers
 
 
 @pytest.fixture(scope="session")
