@@ -25,7 +25,7 @@ from cnr.policy.retention import plan_on_storage
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
 from examples.two_tower import build, make_loader, train_step
-from test_restore_fallback import _gathered, _restore, _save
+from test_restore_fallback import _gathered, _restore, saved_store
 
 OLD, NEW, BEFORE = "0000000006-ffffffff", "0000000006-00000000", "0000000004-12345678"
 
@@ -118,11 +118,12 @@ def _restore_then_save(rank, world_size, arg):
     return {"restored": info.id, "skipped": skipped, "saved": saved.id}
 
 
-def test_a_branch_passed_over_is_never_restored_again_when_its_damage_goes(tmp_path):
+def test_a_branch_passed_over_is_never_restored_again_when_its_damage_goes(tmp_path, tmp_path_factory):
     root = tmp_path / "states"
     root.mkdir()
     uri = str(tmp_path / "ck")
-    launch(_save, 2, {"uri": uri, **{f"at_{step}": str(root / f"at_{step}.pt") for step in (2, 4, 6)}})
+    # checkpoints at 2, 4 and 6 saved by two ranks (test_restore_fallback's _save), copied here
+    shutil.copytree(saved_store(tmp_path_factory)[1], uri)
     storage = LocalStorage(uri)
     old = [i.id for i in list_checkpoints(storage)][-1]
     key = next(c.key for t in read_manifest(storage, old).tensors.values() for c in t.chunks if "/rank-00001/" in c.key)

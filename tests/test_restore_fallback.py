@@ -7,6 +7,7 @@ damaged middle link: its summary names the fallback, and it trains every sample 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from cnr.storage.local import LocalStorage
 from cnr.app.trace import load_trace
 from cnr.app.train import _options
 from examples.two_tower import build, make_loader, train_step
+from session_once import once
 
 
 def _gathered(app_state) -> dict:
@@ -72,13 +74,22 @@ def _restore(rank, world_size, arg):
     return {"id": info.id, "step": info.step, "skipped": skipped, "position": position}
 
 
+def saved_store(tmp_path_factory):
+    """Three consecutive checkpoints (steps 2, 4, 6) at world size 2, and the state at each:
+    (root holding at_<step>.pt, the store's path, its checkpoint ids). Made once per session
+    (also for test_abandoned); read it, or copy it before changing it."""
+    def make(root):
+        uri = str(root / "ck")
+        launch(_save, 2, {"uri": uri, **{f"at_{step}": str(root / f"at_{step}.pt") for step in (2, 4, 6)}})
+        return str(root), uri, [i.id for i in list_checkpoints(LocalStorage(uri))]
+
+    root, uri, ids = once(tmp_path_factory, "two_tower_saved", make)
+    return Path(root), uri, ids
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Three consecutive checkpoints (steps 2, 4, 6) at world size 2, and the state at each."""
-    root = tmp_path_factory.mktemp("fallback")
-    uri = str(root / "ck")
-    launch(_save, 2, {"uri": uri, **{f"at_{step}": str(root / f"at_{step}.pt") for step in (2, 4, 6)}})
-    return root, uri, [i.id for i in list_checkpoints(LocalStorage(uri))]
+    return saved_store(tmp_path_factory)
 
 
 def _copy(saved, tmp_path):
@@ -114,12 +125,12 @@ def test_damaged_newest_falls_back_on_every_rank_to_the_previous(damaged_store, 
     root, template, ids = damaged_store
     uri = str(tmp_path / "ck")
     shutil.copytree(template, uri)  # the restore records what it passed over (cnr.format.abandoned)
-    out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(root / "fallback.pt")})
+    out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "out": str(tmp_path / "fallback.pt")})
     assert out["id"] == ids[-2] and out["step"] == 4
     [(skipped_id, reason)] = out["skipped"]
     assert skipped_id == ids[-1] and reason.startswith("rank 1: ") and "rank 0" not in reason and "CRC-32" in reason
     assert out["position"] == 4  # the loader's position is the restored checkpoint's, not the newest's
-    _assert_state_of(root / "fallback.pt", root, 4)
+    _assert_state_of(tmp_path / "fallback.pt", root, 4)
 
 
 def _damage(kind, storage, ids):
@@ -190,19 +201,19 @@ def test_a_damaged_merged_baseline_is_passed_over_for_the_links_it_merged(saved,
     _assert_state_of(tmp_path / "by_id.pt", root, 4)
 
 
-def test_a_checkpoint_named_by_id_raises_on_every_rank_when_one_rank_finds_damage(damaged_store):
+def test_a_checkpoint_named_by_id_raises_on_every_rank_when_one_rank_finds_damage(damaged_store, tmp_path):
     """Rank 0 reads nothing damaged; it must not go on training while rank 1 stops."""
     root, uri, ids = damaged_store
     out = launch(_restore, 2, {"uri": uri, "on_damage": "fallback", "id": ids[-1], "catch": True,
-                               "out": str(root / "x.pt")})
+                               "out": str(tmp_path / "x.pt")})
     assert "error" in out, out
     assert out["error"].startswith(f"checkpoint {ids[-1]} is damaged (rank 1: ") and "CRC-32" in out["error"]
 
 
-def test_on_damage_fail_raises_naming_the_damage(damaged_store):
+def test_on_damage_fail_raises_naming_the_damage(damaged_store, tmp_path):
     root, uri, ids = damaged_store
     with pytest.raises(RankFailed, match=f"checkpoint {ids[-1]} is damaged .*CRC-32.*on_damage is 'fail'"):
-        launch(_restore, 2, {"uri": uri, "on_damage": "fail", "out": str(root / "x.pt")})
+        launch(_restore, 2, {"uri": uri, "on_damage": "fail", "out": str(tmp_path / "x.pt")})
 
 
 def test_on_damage_is_validated_and_reaches_the_options():

@@ -57,10 +57,12 @@ def _committed(cwd: Path, store: str) -> List[str]:
 @pytest.fixture(scope="module")
 def consecutive_run(tmp_path_factory):
     """The issue's run: default options, the consecutive policy, 60 steps, a checkpoint every 10;
-    and the uninterrupted 80-step run to compare resumes with."""
+    and the uninterrupted 80-step run to compare resumes with (the same job without checkpoints:
+    only its state is compared, and a checkpoint never changes the training)."""
     cwd = tmp_path_factory.mktemp("single_damage")
     ran = train(str(cwd), "ck", *CONSECUTIVE, "--set", "train.steps=60")
-    reference = train(str(cwd), "ref", *CONSECUTIVE, "--set", "train.steps=80")
+    reference = train(str(cwd), "ref", *CONSECUTIVE, "--set", "train.steps=80", "--set", "checkpoint.enabled=false")
+    assert reference["checkpoints"] == 0
     return cwd, ran, reference
 
 

@@ -180,8 +180,12 @@ def test_delete_drops_a_queued_flush_so_the_remote_never_gets_the_object_back(st
     remote.gate.clear()
     tier.put("lease/0", b"old")
     tier.put("lease/1", b"new")
+    # the slow link lets the held puts through half a second from now (not after the gate's 10 s):
+    # a delete that did not wait for a flush under way would have deleted before it landed
+    release = threading.Timer(0.5, remote.gate.set)
+    release.start()
     tier.delete("lease/0")  # while its flush is queued (or under way)
-    remote.gate.set()
+    release.join()
     assert tier.flush(timeout=10)
     assert tier.list("lease") == ["lease/1"] and remote.list("lease") == ["lease/1"]
 

@@ -11,10 +11,6 @@ from cnr.format.catalog import read_manifest
 from cnr.storage.local import LocalStorage
 
 
-def _kinds(cwd, storage):
-    return [(c["step"], c["kind"]) for c in inspect(cwd, storage) if c["committed"]]
-
-
 def _manifest(cwd, storage, ckpt_id):
     return read_manifest(LocalStorage(f"{cwd}/{storage}"), ckpt_id)
 
@@ -27,18 +23,19 @@ def test_every_policy_resumes_bit_exact(tmp_path, baseline_ws1, policy):
     opts = ["--set", f"checkpoint.policy={policy}", "--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=0"]
     first = train(str(tmp_path), "ck", *opts, "--set", "train.steps=55")
     assert first["checkpoints"] == 11
-    kinds = [k for _, k in _kinds(str(tmp_path), "ck")]
+    committed = [c for c in inspect(str(tmp_path), "ck") if c["committed"]]
+    kinds = [c["kind"] for c in committed]
     assert kinds.count("full") >= 2 and kinds[1] == "incremental"  # a second baseline, chosen by size
-    assert _predictor_agrees(str(tmp_path), "ck")
+    assert _predictor_agrees(str(tmp_path), "ck", committed)
     resumed = train(str(tmp_path), "ck", *opts, "--resume")
     assert resumed["state_sha256"] == baseline_ws1[0]["state_sha256"]
 
 
-def _predictor_agrees(cwd, storage) -> bool:
-    """Each intermittent decision matches the rule applied to the sizes the manifests recorded."""
+def _predictor_agrees(cwd, storage, committed) -> bool:
+    """Each intermittent decision between the ``committed`` checkpoints (inspect's rows) matches
+    the rule applied to the sizes the manifests recorded."""
     from cnr.policy.kinds import intermittent_wants_full
 
-    committed = [c for c in inspect(cwd, storage) if c["committed"]]
     for before, after in zip(committed, committed[1:]):
         history = list(_manifest(cwd, storage, before["id"]).chain_bytes)
         if intermittent_wants_full(history) != (after["kind"] == "full"):
