@@ -5,7 +5,9 @@ answered and retried, retention deleting in batches."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import pytest
 
@@ -112,3 +114,22 @@ def test_growth_exponents():
     got = scale.growth({8: {"a": 2.0, "b": 5, "c": 0}, 64: {"a": 16.0, "b": 5, "c": 3}})
     assert got == {"a": 1.0, "b": 0.0, "c": None}
 
+
+
+def test_commit_latency_ends_at_the_commit_and_the_other_ranks_state_is_frozen_only_meanwhile(monkeypatch):
+    """The exchange's clean-up after the commit is not commit latency; the simulated ranks' state is
+    outside the collector's scans while the checkpoint runs (in a job it lives in other processes),
+    and the heap is unfrozen after."""
+    frozen = []
+    forget = scale.PeerExchange.forget_indexes
+
+    def slow_forget(self, ckpt_id):
+        frozen.append(gc.get_freeze_count())
+        time.sleep(1.0)
+        forget(self, ckpt_id)
+
+    monkeypatch.setattr(scale.PeerExchange, "forget_indexes", slow_forget)
+    f = scale.measure(4, SMALL, latency_s=0.002, checkpoints=2)
+    assert all(s < 1.0 for s in f["commit_latency_s_each"]), f["commit_latency_s_each"]
+    assert len(frozen) == 2 and min(frozen) > 0  # the simulated ranks' objects were frozen
+    assert gc.get_freeze_count() == 0
