@@ -101,6 +101,10 @@ def test_a_small_job_meets_the_per_rank_targets(figures):
         # (here one, rank 0's), not a tiny object of every rank (N per rank, N² over the job)
         own = len(objects_of(rank_indexes(SMALL, n, "0000000100-00000064")[n // 2]))
         assert f["restore_objects_per_rank"] <= own + SMALL.dense_tensors, (n, f)
+    # at half the world size: the manifest, rank 0's index (the app state: format version 8 records
+    # which keys every rank saved alike), the indexes its new pieces overlap and its share of the
+    # index check (2 ranks' indexes); before version 8 the manifest and every rank's index (17 at 16)
+    assert figures[16]["resized_restore_requests_per_rank"] <= 10, figures[16]
 
 
 def test_dcp_figures_and_the_ratios_over_them_are_in_every_n(figures):

@@ -15,7 +15,9 @@ import pytest
 
 from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
-from cnr.format.manifest import manifest_key, manifest_to_bytes, parse_manifest, parse_rank_index, rank_index_key
+from cnr.format.manifest import (
+    VERSION, manifest_key, manifest_to_bytes, parse_manifest, parse_rank_index, rank_index_key, read_head,
+)
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention import plan_retention
 from cnr.storage.local import LocalStorage
@@ -64,9 +66,9 @@ def test_every_single_bit_flip_is_refused(store, which):
 
 def test_a_flip_cannot_downgrade_a_sealed_manifest(store):
     blob = LocalStorage(str(store)).get(manifest_key(_ids(store)[-1]))
-    assert b'"version": 7' in blob
+    assert b'"version": 8' in blob
     with pytest.raises(CheckpointError, match="SHA-256"):
-        parse_manifest(blob.replace(b'"version": 7', b'"version": 2'))
+        parse_manifest(blob.replace(b'"version": 8', b'"version": 2'))
     unsealed = b"{" + blob[blob.index(b", ") + 2:]  # the seal cut off whole
     with pytest.raises(CheckpointError, match="has no SHA-256 seal"):
         parse_manifest(unsealed)
@@ -150,42 +152,54 @@ def test_a_chunk_dropped_from_a_resealed_manifest_is_caught_by_its_rank_indexes(
 
 
 def _as_version(path, version: int) -> None:
-    """Rewrite every checkpoint under ``path`` as ``version`` (5 or 6) stored it: the manifest
-    listing every chunk and every rank's app state (before version 7 split it), rank indexes
-    without extents, beside the manifest (``rank-<r>.json``) in version 5."""
-    from cnr.format.integrity import seal, unseal
+    """Rewrite every checkpoint under ``path`` as ``version`` (5, 6 or 7) stored it: in 5 and 6 the
+    manifest listing every chunk and every rank's app state (before version 7 split it), rank
+    indexes without extents, beside the manifest (``rank-<r>.json``) in version 5; in 7 split, with
+    no record of which app_state keys every rank saved alike (version 8 added it)."""
+    from cnr.format.integrity import seal, seal_digest, unseal
 
     storage = LocalStorage(str(path))
-    whole = {i: manifest_to_bytes(read_manifest(storage, i)) for i in _ids(path)}  # before the indexes change
-    for key in storage.list("checkpoints"):
-        if not key.endswith(".json") or "/deleting" in key or "/failed" in key:
-            continue
+    # the manifests before the indexes change: whole before version 7, as stored (split) in 7
+    manifests = {i: manifest_to_bytes(read_manifest(storage, i)) if version < 7 else storage.get(manifest_key(i))
+                 for i in _ids(path)}
+    digests = {}
+    keys = [k for k in storage.list("checkpoints")
+            if k.endswith(".json") and "/deleting" not in k and "/failed" not in k]
+    for key in sorted(keys, key=lambda k: k.endswith("/manifest.json")):  # indexes first: the manifest seals their digests
         ckpt_id = key.split("/")[1]
-        document, _ = unseal(whole[ckpt_id] if key.endswith("/manifest.json") else storage.get(key), key)
+        document, _ = unseal(manifests[ckpt_id] if key.endswith("/manifest.json") else storage.get(key), key)
         body = json.loads(document)
         body["version"] = version
-        body.pop("indexes", None)
-        body.pop("summary", None)
-        for tensor in body["tensors"].values():
-            del tensor["extents"]
+        body.pop("app_agree", None)
+        if version < 7:
+            body.pop("indexes", None)
+            body.pop("summary", None)
+            for tensor in body["tensors"].values():
+                del tensor["extents"]
+        elif key.endswith("/manifest.json") and body["indexes"]:
+            body["indexes"] = [digests[(ckpt_id, r)] for r in range(body["world_size"])]
         blob = seal(json.dumps(body, sort_keys=True).encode())
+        if key.endswith("/index.json"):
+            digests[(ckpt_id, body["rank"])] = seal_digest(blob)
         if key.endswith("/index.json") and version == 5:
             storage.delete(key)
             key = key[:-len("/index.json")] + ".json"
         storage.put(key, blob)
 
 
-@pytest.mark.parametrize("version", [5, 6])
+@pytest.mark.parametrize("version", [5, 6, 7])
 def test_checkpoints_of_older_versions_still_verify_list_and_restore(copy, tmp_path, version):
     """Issue #39 moved each rank index into its rank's folder (version 6), then split the manifest
-    (version 7: sharded tensors' chunks and app state only in the rank indexes); a location written
-    by version 5 (indexes beside the manifest) or 6 still lists, verifies (``inspect --verify``
-    reads the indexes at the old keys) and resumes to the same training state."""
+    (version 7: sharded tensors' chunks and app state only in the rank indexes), then recorded which
+    app_state keys every rank saved alike (version 8); a location written by version 5 (indexes
+    beside the manifest), 6 or 7 still lists, verifies (``inspect --verify`` reads the indexes at
+    the old keys) and resumes to the same training state."""
     newest = _ids(copy)[-1]
     _as_version(copy, version)
     storage = LocalStorage(str(copy))
     assert storage.exists(f"checkpoints/{newest}/rank-00000.json") == (version == 5)
-    assert storage.exists(rank_index_key(newest, 0)) == (version == 6)
+    assert storage.exists(rank_index_key(newest, 0)) == (version >= 6)
+    assert read_head(storage, newest).app_agree is None and bool(read_head(storage, newest).indexes) == (version == 7)
     old = read_manifest(storage, newest)
     assert old.version == version and not old.indexes and old.loaded is None and old.app_ranks[0]
     assert all(i.status == CheckpointStatus.COMMITTED for i in list_checkpoints(storage))
@@ -198,5 +212,5 @@ def test_checkpoints_of_older_versions_still_verify_list_and_restore(copy, tmp_p
                     "--set", "checkpoint.compact_at_chain_ratio=0", "--resume")
     assert resumed["restores"] and resumed["steps"] == 50
     newer = read_manifest(storage, _ids(copy)[-1])
-    assert newer.version == 7 and newer.base == newest  # the next increment builds on the older one
+    assert newer.version == VERSION and newer.base == newest and read_head(storage, newer.id).app_agree is not None  # the next increment builds on the older one
     assert storage.exists(rank_index_key(newer.id, 0))

@@ -96,11 +96,12 @@ def test_new_history_is_refused_with_resume_or_without_checkpoints(tmp_path):
 
 
 def _v4(obj: dict) -> bytes:
-    """``obj`` (a version 7 manifest that lists every chunk) as version 4 wrote it."""
+    """``obj`` (a manifest of this version that lists every chunk) as version 4 wrote it."""
     obj = dict(obj, version=4)
     obj.pop("sha256", None)
     obj.pop("indexes")
     obj.pop("summary")
+    obj.pop("app_agree")
     obj["tensors"] = {name: {k: v for k, v in t.items() if k != "extents"} for name, t in obj["tensors"].items()}
     return seal(json.dumps(obj).encode())
 

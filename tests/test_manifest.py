@@ -75,7 +75,8 @@ def _mutate(fn):
     [
         (lambda o: o.update(extra=1), "unknown fields \\['extra'\\]"),
         (lambda o: o.pop("metadata"), "missing fields \\['metadata'\\]"),
-        (lambda o: o.update(version=8), "version 8"),
+        (lambda o: o.update(version=9), "version 9"),
+        (lambda o: o.pop("app_agree"), "missing fields \\['app_agree'\\]"),
         (lambda o: o.pop("lineage"), "missing fields \\['lineage'\\]"),
         (lambda o: o.update(lineage="../x"), "lineage '../x' is not allowed"),
         (lambda o: o["counters"].update(step=-100), "counters.step = -100"),

@@ -1,5 +1,5 @@
-"""The split manifest (cnr.format.split, format version 7): what rank 0 joins, what a restoring rank
-reads, and every way a manifest, index or summary that does not fit together is refused."""
+"""The split manifest (cnr.format.split, format versions 7 and 8): what rank 0 joins, what a
+restoring rank reads, and every way a manifest, index or summary that does not fit together is refused."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from cnr.bench.scale_store import MemoryStorage
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.integrity import seal
 from cnr.format.manifest import (
-    Manifest, manifest_key, manifest_to_bytes, merge_rank_indexes, parse_manifest, rank_index_key, rank_index_to_bytes,
+    VERSION, Manifest, TensorEntry, manifest_key, manifest_to_bytes, merge_rank_indexes, parse_manifest, rank_index_key, rank_index_to_bytes,
     read_head,
 )
 from cnr.format.split import (
-    check_extent_coverage, join_summaries, load_ranks, parse_summary, ranks_for, read_manifest, read_rank_index,
+    agreeing_keys, check_extent_coverage, join_summaries, load_ranks, parse_summary, ranks_for, read_manifest, read_rank_index,
     summarize, summary_to_bytes, whole,
 )
-from cnr.types import CheckpointKind
+from cnr.types import CheckpointKind, ChunkRef, Role
 
 CKPT = "0000000007-abc"
 RANKS = 8
@@ -37,7 +37,8 @@ def _commit(storage, indexes, kind=CheckpointKind.FULL) -> Manifest:
     tensors, totals, digests = join_summaries(summaries)
     manifest = Manifest(id=CKPT, step=7, kind=kind, base=None, world_size=RANKS, created_unix=0.0, tables=(),
                         tensors=tensors, counters={"step": 7}, app_ranks=tuple({} for _ in indexes),
-                        chain_bytes=(totals.bytes,), indexes=digests, summary=totals, loaded=frozenset())
+                        chain_bytes=(totals.bytes,), indexes=digests, summary=totals, loaded=frozenset(),
+                        app_agree=agreeing_keys([s.app for s in summaries]))
     check_extent_coverage(manifest)
     storage.put(manifest_key(CKPT), manifest_to_bytes(manifest))
     return manifest
@@ -61,7 +62,7 @@ def _chunks(tensors):
 
 def test_the_manifest_lists_extents_and_digests_not_the_sharded_chunks(stored, indexes):
     head = read_head(stored, CKPT)
-    assert head.version == 7 and head.loaded == frozenset() and len(head.indexes) == RANKS
+    assert head.version == VERSION and head.loaded == frozenset() and len(head.indexes) == RANKS
     sharded = [t for t in head.tensors.values() if not t.replicated]
     assert sharded and all(t.extents and not t.chunks for t in sharded)
     assert all(t.chunks and not t.extents for t in head.tensors.values() if t.replicated)
@@ -239,3 +240,83 @@ def test_a_job_of_replicated_tensors_alone_is_split_without_extents(indexes):
     head = read_head(storage, CKPT)
     assert head.loaded == frozenset() and load_ranks(storage, head, [3]).app_ranks[3] == dense[3].app
     assert _chunks(read_manifest(storage, CKPT).tensors) == _chunks(merge_rank_indexes(dense))
+
+
+def _with_stateful(indexes, state, crc=lambda rank: 7):
+    """``indexes`` with a Stateful app_state key "reader" on every rank: ``state(rank)`` its saved
+    JSON, one tensor of it whose chunk has CRC-32 ``crc(rank)``."""
+    out = []
+    for index in indexes:
+        name = f"reader/rank-{index.rank:05d}/t0"
+        chunk = ChunkRef(key=f"checkpoints/{CKPT}/rank-{index.rank:05d}/reader", tensor_name=name, rows=4, row_start=0,
+                         row_ids=False, col_offset=0, cols=0, nbytes=32, crc32=crc(index.rank))
+        entry = TensorEntry((4,), "int64", False, (chunk,), Role.STATEFUL, None, ((index.rank, 0, 4, 0, 0),))
+        app = {**index.app, "reader": {"kind": "stateful", "state": state(index.rank), "tensors": 1}}
+        out.append(dataclasses.replace(index, tensors={**index.tensors, name: entry}, app=app))
+    return out
+
+
+@pytest.mark.parametrize("state,crc,alike", [
+    (lambda r: {"epoch": 3}, lambda r: 7, True),
+    (lambda r: {"epoch": 3 if r != 5 else 4}, lambda r: 7, False),  # one rank's JSON differs
+    (lambda r: {"epoch": 3}, lambda r: 7 if r != 2 else 8, False),  # one rank's tensor differs
+])
+def test_the_manifest_records_which_keys_every_rank_saved_alike(indexes, state, crc, alike):
+    """Version 8: rank 0 learns from the summaries which Stateful keys all ranks saved alike; a
+    restore at another world size then reads rank 0's index for them (cnr.restore.newest), and the
+    whole form checks the record against every index."""
+    storage = MemoryStorage()
+    _commit(storage, _with_stateful(indexes, state, crc))
+    head = read_head(storage, CKPT)
+    assert head.app_agree is not None and ("reader" in head.app_agree) == alike
+    full = read_manifest(storage, CKPT)
+    assert full.app_agree == head.app_agree
+    lying = dataclasses.replace(head, app_agree=head.app_agree ^ {"reader"})
+    with pytest.raises(CheckpointError, match="saved alike on every rank"):
+        whole(storage, lying)
+
+
+def test_agreeing_keys_needs_every_rank_and_one_digest():
+    assert agreeing_keys([{"a": "1", "b": "2"}, {"a": "1", "b": "3"}, {"a": "1"}]) == {"a"}
+    assert agreeing_keys([{"a": "1"}, {}]) == frozenset() and agreeing_keys([]) == frozenset()
+
+
+def test_a_version_7_manifest_records_no_agreement_and_a_bad_record_is_refused(stored):
+    def as_v7(o):
+        o["version"] = 7
+        del o["app_agree"]
+    assert parse_manifest(_edited(stored, as_v7)).app_agree is None
+    with pytest.raises(CheckpointError, match="app_agree must list app_state keys"):
+        parse_manifest(_edited(stored, lambda o: o.update(app_agree=[1])))
+    with pytest.raises(CheckpointError, match="missing fields \\['app_agree'\\]"):
+        parse_manifest(_edited(stored, lambda o: o.pop("app_agree")))
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_a_restore_at_another_world_size_reads_rank_0s_index_for_the_app_state(indexes, alike):
+    """With the record (version 8) a rank restoring at another world size reads rank 0's index for
+    the app state and gives every rank rank 0's state of a key saved alike, or refuses the key as
+    when it compared every rank's; without it (version 7) it reads every index and compares."""
+    from cnr.restore.into_app import _source_rank
+    from cnr.restore.newest import _app_ranks
+
+    storage = MemoryStorage()
+    _commit(storage, _with_stateful(indexes, lambda r: {"epoch": 3 if alike or r != 6 else 4}))
+    head = read_head(storage, CKPT)
+    assert list(_app_ranks(head, 1, RANKS // 2)) == [0] and list(_app_ranks(head, 3, RANKS)) == [0, 3]
+    partly = load_ranks(storage, head, [0])
+    if alike:
+        assert _source_rank(partly, "reader", 1, RANKS // 2) == 0
+    else:
+        with pytest.raises(CheckpointError, match=r"app_state\['reader'\] saved a different state on each of 8 ranks"):
+            _source_rank(partly, "reader", 1, RANKS // 2)
+    v7 = dataclasses.replace(head, app_agree=None)
+    assert list(_app_ranks(v7, 1, RANKS // 2)) == list(range(RANKS))
+    with pytest.raises(CheckpointError, match="neither was read"):
+        _source_rank(dataclasses.replace(partly, app_agree=None), "reader", 1, RANKS // 2)
+    everyone = load_ranks(storage, v7, range(RANKS))  # compared, as before version 8
+    if alike:
+        assert _source_rank(everyone, "reader", 1, RANKS // 2) == 0
+    else:
+        with pytest.raises(CheckpointError, match="saved a different state"):
+            _source_rank(everyone, "reader", 1, RANKS // 2)

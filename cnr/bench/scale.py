@@ -16,7 +16,8 @@ cnr's retries). Everything else is cnr's own code, run as a job runs it:
 4. one rank's restore planning: rank 0's listing (cnr.format.catalog.restore_ids), then on a middle
    rank what cnr.restore.newest reads (the manifest as stored, the chain, the rank indexes its
    pieces overlap and rank 0's, its share of the rank index check) and the plan of which chunks
-   land in its pieces (cnr.restore.pieces.plan_restore): its table shards and the whole dense part.
+   land in its pieces (cnr.restore.pieces.plan_restore): its table shards and the whole dense part;
+   then what a middle rank of the job restarted at half the world size reads (``resized_*``).
 
 Figures per N: commit latency (last rank's index stored -> manifest committed), requests by
 rank 0 and by an average other rank per checkpoint, ``SlowDown`` answers, metadata bytes a rank
@@ -29,6 +30,7 @@ smallest and largest N).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import math
@@ -193,9 +195,29 @@ def _restore_plan(store: SimulatedS3, shape: ScaleShape, ranks: int, rank: int) 
         plan = plan_restore(chain[0], pieces)
     plan_s = time.monotonic() - start
     counts = store.counts[rank]
-    return {"restore_plan_s": plan_s, "restore_rank0_s": rank0_s, "restore_metadata_bytes_per_rank": counts.document_bytes,
-            "restore_requests_per_rank": counts.requests, "restore_requests_rank0": store.counts[0].requests,
-            "restore_objects_per_rank": len(plan.objects)}
+    figures = {"restore_plan_s": plan_s, "restore_rank0_s": rank0_s, "restore_metadata_bytes_per_rank": counts.document_bytes,
+               "restore_requests_per_rank": counts.requests, "restore_requests_rank0": store.counts[0].requests,
+               "restore_objects_per_rank": len(plan.objects)}
+    figures.update(_resized_restore_plan(store, shape, newest, ranks))
+    return figures
+
+
+def _resized_restore_plan(store: SimulatedS3, shape: ScaleShape, newest: str, ranks: int) -> Dict[str, float]:
+    """What a middle rank of a job restarted at half the world size reads and plans (the job
+    lost nodes): before format version 8, every rank's index, to compare their app states."""
+    if ranks < 2:
+        return {}
+    world, rank = ranks // 2, ranks // 4
+    pieces = _rank_pieces(shape, world, rank)
+    before = dataclasses.replace(store.counts[rank])
+    start = time.monotonic()
+    with store.acting_as(rank, alone=True):
+        _read_chain(store, newest, rank, world, frozenset(), (), _spans_of(pieces))
+    plan_s = time.monotonic() - start
+    counts = store.counts[rank]
+    return {"resized_restore_plan_s": plan_s,
+            "resized_restore_requests_per_rank": counts.requests - before.requests,
+            "resized_restore_metadata_bytes_per_rank": counts.document_bytes - before.document_bytes}
 
 
 def _retention(store: SimulatedS3, ckpt_ids: List[str], objects: int) -> Dict[str, float]:

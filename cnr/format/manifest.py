@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 ROOT = "checkpoints"
 MANIFEST_FORMAT = "cnr.manifest"
 RANK_INDEX_FORMAT = "cnr.rank-index"
-VERSION = 7
-"""Version 7 splits the manifest (issue #39): a sharded tensor's chunks are listed only in the
+VERSION = 8
+"""Version 8 records which Stateful app_state keys saved the same state on every rank
+(``Manifest.app_agree``), so a restore at another world size reads rank 0's index for them, not
+every rank's (issue #39); version 7 splits the manifest (issue #39): a sharded tensor's chunks are listed only in the
 indexes of the ranks that wrote them, and the manifest records, per tensor, each rank's extents
 (``TensorEntry.extents``), per rank its index's digest (``Manifest.indexes``) and the chunk totals
 (``Manifest.summary``), so a rank restores from the manifest and the few indexes its part overlaps
@@ -52,12 +54,13 @@ version 6 stores each rank's index in its rank's folder (``rank_index_key``), be
 so the indexes of thousands of ranks are not all written under one S3 prefix at once (issue #39);
 version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
 version 2 (the library API) records each tensor's role and table, the application's state per
-rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 5 still read
+rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 7 still read
 (versions 1 to 4 with lineage "", none recorded)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 LINEAGE_VERSION = 5
 RANK_FOLDER_VERSION = 6
 SPLIT_VERSION = 7
+AGREE_VERSION = 8
 _LINEAGE = re.compile(r"^(|[0-9a-f]{32})$")
 
 
@@ -242,6 +245,9 @@ class Manifest:
     ``summary``: a split manifest's chunk totals (None: computed from ``tensors``' chunks).
     ``loaded``: of a split manifest, the ranks whose indexes' chunks (and app state) it holds
     (cnr.format.split.load_ranks); None when it holds every chunk.
+    ``app_agree`` (version 8, split): the Stateful app_state keys whose saved state (its JSON and
+    its tensors' chunk checksums) was the same on every rank, as the commit found them
+    (cnr.format.split.agreeing_keys); None when not recorded (the app states are then compared).
     """
 
     id: str
@@ -262,6 +268,7 @@ class Manifest:
     indexes: Tuple[str, ...] = ()
     summary: Optional[ChunkSummary] = None
     loaded: Optional[FrozenSet[int]] = None
+    app_agree: Optional[FrozenSet[str]] = None
 
     def _summary(self) -> ChunkSummary:
         return self.summary if self.summary is not None else summarize_chunks(self.tensors)
@@ -332,6 +339,7 @@ def manifest_to_bytes(m: Manifest) -> bytes:
         "app": [] if m.indexes else list(m.app_ranks), "chain_bytes": list(m.chain_bytes), "bit_width": m.bit_width,
         "lineage": check_lineage(m.lineage, f"manifest {m.id}"), "indexes": list(m.indexes),
         "summary": summary_to_dict(m._summary()),
+        "app_agree": None if m.app_agree is None else sorted(m.app_agree),
     }
     if m.indexes and len(m.indexes) != m.world_size or not m.indexes and any(t.extents for t in m.tensors.values()):
         raise ValueError(f"manifest {m.id} has {len(m.indexes)} index digests for {m.world_size} ranks; a manifest "
@@ -532,6 +540,7 @@ _V1_FIELDS = {**_COMMON, "arch": str, "sparse_optimizer": str, "dense_optimizer"
 _V2_FIELDS = {**_COMMON, "metadata": dict, "app": list, "chain_bytes": list, "bit_width": dict}
 _V5_FIELDS = {**_V2_FIELDS, "lineage": str}
 _V7_FIELDS = {**_V5_FIELDS, "indexes": list, "summary": dict}
+_V8_FIELDS = {**_V7_FIELDS, "app_agree": (list, type(None))}
 
 
 def check_lineage(value: str, where: str) -> str:
@@ -586,7 +595,7 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
     if version == 1:
         r = _Reader(obj, where, _V1_FIELDS, optional={"chain_bytes": list, "bit_width": dict})
     else:
-        r = _Reader(obj, where, _V7_FIELDS if version >= SPLIT_VERSION else
+        r = _Reader(obj, where, _V8_FIELDS if version >= AGREE_VERSION else _V7_FIELDS if version >= SPLIT_VERSION else
                     _V5_FIELDS if version >= LINEAGE_VERSION else _V2_FIELDS)
     try:
         kind = CheckpointKind(r["kind"])
@@ -618,6 +627,9 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
         indexes, summary = tuple(r["indexes"]), _parse_summary(r["summary"], where)
         if indexes:
             app_ranks = tuple({} for _ in range(r["world_size"]))  # from the indexes, as they are read
+    agree = r.get("app_agree", None)
+    if agree is not None and any(not isinstance(k, str) for k in agree):
+        raise CheckpointError(f"{where}.app_agree must list app_state keys, got {agree!r:.200}")
     return Manifest(
         id=r["id"], step=r["step"], kind=kind, base=r["base"], world_size=r["world_size"],
         created_unix=float(r["created_unix"]), tables=_parse_tables(r["tables"], where, version),
@@ -625,6 +637,7 @@ def _parse_manifest(blob: bytes, where: str) -> Manifest:
         chain_bytes=tuple(chain_bytes), bit_width=r.get("bit_width", {}), version=version,
         lineage=check_lineage(r.get("lineage", ""), where), indexes=indexes,
         summary=summary if indexes else None, loaded=frozenset() if indexes else None,
+        app_agree=None if agree is None else frozenset(agree),
     )
 
 

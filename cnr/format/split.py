@@ -15,15 +15,22 @@ gives the manifest as stored, ``load_ranks`` adds the chunks and app state of th
 indexes, each checked against its digest and the manifest's extents; ``read_manifest`` reads every
 index and returns the manifest in its whole form (every chunk listed, as before version 7), which
 merges, verification and the other whole-checkpoint tools use.
+
+Version 8: each summary also carries a digest of each Stateful app_state key's saved state
+(``app_digests``), and the commit records the keys whose digests all ranks share
+(``agreeing_keys``, ``Manifest.app_agree``): a restore at another world size gives every rank rank
+0's state of those keys after reading rank 0's index alone (and refuses the others), instead of
+reading every rank's index to compare them; the whole form checks the record against the indexes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Tuple
 
 from cnr.errors import CheckpointError
 from cnr.format.integrity import seal, seal_digest
@@ -52,6 +59,40 @@ class IndexSummary:
     totals: ChunkSummary
     tensors: Dict[str, TensorEntry]
     verified: bool = False  # its writer read back every object and the index it stored (cnr.write.writer)
+    app: Dict[str, str] = dataclasses.field(default_factory=dict)  # Stateful key -> app_digest of its saved state
+
+
+def stateful_checksums(tensors: Mapping[str, TensorEntry]) -> Dict[Tuple[str, str], List[Tuple[str, List[int]]]]:
+    """(app_state key, "rank-<r>") -> its Stateful tensors (named ``<key>/rank-<r>/t<i>``,
+    cnr.track.app_state.stateful_name) as (their last name part, their chunks' CRC-32s)."""
+    out: Dict[Tuple[str, str], List[Tuple[str, List[int]]]] = {}
+    for name, t in tensors.items():
+        if t.role == Role.STATEFUL:
+            key, rank, part = name.rsplit("/", 2)
+            out.setdefault((key, rank), []).append((part, [c.crc32 for c in t.chunks]))
+    return out
+
+
+def app_digests(rank: int, app: Mapping[str, Any], crcs: Mapping[Tuple[str, str], List[Tuple[str, List[int]]]]
+                ) -> Dict[str, str]:
+    """Per app_state key of rank ``rank``'s saved ``app``: the SHA-256 of its saved JSON and of its
+    Stateful tensors' chunk checksums (``crcs``: ``stateful_checksums`` of that rank's tensors, or
+    of a manifest's holding them). Two ranks saved the same state of a key exactly when its digests
+    are equal (the comparison cnr.restore.into_app makes of a Stateful key's state on every rank
+    when all are read)."""
+    out = {}
+    for key, entry in app.items():
+        mine = sorted(crcs.get((key, f"rank-{rank:05d}"), []))
+        out[key] = hashlib.sha256(json.dumps([entry, mine], sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def agreeing_keys(digests: List[Mapping[str, str]]) -> FrozenSet[str]:
+    """The keys every rank's ``app_digests`` holds with one digest."""
+    if not digests:
+        return frozenset()
+    first = digests[0]
+    return frozenset(k for k, d in first.items() if all(other.get(k) == d for other in digests[1:]))
 
 
 def summarize(index: RankIndex, blob: bytes, verified: bool = False) -> IndexSummary:
@@ -60,26 +101,29 @@ def summarize(index: RankIndex, blob: bytes, verified: bool = False) -> IndexSum
     tensors = {name: dataclasses.replace(t, extents=()) if t.replicated else dataclasses.replace(t, chunks=())
                for name, t in index.tensors.items()}
     return IndexSummary(index.id, index.rank, index.world_size, seal_digest(blob), summarize_chunks(index.tensors),
-                        tensors, verified)
+                        tensors, verified, app_digests(index.rank, index.app, stateful_checksums(index.tensors)))
 
 
 def summary_to_bytes(s: IndexSummary) -> bytes:
     body = {"format": SUMMARY_FORMAT, "version": VERSION, "id": s.id, "rank": s.rank, "world_size": s.world_size,
             "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": _tensors_to_dict(s.tensors, False),
-            "verified": s.verified}
+            "verified": s.verified, "app": s.app}
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
 def parse_summary(blob: bytes, where: str) -> IndexSummary:
     obj, version = _parse_json(blob, where, SUMMARY_FORMAT)
     r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
-                             "totals": dict, "tensors": dict, "verified": bool})
+                             "totals": dict, "tensors": dict, "verified": bool, "app": dict})
     try:
         tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
         totals = _parse_summary(r["totals"], where)
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
-    return IndexSummary(r["id"], r["rank"], r["world_size"], r["digest"], totals, tensors, r["verified"])
+    app = r["app"]
+    if any(not isinstance(k, str) or not isinstance(d, str) for k, d in app.items()):
+        raise CheckpointError(f"{where}.app must map app_state keys to digests, got {app!r:.200}")
+    return IndexSummary(r["id"], r["rank"], r["world_size"], r["digest"], totals, tensors, r["verified"], app)
 
 
 def join_summaries(summaries: List[IndexSummary]) -> Tuple[Dict[str, TensorEntry], ChunkSummary, Tuple[str, ...]]:
@@ -191,6 +235,12 @@ def whole(storage: Storage, manifest: Manifest) -> Manifest:
     if totals != manifest.summary:
         raise CheckpointError(f"checkpoint {manifest.id}: its manifest's chunk totals {manifest.summary} are not those "
                               f"of the chunks its rank indexes list ({totals})")
+    if manifest.app_agree is not None:
+        crcs = stateful_checksums(tensors)
+        agree = agreeing_keys([app_digests(r, a, crcs) for r, a in enumerate(full.app_ranks)])
+        if agree != manifest.app_agree:
+            raise CheckpointError(f"checkpoint {manifest.id}: its manifest records app_state keys {sorted(manifest.app_agree)} "
+                                  f"as saved alike on every rank, its rank indexes {sorted(agree)}")
     return dataclasses.replace(full, tensors=tensors, indexes=(), summary=None, loaded=None)
 
 

@@ -75,11 +75,18 @@ def _source_rank(manifest: Manifest, key: str, rank: int, world_size: int) -> in
     """Whose saved state of app_state[key] this rank takes (see the module docstring)."""
     if manifest.world_size == world_size:
         return rank
-    states = [a.get(key) for a in manifest.app_ranks]
-    tensors = [[manifest.tensors[stateful_name(key, r, i)].chunks for i in range((s or {}).get("tensors", 0))]
-               if s else [] for r, s in enumerate(states)]
-    crcs = [[[c.crc32 for c in chunks] for chunks in per_rank] for per_rank in tensors]
-    if any(s != states[0] for s in states) or any(c != crcs[0] for c in crcs):
+    if manifest.loaded is None or len(manifest.loaded) == manifest.world_size:  # every rank's state is here
+        states = [a.get(key) for a in manifest.app_ranks]
+        tensors = [[manifest.tensors[stateful_name(key, r, i)].chunks for i in range((s or {}).get("tensors", 0))]
+                   if s else [] for r, s in enumerate(states)]
+        crcs = [[[c.crc32 for c in chunks] for chunks in per_rank] for per_rank in tensors]
+        alike = all(s == states[0] for s in states) and all(c == crcs[0] for c in crcs)
+    elif manifest.app_agree is not None:  # recorded at commit (format version 8); rank 0's index read
+        alike = key in manifest.app_agree
+    else:
+        raise CheckpointError(f"checkpoint {manifest.id}: restoring app_state[{key!r}] at world size {world_size} "
+                              "needs every rank's saved state or the record of which keys agree; neither was read")
+    if not alike:
         raise CheckpointError(
             f"app_state[{key!r}] saved a different state on each of {manifest.world_size} ranks in checkpoint "
             f"{manifest.id}; it cannot be given to {world_size} ranks. Restore at world size {manifest.world_size}, "

@@ -86,10 +86,11 @@ def _spans_of(pieces: Sequence[StatePiece]) -> Spans:
 
 def _app_ranks(manifest: Manifest, rank: int, world_size: int) -> Sequence[int]:
     """Whose app state this rank reads of the checkpoint it restores: its own and rank 0's at the
-    world size it was saved at; every rank's at another (cnr.restore.into_app checks they agree)."""
-    if manifest.world_size != world_size:
-        return range(manifest.world_size)
-    return sorted({0, rank})
+    world size it was saved at; rank 0's at another when the manifest records which app_state keys
+    every rank saved alike (version 8), else every rank's (cnr.restore.into_app compares them)."""
+    if manifest.world_size == world_size:
+        return sorted({0, rank})
+    return [0] if manifest.app_agree is not None else range(manifest.world_size)
 
 
 def _read_chain(storage: Storage, ckpt_id: str, rank: int, world_size: int, skip: AbstractSet[str],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
 from cnr.errors import Cancelled, CheckpointError, StorageError
 from cnr.write.faults import maybe_crash
@@ -25,7 +25,9 @@ from cnr.format.manifest import (
     ChunkSummary, Manifest, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, parse_rank_index,
     rank_index_key,
 )
-from cnr.format.split import IndexSummary, check_extent_coverage, join_summaries, parse_summary, summarize
+from cnr.format.split import (
+    IndexSummary, agreeing_keys, check_extent_coverage, join_summaries, parse_summary, summarize,
+)
 from cnr.format.catalog import marker_error
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.storage.registry import open_storage
@@ -144,11 +146,12 @@ def _stored_summary(source: Storage, key: str, where: str) -> IndexSummary:
     return summarize(parse_rank_index(blob, where=where), blob)
 
 
-def build_manifest(job, tensors: Dict[str, TensorEntry], totals: ChunkSummary, digests: Tuple[str, ...]) -> Manifest:
+def build_manifest(job, tensors: Dict[str, TensorEntry], totals: ChunkSummary, digests: Tuple[str, ...],
+                   app_agree: FrozenSet[str]) -> Manifest:
     """The split manifest of ``job`` (cnr.format.split): rank 0's ``manifest_fields`` (tables,
     metadata, counters, bit_width, chain_bytes) and its retention scope's lineage
     (cnr.format.lineage), with the joined ``tensors``, chunk ``totals`` and index ``digests`` of
-    every rank. Its ``chain_bytes`` extend the history the trainer sent with the chunk bytes every
+    every rank, and the app_state keys every rank saved alike (``app_agree``). Its ``chain_bytes`` extend the history the trainer sent with the chunk bytes every
     rank stored for this checkpoint."""
     fields: Dict[str, Any] = job.manifest_fields or {}
     before = list(fields.get("chain_bytes", [])) if job.kind == CheckpointKind.INCREMENTAL else []
@@ -159,7 +162,7 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], totals: ChunkSummary, d
         app_ranks=tuple({} for _ in range(job.world_size)), chain_bytes=tuple(before + [totals.bytes]),
         bit_width=dict(fields.get("bit_width", {})),
         lineage=job.retention.lineage if getattr(job, "retention", None) is not None else "",
-        indexes=digests, summary=totals, loaded=frozenset(),
+        indexes=digests, summary=totals, loaded=frozenset(), app_agree=app_agree,
     )
 
 
@@ -219,7 +222,7 @@ def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exch
     index summary."""
     summaries = wait_for_ranks(storage, job.ckpt_id, job.world_size, timeout_s, cancel, exchange, own)
     tensors, totals, digests = join_summaries(summaries)
-    manifest = build_manifest(job, tensors, totals, digests)
+    manifest = build_manifest(job, tensors, totals, digests, agreeing_keys([s.app for s in summaries]))
     check_extent_coverage(manifest)
     blob = manifest_to_bytes(manifest)
     maybe_crash("before_commit", job.step, job.rank, cancel)
