@@ -48,6 +48,10 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.tables:
         return _inspect_tables(storage, args.checkpoint, args.json)
     infos = list_checkpoints(storage)
+    if not infos and not storage.list(""):  # a typo, a regular file: say so rather than list nothing
+        print(f"error: no checkpoint store at {redact(args.uri)}: nothing is stored there (give the location "
+              "cnr train --storage or cnr.Checkpointer wrote to)", file=sys.stderr)
+        return 1
     abandoned = abandoned_ids(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value if i.kind is not None else None, "bits": i.bits,
@@ -195,8 +199,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if result.get("ok") is False else 0  # a run that could not measure says why in its JSON
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when cnr runs from a source tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cnr")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec")
+    parser.add_argument("--version", action="version", version=f"cnr {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
     t.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
