@@ -20,6 +20,12 @@ _EXPORTS = {
     "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
     "DeterministicDataParallel": "cnr.track.dense_sync", "PipelineFeed": "cnr.track.pipeline",
     "UnsupportedStateError": "cnr.track.coverage", "RankAgreementError": "cnr.errors",
+    # every error a user can catch, under CnrError (docs/reference.md)
+    "CnrError": "cnr.errors", "ConfigError": "cnr.errors", "StorageError": "cnr.errors",
+    "KeyNotFoundError": "cnr.errors", "CorruptChunkError": "cnr.errors", "NonFiniteStateError": "cnr.errors",
+    "OptionsError": "cnr.options", "LeaseHeldError": "cnr.write.lease", "WriterDied": "cnr.write.writer",
+    "TrackerHookError": "cnr.track.hook_slot", "UnguardedMainError": "cnr.write.mainguard",
+    "GapError": "cnr.publish.subscriber",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -27,7 +33,16 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
     from cnr.track.dense_sync import DeterministicDataParallel  # noqa: F401
-    from cnr.errors import CheckpointError, RankAgreementError  # noqa: F401
+    from cnr.errors import (  # noqa: F401
+        CheckpointError, CnrError, ConfigError, CorruptChunkError, KeyNotFoundError, NonFiniteStateError,
+        RankAgreementError, StorageError,
+    )
+    from cnr.options import OptionsError  # noqa: F401
+    from cnr.publish.subscriber import GapError  # noqa: F401
+    from cnr.track.hook_slot import TrackerHookError  # noqa: F401
+    from cnr.write.lease import LeaseHeldError  # noqa: F401
+    from cnr.write.mainguard import UnguardedMainError  # noqa: F401
+    from cnr.write.writer import WriterDied  # noqa: F401
     from cnr.restore.load import load_state_dict  # noqa: F401
     from cnr.track.coverage import UnsupportedStateError  # noqa: F401
     from cnr.options import CheckpointOptions, FailureBudget, PublishOptions  # noqa: F401

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
+from cnr.errors import CnrError
 from cnr.codec.base import DTYPE_NAMES, DTYPES
 from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, is_sharded, sharded_modules
 from cnr.track.state import StatePiece
@@ -30,8 +31,9 @@ _DMP_COLLECTION = ("2D parallel (DMPCollection) keeps one copy of each table per
                    "train with DistributedModelParallel")
 
 
-class UnsupportedStateError(TypeError):
-    """app_state holds state cnr cannot checkpoint exactly (raised when a Checkpointer is built)."""
+class UnsupportedStateError(CnrError, TypeError):
+    """app_state holds state cnr cannot checkpoint exactly (raised when a Checkpointer is built); a
+    TypeError too, as it was before it joined cnr's errors."""
 
 
 def _value_problem(where: str, value: Any) -> List[str]:
