@@ -26,12 +26,14 @@ _EXPORTS = {
     "OptionsError": "cnr.options", "LeaseHeldError": "cnr.write.lease", "WriterDied": "cnr.write.writer",
     "TrackerHookError": "cnr.track.hook_slot", "UnguardedMainError": "cnr.write.mainguard",
     "GapError": "cnr.publish.subscriber",
+    "CPURowWiseSharder": "cnr.track.sharders",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from cnr.api import Checkpointer, PendingCheckpoint  # noqa: F401
+    from cnr.track.sharders import CPURowWiseSharder  # noqa: F401
     from cnr.track.dense_sync import DeterministicDataParallel  # noqa: F401
     from cnr.errors import (  # noqa: F401
         CheckpointError, CnrError, ConfigError, CorruptChunkError, KeyNotFoundError, NonFiniteStateError,

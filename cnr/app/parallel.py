@@ -5,13 +5,11 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Type
+from typing import Dict, Type
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ShardingType
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -20,6 +18,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr.app.config import Config
 from cnr.track.dense_sync import DeterministicDataParallel
+from cnr.track.sharders import CPURowWiseSharder
 from cnr.app.config_checks import check_device_support
 from cnr.models.dlrm import build_dlrm
 
@@ -36,22 +35,6 @@ DENSE_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
 }
-
-
-class ConfiguredSharder(EmbeddingBagCollectionSharder):
-    """torchrec's EBC sharder, offering row-wise and table-row-wise on CPU too.
-
-    torchrec's default list for CPU leaves them out, but fbgemm's CPU kernels run them
-    (bucketized input dist, fused lookup): measured here with gloo on 2 ranks, and the tracker
-    and resume tests cover them. The planner still chooses among ``model.sharding_types``.
-    """
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        types = super().sharding_types(compute_device_type)
-        for extra in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
-            if extra not in types:
-                types.append(extra)
-        return types
 
 
 @dataclass
@@ -84,7 +67,7 @@ def build_sharded_model(config: Config, device: torch.device) -> ShardedModel:
     # table-row-wise shards stay within a node, and a plan made for another node size places
     # shards on ranks that then hold none (two 2-rank nodes failed this way).
     topology = Topology(world_size=world, compute_device=device.type, local_world_size=get_local_size(world))
-    sharders = [ConfiguredSharder()]
+    sharders = [CPURowWiseSharder()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchrec warns about topology construction and DDP on CPU
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
