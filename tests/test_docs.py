@@ -2,6 +2,8 @@
 
 - README.md stays short (at most 15 KiB) and its first fenced code block is exactly the two
   commands `make run` and `make test` with their comments.
+- docs/index.md, the site's home page, is README.md with its links into docs/ made relative
+  (`](docs/cli.md)` -> `](cli.md)`), so the two never drift apart.
 - `python -m mkdocs build --strict` (mkdocs.yml at the repository root, the API reference from
   the docstrings through mkdocstrings) builds without a warning.
 - Every source path (`cnr/write/writer.py`, `readers/tier.py`, `tests/test_publish.py`, ...)
@@ -31,6 +33,12 @@ def _first_fenced_block(text: str) -> str:
     match = re.search(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
     assert match, "README.md has no fenced code block"
     return match.group(1)
+
+
+def test_the_site_home_page_is_the_readme():
+    home = README.read_text().replace("](docs/", "](")
+    assert (ROOT / "docs" / "index.md").read_text() == home, (
+        "docs/index.md differs from README.md: regenerate it with sed 's/](docs\\//](/g' README.md > docs/index.md")
 
 
 def test_readme_is_short_and_starts_with_the_two_commands():
