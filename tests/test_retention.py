@@ -188,3 +188,42 @@ def test_a_committed_deletion_marks_first_and_leaves_nothing(tmp_path, monkeypat
     remove_checkpoint(store, "0000000005-a", keep_marker=False)
     assert seen[0][0].endswith("/manifest.json") and "checkpoints/0000000005-a/deleting.json" in seen[0][1]
     assert seen[-1][0].endswith("/deleting.json") and store.list("checkpoints") == []
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cut_after", range(5))
+def test_a_plan_cut_short_leaves_no_committed_checkpoint_without_its_chain(cut_after, monkeypatch):
+    """A writer killed while retention deletes an old chain (bench chaos at 8 ranks: kill_writer)
+    must leave every checkpoint still committed restorable: deletions go newest first, so an
+    increment's base (or what its merged baseline stands for) is never gone while it stays."""
+    import cnr.policy.retention as retention
+
+    old = {  # an old consecutive chain, the merge that replaced it, and a newer full checkpoint
+        "0000000010-a": _info(10, C),
+        "0000000020-b": _info(20, C, CheckpointKind.INCREMENTAL, "0000000010-a", "0000000020-b"),
+        "0000000030-c": _info(30, C, CheckpointKind.INCREMENTAL, "0000000020-b", "0000000030-c"),
+        "0000000030-c.merged": _info(30, C, ckpt_id="0000000030-c.merged"),
+        "0000000040-d": _info(40, C, CheckpointKind.INCREMENTAL, "0000000030-c", "0000000040-d"),
+    }
+    plan = retention.RetentionPlan(("0000000050-e",), tuple(sorted(old)), ())
+    removed = []
+
+    def remove(storage, ckpt_id, keep_marker):
+        if len(removed) == cut_after:
+            raise _Killed(ckpt_id)
+        removed.append(ckpt_id)
+        return 0
+
+    monkeypatch.setattr(retention, "remove_checkpoint", remove)
+    with pytest.raises(_Killed):
+        retention.execute_plan(None, plan)
+    left = {i: info for i, info in old.items() if i not in removed}
+    for info in left.values():  # each one left still reaches a full checkpoint over what is left
+        walk = info
+        while walk.kind != CheckpointKind.FULL:
+            merged = merged_id(walk.base)
+            assert walk.base in left or merged in left, f"{info.id} lost {walk.base} ({removed} deleted)"
+            walk = left[merged] if merged in left else left[walk.base]

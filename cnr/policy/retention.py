@@ -58,7 +58,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, manifest_key
+from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, id_order, manifest_key
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planners' home before the split
@@ -104,8 +104,14 @@ class RetentionResult:
 
 
 def execute_plan(storage: Storage, plan: RetentionPlan) -> RetentionResult:
-    """Carry out ``plan``: delete its checkpoints whole, purge the data of its uncommitted ones."""
-    freed = sum(remove_checkpoint(storage, i, keep_marker=False) for i in plan.delete)
+    """Carry out ``plan``: delete its checkpoints whole, newest first, then purge the data of its
+    uncommitted ones. Newest first: whatever a crash leaves of the plan, no committed checkpoint
+    has lost a link of its chain (its base, or what its merged baseline stood for), since every
+    checkpoint a chain reads is older than the chain's head. Oldest first, a writer killed
+    mid-plan left increments whose base was gone: committed, never restorable, and kept by the
+    next job that pinned a checkpoint whose long way passed through them (bench chaos, 8 ranks)."""
+    newest_first = sorted(plan.delete, key=id_order, reverse=True)
+    freed = sum(remove_checkpoint(storage, i, keep_marker=False) for i in newest_first)
     freed += sum(remove_checkpoint(storage, i, keep_marker=True) for i in plan.purge)
     if plan.delete or plan.purge:
         logger.info("retention: deleted %d checkpoints, purged %d uncommitted, freed %d bytes",
