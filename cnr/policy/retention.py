@@ -44,7 +44,8 @@ external compactions, damage, fallbacks, crashes and second jobs).
 store backs) and of publishes (cnr.publish.publisher): the newest ``keep_last`` committed checkpoints and
 their chains, nothing newer than the newest committed one touched.
 
-Deletion marks the checkpoint (``deleting.json``), then removes ``manifest.json`` first: a
+A plan's checkpoints are deleted newest first (``execute_plan``): a crash part way never leaves a
+committed checkpoint without a link of its chain. Deletion marks the checkpoint (``deleting.json``), then removes ``manifest.json`` first: a
 checkpoint half-deleted by a crash reads as uncommitted, never as a committed checkpoint with
 missing chunks, and its marker tells the next retention (or a second process's, as a merge's
 retention runs beside the writer's) that it was committed: it is removed whole, with no
