@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -35,14 +35,10 @@ from cnr.policy.bit_width import BitWidthPlanner
 from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
 from cnr.track.pipeline import check_lookahead, check_loaders
-from cnr.errors import CheckpointError, CnrError
-from cnr.format.abandoned import record_abandoned
-from cnr.format.catalog import restore_ids
+from cnr.errors import CheckpointError
 from cnr.restore.newest import Skipped, restore_checkpoint, restore_newest
-from cnr.write.lease import Lease
-from cnr.format.lineage import new_lineage_id, record_activation
 from cnr.track import agreement
-from cnr.format.manifest import Manifest, step_of
+from cnr.format.manifest import Manifest
 from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
@@ -50,11 +46,11 @@ from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.policy.kinds import BitDecision, failure_rate
 from cnr.write.local_tier import open_checkpoint_store
 from cnr.write.peer_exchange import host_exchange
-from cnr.storage.base import Storage
 from cnr.storage.tiered import TieredStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.track.state import StatePiece
-from cnr.types import CheckpointInfo, CheckpointStatus, LeaseRef, RetentionScope, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
+from cnr.write.job_location import JobLocation
 from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
@@ -160,16 +156,8 @@ class Checkpointer:
         self.tables = [_table_spec(t) for t in self.app.tables]
         try:  # the lease is the remote store's: it decides which job owns the location
             lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
-            self.lease, self._lease_ref = take_lease(lease_store, self.options.lease_ttl_s)
-            # after the lease: a job that committed before it was taken is seen
-            self._newest = _newest_on_rank0(self.storage)
-            # a restore continues its checkpoint's
-            self.lineage: str = agreement.rank0_decides("open: a new lineage id", new_lineage_id)
-            if self._newest is None or new_history:  # a new history: the location's current one from now on
-                _activate_on_rank0(self.storage, "open", self.lineage, "", self._newest is not None)
+            self.location = JobLocation.open(self.storage, lease_store, self.options.lease_ttl_s, new_history)
         except BaseException:
-            if getattr(self, "lease", None) is not None:
-                self.lease.release()
             if writer is not None:
                 writer.close()
             self.storage.close()
@@ -177,14 +165,6 @@ class Checkpointer:
         if self.tracker is not None:
             self.tracker.install()
         self.restores = 0
-        self.new_history = bool(new_history)
-        self._restored = False
-        self._pinned: Tuple[str, ...] = ()  # what retention keeps for this job whatever is newer (cnr.policy.retention)
-        # (step, what) a save must be above: ids sort by step, so a lower one is never the newest
-        # of its history (a new history's steps start afresh: restores prefer it, cnr.format.lineage)
-        self._step_floor: Optional[Tuple[int, str]] = None
-        if self._newest is not None and not self.new_history:
-            self._step_floor = (self._newest[1], f"the newest committed checkpoint {self._newest[0]} in {self.uri}")
         self.skipped_on_restore: List[Skipped] = []
         self.fresh_on_restore: List[str] = []  # app_state keys a partial restore left at their fresh values
         self.unused_on_restore: List[str] = []  # saved keys a partial restore had no app_state entry for
@@ -198,7 +178,7 @@ class Checkpointer:
             publish_uri = publish.uri or default_publish_uri(self.uri)
             check_publish_storage(publish_uri, self.uri)
             self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker,
-                                       lease=self._lease_ref, lease_uri=self.uri)
+                                       lease=self.location.lease_ref, lease_uri=self.uri)
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
         # the writers count themselves in for rank 0's commit there, and with a local tier per node
         # hand each other indexes and manifests (collective; cnr.write.peer_exchange)
@@ -212,12 +192,12 @@ class Checkpointer:
         # 0.60 s where a later one took 0.22 s).
         # A node-local tier's writer starts now: it flushes what earlier writers left there.
         self._background_started = False
-        restore_first = self._newest is not None and not self.new_history and not self.options.local_dir
+        restore_first = self.location.newest is not None and not self.location.new_history and not self.options.local_dir
         # the lease is every rank's: rank 0 fences its commits, all fence their flushes
         self.engine = CheckpointEngine(uri, self.options, self.rank, self.world_size, self.tracker,
                                        writer=writer or Writer(uri, self.options.for_writer(rows_per_rank),
                                                                start=not restore_first),
-                                       lease=self._lease_ref, exchange=exchange, table_bits=table_bits)
+                                       lease=self.location.lease_ref, exchange=exchange, table_bits=table_bits)
         self._closed = False
         if not restore_first:
             self._start_background()
@@ -267,27 +247,16 @@ class Checkpointer:
             if restored is None:
                 self._start_background()  # nothing committed: already started unless one was deleted since
                 return None
-        # before this job may save at the steps passed over: no later restore takes them back
-        _abandon_on_rank0(self.storage, self.skipped_on_restore, restored.manifest.id)
-        self._resume_from(restored, by_id=bool(checkpoint))
-        # a checkpoint of a history that is not the current one: it is again (cnr.format.lineage)
-        _activate_on_rank0(self.storage, "restore", self.lineage, restored.manifest.id, False)
+        self.location.restored_into(restored.manifest, self.skipped_on_restore, by_id=bool(checkpoint))
+        self._resume_from(restored)
         self._start_background()  # during the first interval's training
         return _info(restored.manifest)
 
-    def _resume_from(self, restored: RestoredChain, by_id: bool = False) -> None:
+    def _resume_from(self, restored: RestoredChain) -> None:
+        """This Checkpointer continues from ``restored`` (the location has recorded it: ``JobLocation.restored_into``)."""
         m = restored.manifest
         self.restored_manifest = m
-        self._restored = True
-        self.lineage = m.lineage  # the job continues the restored checkpoint's history
-        # not the newest committed (a fallback past damage, or one named by id): retention keeps it
-        passed_over = bool(self.skipped_on_restore) or (by_id and (self._newest is None or m.id != self._newest[0]))
-        self._pinned = (m.id,) if passed_over else ()
         self.fresh_on_restore, self.unused_on_restore = list(restored.fresh), list(restored.unused)
-        # newer checkpoints a fallback passed over are damaged: saves may go past them; one named
-        # by id leaves the newer ones standing, and a restore takes the highest step
-        floor = (m.step, f"the restored checkpoint {m.id}")
-        self._step_floor = max(floor, self._step_floor) if by_id and self._step_floor else floor
         self.restores = m.counters.get("restores", 0) + 1
         self._recorded_bits = m.bit_width
         self._start_step = m.step
@@ -322,15 +291,12 @@ class Checkpointer:
             raise RuntimeError("save() after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step {step!r} is not allowed; it must be an integer >= 0")
-        self.check_history()
-        if self._step_floor is not None and step <= self._step_floor[0]:
-            raise ValueError(f"step {step} is not allowed: it must be above {self._step_floor[0]}, the step of "
-                             f"{self._step_floor[1]} (a restore takes the checkpoint with the highest step)")
+        self.location.check_save(step)
         pieces, app_json = agreement.barrier(f"save: collect app_state at step {step}", self._collect)
         fields = {"tables": self.tables, "metadata": self.metadata, "counters": {"restores": self.restores}}
         ckpt_id = self.engine.save(step, pieces, fields, app_json, bits=self._bits(step),
-                                   retention=RetentionScope(self.lineage, self._pinned))
-        self._step_floor = (step, "the previous save()")
+                                   retention=self.location.retention())
+        self.location.saved(step)
         return PendingCheckpoint(self, ckpt_id, step)
 
     def _collect(self) -> Tuple[List[StatePiece], Dict[str, Any]]:
@@ -370,14 +336,13 @@ class Checkpointer:
         and ended just before). ``save`` checks it; an application that knows it will not restore
         (cnr train without --resume) calls it first, to be refused before it trains.
         ``what_to_do``: the remedy the message names (default: this API's)."""
-        if self._restored or self.new_history or self._newest is None:
-            return
-        newest, step = self._newest
-        raise CheckpointError(
-            f"{self.uri} already holds committed checkpoints (newest {newest}, step {step}) and this "
-            "Checkpointer restored none: its checkpoints would start a second history there. "
-            + (what_to_do or "Call restore() first to continue from it, pass Checkpointer(..., new_history=True) to "
-               "start a new history there on purpose (the old one is kept), or give an empty location"))
+        self.location.check_history(what_to_do)
+
+    @property
+    def lineage(self) -> str:
+        """The history (cnr.format.lineage) this Checkpointer's checkpoints join: the restored
+        checkpoint's, else a new one."""
+        return self.location.lineage
 
     def _outcome(self, ckpt_id: str) -> CheckpointInfo:
         if self.engine.stats.ids and self.engine.stats.ids[-1] == ckpt_id and ckpt_id not in self.engine.outcomes:
@@ -500,8 +465,7 @@ class Checkpointer:
             self.tracker.uninstall()
 
     def _release_lease(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
+        self.location.release()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -511,61 +475,6 @@ class Checkpointer:
             self.close()
         else:
             self.abort()
-
-
-def take_lease(storage: Storage, ttl_s: float) -> Tuple[Optional[Lease], LeaseRef]:
-    """Rank 0 takes the storage location's lease (cnr.write.lease) and renews it from now on; when
-    it cannot, every rank raises (collective; rank 0's LeaseHeldError or storage error, inside the
-    RankAgreementError every rank raises when there is more than one). Returns rank 0's Lease (None
-    elsewhere) and, on every rank, which generation it is: every rank's writer checks it before
-    flushing after a remote outage (cnr.storage.tiered)."""
-    taken: List[Lease] = []
-
-    def acquire() -> Tuple[int, str]:
-        taken.append(Lease.acquire(storage, ttl_s))
-        return taken[0].ref.generation, taken[0].ref.owner
-
-    held = agreement.rank0_decides(f"open: take the lease on {storage.uri}", acquire)
-    lease = taken[0] if taken else None
-    if lease is not None:
-        lease.start_renewing()
-    return lease, LeaseRef(*held)
-
-
-def _record_on_rank0(storage: Storage, step: str, record: Callable[[], Any], what: str) -> None:
-    """Rank 0 runs ``record`` (it stores ``what`` under the lease); when it could not, every rank
-    raises (collective): a CheckpointError naming ``what``, inside the RankAgreementError of the
-    agreement step ``"<step>: record <what>"`` when there is more than one rank."""
-    def attempt() -> None:
-        try:
-            record()
-        except CnrError as e:
-            raise CheckpointError(f"could not record {what} at {storage.uri}: {type(e).__name__}: {e}") from e
-
-    agreement.rank0_decides(f"{step}: record {what}", attempt)
-
-
-def _activate_on_rank0(storage: Storage, step: str, lineage: str, restored_from: str, beside_others: bool) -> None:
-    """Rank 0 makes ``lineage`` the location's current history (cnr.format.lineage.record_activation)."""
-    _record_on_rank0(storage, step, lambda: record_activation(storage, lineage, restored_from, beside_others),
-                     "this job's history (lineage)")
-
-
-def _abandon_on_rank0(storage: Storage, skipped: List[Skipped], restored_id: str) -> None:
-    """Rank 0 records each checkpoint a restore passed over as abandoned (cnr.format.abandoned;
-    nothing to do when none was)."""
-    if skipped:
-        _record_on_rank0(storage, "restore", lambda: [record_abandoned(storage, s.id, restored_id, s.reason)
-                                                      for s in skipped],
-                         "the checkpoints this restore passed over as abandoned (a later restore could take them back)")
-
-
-def _newest_on_rank0(storage: Storage) -> Optional[Tuple[str, int]]:
-    """(id, step) of the committed checkpoint a restore tries first under ``storage`` (the
-    current history's newest, cnr.format.lineage), listed by rank 0 and the same on every rank
-    (collective); None when nothing is committed."""
-    ids = agreement.rank0_decides("open: find the newest committed checkpoint", lambda: restore_ids(storage)[:1])
-    return (ids[0], step_of(ids[0])) if ids else None
 
 
 def _info(m: Manifest) -> CheckpointInfo:

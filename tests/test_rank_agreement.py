@@ -50,6 +50,7 @@ def _cases(rank: int, app: Dict[str, Any], root: str, only: Sequence[str] = ()) 
     import cnr.api
     import cnr.restore.into_app
     import cnr.restore.newest
+    import cnr.write.job_location
 
     options = cnr.CheckpointOptions(policy="full", keep_last=0)
     base = os.path.join(root, "base")  # committed steps 1 and 2, restored by the restore cases
@@ -71,7 +72,7 @@ def _cases(rank: int, app: Dict[str, Any], root: str, only: Sequence[str] = ()) 
             ckpt.abort()  # no collectives: every rank leaves the case here whatever it did
 
     def open_lease() -> Dict[str, Any]:
-        with patched(cnr.api.Lease, "acquire", _raise(RuntimeError("lease store unreachable")), rank == 0):
+        with patched(cnr.write.job_location.Lease, "acquire", _raise(RuntimeError("lease store unreachable")), rank == 0):
             return outcome(lambda: fresh("lease").abort())
 
     def collect_fails(ckpt: "cnr.Checkpointer") -> Any:
@@ -130,7 +131,7 @@ def _cases(rank: int, app: Dict[str, Any], root: str, only: Sequence[str] = ()) 
                                               cnr.CheckpointError("managed-collision state of rank 1 does not fit"), 1)),
         ("restore_attempt", lambda: restore_with(cnr.restore.into_app, "restore_rng",
                                                  RuntimeError("the RNG chunk could not be read"), 1)),
-        ("restore_record", lambda: restore_with(cnr.api, "record_activation",
+        ("restore_record", lambda: restore_with(cnr.write.job_location, "record_activation",
                                                 RuntimeError("the lineage record could not be written"), 0)),
         ("retention", retention),
         ("publish_decide", lambda: case(lambda: fresh("pub-decide", publish=publish), publish_decide_fails)),

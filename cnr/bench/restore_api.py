@@ -62,7 +62,7 @@ PHASES: Dict[str, List[str]] = {
     "kernels": [_INTO + "apply_kernels"],
     "agreement": ["cnr.track.agreement:all_gather", "cnr.track.agreement:rank0_decides",
                   "cnr.track.agreement:barrier"],
-    "records": ["cnr.api:_abandon_on_rank0", "cnr.api:_activate_on_rank0"],
+    "records": ["cnr.write.job_location:_abandon_on_rank0", "cnr.write.job_location:_activate_on_rank0"],
     "resume": ["cnr.api:Checkpointer._resume_from"],
     "start_background": ["cnr.api:Checkpointer._start_background"],
     "start_writer": ["cnr.write.writer:Writer.start"],
