@@ -3,6 +3,7 @@ holds no store says so and exits 1 instead of listing nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 from importlib.metadata import version
 
@@ -31,6 +32,10 @@ def test_inspect_of_a_location_holding_no_store_says_so_and_exits_1(tmp_path, ca
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"error: no checkpoint store at {path}: nothing is stored there")
     assert os.path.exists(path) == (where != "missing")  # inspect creates nothing
+    assert main(["inspect", str(path), "--json"]) == 1  # the JSON object is still the last stdout line
+    out, err = capsys.readouterr()
+    body = json.loads(out.strip().splitlines()[-1])
+    assert body["checkpoints"] == [] and body["error"].startswith("no checkpoint store") and err.startswith("error: ")
 
 
 def test_inspect_of_a_store_without_checkpoints_lists_none_and_exits_0(tmp_path, capsys):

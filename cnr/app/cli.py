@@ -49,8 +49,11 @@ def _inspect(args: argparse.Namespace) -> int:
         return _inspect_tables(storage, args.checkpoint, args.json)
     infos = list_checkpoints(storage)
     if not infos and not storage.list(""):  # a typo, a regular file: say so rather than list nothing
-        print(f"error: no checkpoint store at {redact(args.uri)}: nothing is stored there (give the location "
-              "cnr train --storage or cnr.Checkpointer wrote to)", file=sys.stderr)
+        error = (f"no checkpoint store at {redact(args.uri)}: nothing is stored there (give the location "
+                 "cnr train --storage or cnr.Checkpointer wrote to)")
+        if args.json:  # the JSON object stays the last stdout line
+            print(json.dumps({"uri": storage.uri, "checkpoints": [], "error": error}, sort_keys=True))
+        print(f"error: {error}", file=sys.stderr)
         return 1
     abandoned = abandoned_ids(storage)
     rows = [
