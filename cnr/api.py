@@ -54,6 +54,7 @@ from cnr.write.job_location import JobLocation
 from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
+from cnr.write.proc import sigterm_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -448,10 +449,11 @@ class Checkpointer:
             self._closed = True
             at_exit.unregister(self)
             self._untrack()
-            if self.publisher is not None:
-                self.publisher.abort(stop_s)
-            self.engine.writer.close(stop_s)
-            at_exit.within(release_s, f"release the lease on {self.uri} and close it", self._let_go)
+            with sigterm_deferred():  # a launcher's SIGTERM waits for the lease's release
+                if self.publisher is not None:
+                    self.publisher.abort(stop_s)
+                self.engine.writer.close(stop_s)
+                at_exit.within(release_s, f"release the lease on {self.uri} and close it", self._let_go)
 
     def _let_go(self) -> None:
         try:
