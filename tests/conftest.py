@@ -213,6 +213,10 @@ SLOW_TESTS = {
     "tests/test_dense_kernel.py::test_dense_kernel_tables_and_their_adam_state_restore_at_another_world_size_and_plan[rw]",
     "tests/test_dense_kernel.py::test_dense_kernel_tables_and_their_adam_state_restore_at_another_world_size_and_plan[twrw]",
     "tests/test_dense_kernel.py::test_increments_of_dense_kernel_tables_restore_exactly[adagrad]",
+    # older formats: the same test of versions 6 and 7 stays in; S3 at exit: the endpoint killed
+    # mid-upload stays in (this one: the endpoint stops answering)
+    "tests/test_integrity.py::test_checkpoints_of_older_versions_still_verify_list_and_restore[5]",
+    "tests/test_at_exit_s3.py::test_endpoint_lost_mid_upload_exits_within_the_bound[hang]",
 }
 
 
