@@ -23,7 +23,7 @@ _EXPORTS = {
     # every error a user can catch, under CnrError (docs/reference.md)
     "CnrError": "cnr.errors", "ConfigError": "cnr.errors", "StorageError": "cnr.errors",
     "KeyNotFoundError": "cnr.errors", "CorruptChunkError": "cnr.errors", "NonFiniteStateError": "cnr.errors",
-    "OptionsError": "cnr.options", "LeaseHeldError": "cnr.write.lease", "WriterDied": "cnr.write.writer",
+    "OptionsError": "cnr.options", "LeaseHeldError": "cnr.write.lease_record", "WriterDied": "cnr.write.writer",
     "TrackerHookError": "cnr.track.hook_slot", "UnguardedMainError": "cnr.write.mainguard",
     "GapError": "cnr.publish.subscriber",
     "CPURowWiseSharder": "cnr.track.sharders",
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from cnr.options import OptionsError  # noqa: F401
     from cnr.publish.subscriber import GapError  # noqa: F401
     from cnr.track.hook_slot import TrackerHookError  # noqa: F401
-    from cnr.write.lease import LeaseHeldError  # noqa: F401
+    from cnr.write.lease_record import LeaseHeldError  # noqa: F401
     from cnr.write.mainguard import UnguardedMainError  # noqa: F401
     from cnr.write.writer import WriterDied  # noqa: F401
     from cnr.restore.load import load_state_dict  # noqa: F401
