@@ -4,6 +4,8 @@
 # stores, and compare the two outputs line by line. Sharding types are pinned: torchrec's planner
 # may pick table_wise or column_wise for the same tables from one run to the next.
 #   usage: scripts/store_digests.sh WORK_DIR [PYTHON]
+# The cnr it runs is the one `python -m cnr` imports from the current folder: run it from the
+# root of the checkout under test.
 set -euo pipefail
 work=${1:?usage: scripts/store_digests.sh WORK_DIR [PYTHON]}
 py=${2:-.venv/bin/python}
