@@ -32,11 +32,14 @@ class RecordingTier(WrapperStorage, NodeTier):
     """A NodeTier that is no TieredStorage: it stores straight to ``remote`` and records what the
     callers asked of it."""
 
+    remote_down: bool = False  # plain attributes answer the protocol's properties
+    fenced_out: Optional[str] = None
+
     def __init__(self, local: Storage, remote: Storage, remote_down: bool = False,
                  fenced_out: Optional[str] = None) -> None:
         super().__init__(remote)
         self.local = local
-        self._down, self._fenced_out = remote_down, fenced_out
+        self.remote_down, self.fenced_out = remote_down, fenced_out
         self.commits: List[tuple] = []
         self.fences: List[Fence] = []
         self.unreachable = 0
@@ -44,14 +47,6 @@ class RecordingTier(WrapperStorage, NodeTier):
     @property
     def remote(self) -> Storage:
         return self.inner
-
-    @property
-    def remote_down(self) -> bool:
-        return self._down
-
-    @property
-    def fenced_out(self) -> Optional[str]:
-        return self._fenced_out
 
     def commit(self, key, data, requires=(), fence=None) -> None:
         self.commits.append((key, tuple(requires), fence))
