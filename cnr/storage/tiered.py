@@ -39,11 +39,10 @@ from cnr.types import ByteRange
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TieredStorage", "CommitHook", "Fence", "Requirement"]
-
 
 class TieredStorage(WrapperStorage, RemoteFlush, NodeTier):
-    """``local`` first, ``remote`` in the background (see the module docstring).
+    """``local`` first, ``remote`` in the background (see the module docstring); the NodeTier
+    (cnr.storage.base) the writer works through: ``node_tier()`` answers this store.
 
     ``commit_timeout_s``: how long a remote commit waits for the objects it requires;
     ``flush_threads``: remote puts at once (a commit waits for every put queued before it).
