@@ -39,10 +39,12 @@ def _train(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from cnr.format.abandoned import abandoned_ids, is_abandoned
     from cnr.format.catalog import list_checkpoints
-    from cnr.write.local_tier import committed_in, open_checkpoint_store
+    from cnr.storage.checkpoint_store import open_checkpoint_store
+    from cnr.write.local_tier import committed_in, tier_for
     from cnr.options import CheckpointOptions
 
-    storage = open_checkpoint_store(args.uri, CheckpointOptions(local_dir=args.local_dir or ""))
+    options = CheckpointOptions(local_dir=args.local_dir or "")
+    storage = open_checkpoint_store(args.uri, options.local_dir, tier=tier_for(options))
     if args.verify:
         return _inspect_verify(storage, args.json)
     if args.tables:

@@ -22,7 +22,8 @@ from cnr.format.catalog import newest_committed
 from cnr.app.launch import check_nproc, under_torchrun
 from cnr.policy.kinds import failure_rate
 from cnr.publish.location import check_publish_storage, default_publish_uri
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.write.local_paths import check_creatable_dir
 
 FRESH_START_REMEDY = ("pass --resume to continue from it, --new-history to start a new history beside it (the old "
@@ -122,7 +123,8 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
                               "publish.storage")
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
-        storage = open_checkpoint_store(storage_uri, config.checkpoint.options(config.train.steps))
+        options = config.checkpoint.options(config.train.steps)
+        storage = open_checkpoint_store(storage_uri, options.local_dir, tier=tier_for(options))
         newest = newest_committed(storage, read_head)  # its config is in the manifest itself
         if resume and newest is None:
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")

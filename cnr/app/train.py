@@ -37,7 +37,8 @@ from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish.publisher import Publisher
 from cnr.track.state import all_gather_names, state_digest
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.app.trace import SampleTrace, reset_trace
 from cnr.types import CheckpointStatus
 from cnr.write.writer import Writer
@@ -143,7 +144,8 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, An
     _setup_logging(rank)
     manifest = None
     if job.resume:
-        storage = open_checkpoint_store(job.storage_uri, _options(job.config))
+        options = _options(job.config)
+        storage = open_checkpoint_store(job.storage_uri, options.local_dir, tier=tier_for(options))
         try:
             manifest = _newest(storage)
         finally:

@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from cnr.bench.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.format.manifest import chain_links, id_order
 from cnr.options import CheckpointOptions
 from cnr.policy.retention import own_damage
@@ -335,7 +336,8 @@ class NewEvents:
                 runs[name]["error"] = j.stderr()[-300:]
         stores: Dict[str, Sequence[Any]] = {}
         for name, uri in uris.items():
-            store = open_checkpoint_store(uri, CheckpointOptions(local_dir=local_dir))
+            options = CheckpointOptions(local_dir=local_dir)
+            store = open_checkpoint_store(uri, options.local_dir, tier=tier_for(options))
             try:
                 stores[name] = [info for info, _m in scan_checkpoints(store)]
             finally:

@@ -42,13 +42,13 @@ from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
 from cnr.format.split import extent_of, summarize, summary_to_bytes
 from cnr.track.snapshot import HostPiece
-from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
+from cnr.write.local_tier import Peers, retain_local, tier_for
 from cnr.write.peer_exchange import PeerExchange, connect_exchange
 from cnr.write.local_flush import FlushReport, OpenTier, flush_report, resume_flush_or_note as _resume_flush  # noqa: F401 (FlushReport re-exported)
 from cnr.storage import open_storage
+from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.storage.spec import StorageSpec, StorageTarget
 from cnr.storage.base import Storage
-from cnr.storage.tiered import TieredStorage
 from cnr.types import ChunkRef, ExchangeAddress, LeaseRef, SearchKernel, WriteStatus
 from cnr.write.puts import Packer, Uploader
 from cnr.write.proc import WRITER, die_with_spawner, name_this_process
@@ -114,8 +114,9 @@ def write_rank_data(storage: Storage, uploader: Uploader, job: WriteJob, chunk_b
     index = RankIndex(job.ckpt_id, job.rank, job.world_size, tensors, job.app)
     blob = rank_index_to_bytes(index)
     # a commit: a store that writes in stages (cnr.storage.tiered) stores it after the chunks
-    if isinstance(storage, TieredStorage) and job.lease is not None:  # after an outage: flushed under the lease
-        storage.set_fence(functools.partial(check_held, ref=job.lease))
+    tier = storage.node_tier()
+    if tier is not None and job.lease is not None:  # after an outage: flushed under the lease
+        tier.set_fence(functools.partial(check_held, ref=job.lease))
     storage.commit(rank_index_key(job.ckpt_id, job.rank), blob)
     maybe_crash("after_data", job.step, job.rank, cancel)
     return index, written + len(blob)
@@ -246,9 +247,11 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     if first is None:
         return
     # opened once the first item names this writer's rank: a local tier's hooks and resumed flush need it
-    storage = open_checkpoint_store(storage_uri, options, first.rank, wrap_remote)
-    if isinstance(storage, TieredStorage):
-        _resume_flush(storage, first.rank, first.lease)
+    storage = open_checkpoint_store(storage_uri, options.local_dir, create=True, tier=tier_for(options, first.rank),
+                                    wrap_remote=wrap_remote)
+    tier = storage.node_tier()
+    if tier is not None:
+        _resume_flush(tier, first.rank, first.lease)
     # after an OpenTier: the first checkpoint, or None (a job that takes none still flushes, at close)
     job = jobs.get() if isinstance(first, OpenTier) else first
     uploader = Uploader(storage, options.upload_threads)
@@ -276,16 +279,17 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
             encoder.close()
         uploader.close()
         storage.close()
-        if isinstance(storage, TieredStorage) and first.rank == 0:
-            results.put(flush_report(storage, storage_uri))
+        if tier is not None and first.rank == 0:
+            results.put(flush_report(tier, storage_uri))
 
 
 def _retain(storage: Storage, options: CheckpointOptions, result: WriteResult, retain: Optional[Retain]) -> None:
     """Retention after a job: rank 0's after its commit; with a local tier, every rank's local
     tier after each job (the remote's runs after each remote commit, cnr.write.local_tier)."""
-    if isinstance(storage, TieredStorage):
+    tier = storage.node_tier()
+    if tier is not None:
         if result.status in (WriteStatus.COMMITTED, WriteStatus.WRITTEN):
-            retain_local(storage, options.local_keep_last)
+            retain_local(tier, options.local_keep_last)
     elif result.status == WriteStatus.COMMITTED:
         if retain is None:
             retain_checkpoints(storage, options.keep_last, before=retention_fault)
