@@ -6,7 +6,7 @@
   that commit (the retention of the resumed job must not have deleted what it restored from, or
   what it committed since). ``damage_target`` picks the link; ``await_commits`` times the crash.
 - ``fresh_race``: a second ``cnr train`` *without* ``--resume`` started on the job's location
-  while the job is finishing a checkpoint (one is in flight): it must be refused (exit 2) before
+  while the job is finishing a checkpoint (one is in flight): it must be refused (exit 2 or 1) before
   it trains a step, and it must write no checkpoint of its own history (``fresh_race``).
 - ``shared_local_dir``: two short jobs on two other locations, run at the same time with one
   ``checkpoint.local_dir``; each must train fresh (not be refused over the other's checkpoints),
