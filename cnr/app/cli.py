@@ -199,8 +199,7 @@ def _subscribe(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from cnr.app.export import export_dcp
 
-    summary = export_dcp(args.uri, args.out, args.checkpoint, args.key)
-    print(json.dumps(summary, sort_keys=True), flush=True)
+    print(json.dumps(export_dcp(args.uri, args.out, args.checkpoint, args.key), sort_keys=True), flush=True)
     return 0
 
 
@@ -237,9 +236,9 @@ def add_json(parser: argparse.ArgumentParser, always: bool = True) -> None:
                         (" (printed with or without this flag)" if always else " instead of a table"))
 
 
-def add_command(sub: Any, name: str, help: str, always_json: bool = True) -> argparse.ArgumentParser:
-    """A subcommand taking -q/-v and --json."""
-    parser = sub.add_parser(name, help=help)
+def add_command(sub: Any, name: str, summary: str, always_json: bool = True) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (``summary``: its help line), taking -q/-v and --json."""
+    parser = sub.add_parser(name, help=summary)
     add_verbosity(parser)
     add_json(parser, always_json)
     return parser

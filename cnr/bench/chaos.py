@@ -336,7 +336,6 @@ class Chaos(NewEvents, MergeEvents):
     def _second_job(self) -> Dict[str, Any]:
         job = self._job(True, f"second-{len(self.fired)}").start()
         rc = job.wait(timeout=300)
-        # the lease refuses it once its rank runs: a runtime failure (cnr.app.console), with that line
         refused = rc == EXIT_FAILURE and "another job is writing checkpoints" in job.stderr()
         self.second_jobs["refused" if refused else "not_refused"] += 1
         return {"second_job_rc": rc, "refused": refused}
