@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
@@ -62,6 +63,30 @@ def progress_bar(desc: str, total: Optional[float] = None, unit: str = "it", ini
     return tqdm(desc=desc, total=total, initial=initial, unit="B" if in_bytes else unit, unit_scale=in_bytes,
                 unit_divisor=1024 if in_bytes else 1000, file=sys.stderr, dynamic_ncols=True, leave=False,
                 disable=not (wanted and bars_shown()))
+
+
+@contextmanager
+def phase(desc: str, wanted: bool = True, tick_s: float = 0.5) -> Iterator[None]:
+    """A bar of one step of unknown progress (0/1, then 1/1 when it ends without an error) whose
+    elapsed time is redrawn every ``tick_s`` seconds: a library call that reports no progress."""
+    with progress_bar(desc, total=1, unit="step", wanted=wanted) as bar:
+        if bar.disable:
+            yield
+            return
+        done = threading.Event()
+
+        def tick() -> None:  # tqdm redraws only on update: without one, the elapsed time would stand still
+            while not done.wait(tick_s):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, name="cnr-bar", daemon=True)
+        ticker.start()
+        try:
+            yield
+            bar.update(1)
+        finally:
+            done.set()
+            ticker.join()
 
 
 class ProgressStorage(WrapperStorage):

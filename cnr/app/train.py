@@ -39,7 +39,7 @@ from cnr.track.state import all_gather_names, state_digest
 from cnr.write.local_tier import open_checkpoint_store
 from cnr.app.trace import SampleTrace, reset_trace
 from cnr.app.commit_status import commit_status
-from cnr.app.console import LEVELS, VERBOSE, progress_bar, set_verbosity
+from cnr.app.console import LEVELS, VERBOSE, phase, progress_bar, set_verbosity
 from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
@@ -205,10 +205,8 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
             if manifest is None and config.checkpoint.enabled:
                 _check_fresh_start(ckpt)
             if manifest is not None:
-                # a bar of the phase: the library reports no progress from inside a restore
-                with progress_bar(f"restore {manifest.id}", 1, "checkpoint", wanted=rank == 0) as bar:
+                with phase(f"restore {manifest.id}", wanted=rank == 0):  # the library reports no progress inside
                     info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
-                    bar.update(1)
                 if info is None:
                     raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
                 if ckpt.restored_manifest.id != manifest.id:  # a fallback: prepare_job checked the newest only
