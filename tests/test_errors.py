@@ -13,7 +13,7 @@ import cnr
 
 ROOT = Path(__file__).resolve().parent.parent
 # raised only inside cnr and caught there, or by the fault injection of tests and benches
-INTERNAL = {"_AliasFound", "_Unknown", "_FencedOut", "_DamagedRecord", "InjectedFault", "RankFailed", "RankError",
+INTERNAL = {"_AliasFound", "_Unknown", "_FencedOut", "_DamagedRecord", "InjectedFault", "RankFailed", "RankConfigError", "RankError",
             "Cancelled", "InvalidKeyError", "ConditionalWriteError", "UnknownLeaseError", "ClaimHeldError",
             "CodebookError"}
 

@@ -43,6 +43,7 @@ class TrainJob:
     storage_uri: str
     resume: bool
     new_history: bool = False  # --new-history: start another history beside the location's (cnr.format.lineage)
+    verbosity: int = 0  # -q/-v (cnr.app.console: QUIET, NORMAL, VERBOSE): each rank's log level and bars
 
 
 def _saved_config(manifest: Manifest) -> Dict[str, Any]:
@@ -98,7 +99,8 @@ def _node_share() -> float:
     return min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) / world)
 
 
-def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_history: bool = False) -> TrainJob:
+def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_history: bool = False,
+                verbosity: int = 0) -> TrainJob:
     """Validate everything that can be checked before spawning ranks; writes nothing on error.
     A fresh start where committed checkpoints are is refused here and again under the lease
     (cnr.app.train), since a job may commit and end in between; ``new_history`` allows it."""
@@ -140,4 +142,4 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
         storage.close()
     if config.checkpoint.bit_policy == "failures":
         failure_rate(config.checkpoint)  # reads the failure log now: a bad one is an error before any work
-    return TrainJob(config, storage_uri, resume, new_history)
+    return TrainJob(config, storage_uri, resume, new_history, verbosity)

@@ -73,6 +73,7 @@ from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
 from cnr.format.catalog import scan_checkpoints
 from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
+from cnr.app.console import EXIT_FAILURE
 from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
 
@@ -335,7 +336,7 @@ class Chaos(NewEvents, MergeEvents):
     def _second_job(self) -> Dict[str, Any]:
         job = self._job(True, f"second-{len(self.fired)}").start()
         rc = job.wait(timeout=300)
-        refused = rc == 2 and "another job is writing checkpoints" in job.stderr()
+        refused = rc == EXIT_FAILURE and "another job is writing checkpoints" in job.stderr()
         self.second_jobs["refused" if refused else "not_refused"] += 1
         return {"second_job_rc": rc, "refused": refused}
 
