@@ -171,5 +171,5 @@ def test_the_writer_process_encodes_on_checkpoint_encode_threads(tmp_path, threa
         writer.close()
     assert result.status == WriteStatus.COMMITTED, result.error
     assert LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
-    overlaps = _overlapping_encodes(result.extra["objects"])
+    overlaps = _overlapping_encodes(result.objects)
     assert (overlaps > 0) == (threads > 1), overlaps

@@ -170,7 +170,7 @@ def test_a_writer_on_the_compiled_kernel_stores_what_the_eager_kernel_stores(tmp
             writer.submit(job)
             result = writer.wait()
             assert result.status == WriteStatus.COMMITTED, result.error
-            kernels.append(result.extra["search"])
+            kernels.append(result.search)
             time.sleep(0.5)
     finally:
         writer.close()

@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.errors import NONFINITE
+from cnr.errors import NonFiniteStateError
 from cnr.track import agreement
-from cnr.write.handoff import HandOff, SettleMode
+from cnr.write.handoff import HandOff, SettleMode, Settled
 from cnr.format.manifest import make_id
 from cnr.options import CheckpointOptions
 from cnr.write.compact import Merger, MergeSettings
@@ -27,13 +27,14 @@ from cnr.track.shares import replicated_share
 from cnr.policy.kinds import (
     BitDecision, compaction_due, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force,
 )
-from cnr.track.snapshot import HostBuffers, HostPiece
+from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track.tracker import Captured, RowTracker
 from cnr.types import (
     RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
 )
-from cnr.write.writer import WriteJob, WriteResult, Writer
+from cnr.write.job import CheckpointToken, WriteJob, WriteResult
+from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class CheckpointEngine:
         self.tracker = tracker
         self.chain = chain or ChainState()
         self.bit_width = bits or fixed_bits(options.bits)
-        self.handoff = HandOff(writer or Writer(storage_uri, options), tracker, rank)
+        self.handoff: HandOff[CheckpointToken] = HandOff(writer or Writer(storage_uri, options), tracker, rank)
         self.stats = SaveStats()
         self.lease = lease
         self.merger = self._merger(storage_uri)
@@ -149,18 +150,10 @@ class CheckpointEngine:
         """Continue ``chain`` (a restored checkpoint's): the next checkpoints build on it."""
         self.chain = chain
 
-    @property
-    def buffers(self) -> HostBuffers:
-        return self.handoff.buffers
-
-    @buffers.setter
-    def buffers(self, buffers: HostBuffers) -> None:
-        self.handoff.buffers = buffers  # engines that take turns may share one set (a benchmark's cells)
-
     def prepare(self, pieces: List[StatePiece]) -> None:
         """Allocate the host buffers of a full snapshot of ``pieces`` ahead, in the background, so
         that no save allocates them (HostBuffers.prepare; the first save waits for what is left)."""
-        self.buffers.prepare(pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)])
+        self.handoff.buffers.prepare(pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)])
 
     # ---- the boundary --------------------------------------------------------------------
 
@@ -203,7 +196,7 @@ class CheckpointEngine:
 
         chosen = pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)]
         snap_seconds = self.handoff.submit(chosen, row_ids, captured,
-                                           make_job, (ckpt_id, step, kind, width, base))
+                                           make_job, CheckpointToken(ckpt_id, step, kind, width, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
@@ -271,24 +264,24 @@ class CheckpointEngine:
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
         settled = self.handoff.settle(SettleMode.ABANDON if abandon else SettleMode.WAIT)
-        if settled is None:
+        if not isinstance(settled, Settled):  # nothing was in flight
             return
-        ckpt_id, step, kind, bits, base = settled.token
-        result = settled.result
+        token, result = settled.token, settled.result
+        ckpt_id, kind, bits = token.ckpt_id, token.kind, token.bits
         if result is not None:
             self.last_result = result
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
             self.stats.background_seconds.append(result.seconds)
-            self.stats.search_kernels.append(result.extra.get("search", ""))
+            self.stats.search_kernels.append(result.search)
         error = None if settled.committed else settled.error
         status = CheckpointStatus.COMMITTED if settled.committed else CheckpointStatus.FAILED
-        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, settled.rows, settled.nbytes, base,
+        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, token.step, kind, status, bits, settled.rows, settled.nbytes, token.base,
                                                 error, self.options.quant_method if bits < 32 else "")
         if not settled.committed:
             self.stats.failed += 1
             self.stats.errors[ckpt_id] = settled.error
-            if NONFINITE in settled.error:
+            if isinstance(settled.failure, NonFiniteStateError):
                 self.stats.nonfinite.append(ckpt_id)
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
                          "checkpoint stays valid: %s", ckpt_id, settled.status.value, settled.error)
@@ -300,8 +293,8 @@ class CheckpointEngine:
             self.chain.increments = 0
         else:
             self.chain.increments += 1
-        if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
-            self.chain.chain_bytes = list(result.extra["chain_bytes"])
+        if result is not None and result.chain_bytes is not None:  # rank 0: what the manifest recorded
+            self.chain.chain_bytes = list(result.chain_bytes)
         logger.info("checkpoint %s committed", ckpt_id)
         self._absorb_merges()
         self._maybe_merge(ckpt_id)

@@ -4,9 +4,11 @@ into chunks: shared by the writer process, the per-chunk plan (cnr.write.plan) a
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from cnr.errors import CnrError
 from cnr.track.snapshot import HostPiece
 from cnr.types import CheckpointKind, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, WriteStatus
 
@@ -55,13 +57,45 @@ class WriteJob:
     retention: Optional[RetentionScope] = None
 
 
-# What a writer reports, in the order the trainer broadcasts them by index (cnr.write.engine, cnr.publish.publisher).
-STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
+class Control(enum.Enum):
+    """A message on a writer's job queue that is not a job (cnr.write.writer)."""
+
+    STOP = "stop"
+    """Finish (a local tier flushes first) and exit."""
+
+
+class Pending(enum.Enum):
+    """What ``HandOff.settle`` (cnr.write.handoff) agrees on when there is no outcome to settle."""
+
+    NOTHING = "nothing"
+    """No job was in flight on this rank."""
+    RUNNING = "running"
+    """Rank 0's writer is still busy (a poll): nothing is settled."""
+
+
+@dataclass(frozen=True)
+class CheckpointToken:
+    """What the engine (cnr.write.engine) remembers of its in-flight checkpoint until it settles."""
+
+    ckpt_id: str
+    step: int
+    kind: CheckpointKind
+    bits: int
+    base: Optional[str]
 
 
 @dataclass
 class WriteResult:
-    """What the writer reports for a job."""
+    """What the writer reports for a job; it crosses the process boundary, so every field pickles.
+
+    ``bytes_written``: stored bytes (rank 0's include the manifest); ``seconds``: the job's wall
+    time in the writer. ``error``: why it did not commit, the text users see (redacted); ``failure``:
+    the same as an object, the CnrError the writer raised (cnr.write.failure; None when it
+    committed). Rank 0's commit only: ``rows``/``nbytes``: the rows and stored bytes the
+    manifest records, ``chain_bytes``: the manifest's chain history (None elsewhere), ``stored_at``:
+    wall clock (time.time s) of the commit. ``objects``: the upload timeline, one tuple per object
+    (cnr.write.puts); ``search``: the range search kernel it ran (cnr.types.SearchKernel value).
+    """
 
     ckpt_id: str
     status: WriteStatus
@@ -69,7 +103,13 @@ class WriteResult:
     full_fp32_bytes: int = 0
     seconds: float = 0.0
     error: Optional[str] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+    failure: Optional[CnrError] = None
+    rows: int = 0
+    nbytes: int = 0
+    chain_bytes: Optional[Tuple[int, ...]] = None
+    stored_at: Optional[float] = None
+    objects: List[Tuple[Any, ...]] = field(default_factory=list)
+    search: str = ""
 
 
 def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:

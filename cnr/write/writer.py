@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import multiprocessing.connection as mpc
 import queue
 import signal
 import threading
@@ -32,11 +33,11 @@ from cnr.write.lease import check_held
 from cnr.policy.retention import note_verified, retain_checkpoints, use_scope
 from cnr.format.verify import check_stored
 from cnr.options import CheckpointOptions
-from cnr.write.job import WriteJob, WriteResult, row_blocks
+from cnr.write.job import Control, WriteJob, WriteResult, row_blocks
 from cnr.write.plan import encode_block, searched_rows
 from cnr.codec.chunk_format import dtype_name
 from cnr.write.encode_pool import EncodePool
-from cnr.errors import Cancelled, CheckpointError, CnrError, redact, redact_logging
+from cnr.errors import Cancelled, CheckpointError, CnrError, portable, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash, retention_fault
 from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
@@ -179,26 +180,26 @@ def _run_job(storage: Storage, uploader: Uploader, encoders: Tuple[EncodePool, E
             result = WriteResult(job.ckpt_id, WriteStatus.WRITTEN, written, seconds=time.perf_counter() - start)
         else:
             manifest, blob, verified = commit_checkpoint(storage, job, options.commit_timeout_s, cancel, exchange, own)
-            manifest_bytes = len(blob)
             if verified:  # every writer read back what it stored: rank 0's retention need not read it all
                 note_verified(storage, job.ckpt_id)
             _published(exchange, "the outcome", lambda e: _outcome(e, job.ckpt_id, blob, peers))
             # stored_at: wall clock of the commit, for the time from snapshot to commit
-            extra = {"chain_bytes": list(manifest.chain_bytes), "stored_at": time.time(), "rows": manifest.rows,
-                     "bytes": manifest.bytes}
-            result = WriteResult(job.ckpt_id, WriteStatus.COMMITTED, written + manifest_bytes, manifest.full_fp32_bytes,
-                                 time.perf_counter() - start, extra=extra)
+            result = WriteResult(job.ckpt_id, WriteStatus.COMMITTED, written + len(blob), manifest.full_fp32_bytes,
+                                 time.perf_counter() - start, rows=manifest.rows, nbytes=manifest.bytes,
+                                 chain_bytes=tuple(manifest.chain_bytes), stored_at=time.time())
     except Cancelled as e:
         _drain(uploader)
         error = _mark_failed(storage, job, redact(str(e)))
-        result = WriteResult(job.ckpt_id, WriteStatus.CANCELLED, seconds=time.perf_counter() - start, error=error)
+        result = WriteResult(job.ckpt_id, WriteStatus.CANCELLED, seconds=time.perf_counter() - start, error=error,
+                             failure=portable(e, error))
     except Exception as e:
         _drain(uploader)
         error = f"{type(e).__name__}: {e}" if isinstance(e, CnrError) else traceback.format_exc(limit=5)
         error = _mark_failed(storage, job, redact(error))
-        result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error)
-    result.extra["objects"] = [dataclasses.astuple(t) for t in uploader.take_timeline()]
-    result.extra["search"] = SearchKernel.EAGER.value if fused is None else SearchKernel.COMPILED.value
+        result = WriteResult(job.ckpt_id, WriteStatus.FAILED, seconds=time.perf_counter() - start, error=error,
+                             failure=portable(e, error))
+    result.objects = [dataclasses.astuple(t) for t in uploader.take_timeline()]
+    result.search = SearchKernel.EAGER.value if fused is None else SearchKernel.COMPILED.value
     if result.status not in (WriteStatus.COMMITTED, WriteStatus.WRITTEN):
         if job.rank == 0:
             _published(exchange, "the outcome", lambda e: _outcome(e, job.ckpt_id, None, peers))
@@ -229,7 +230,7 @@ def _published(exchange: Optional[PeerExchange], what: str, publish: Callable[[P
 def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, results, cancel,
                 retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None,
                 ready=None) -> None:
-    """Entry point of the writer process: one storage client, jobs until a None sentinel.
+    """Entry point of the writer process: one storage client, jobs until Control.STOP.
     ``ready`` (an Event) is set once the process is up and takes jobs (the trainer never waits for it)."""
     die_with_spawner()
     name_this_process(WRITER)
@@ -243,13 +244,13 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     if ready is not None:
         ready.set()
     first = jobs.get()  # a WriteJob, or an OpenTier sent ahead of any job over a local tier
-    if first is None:
+    if first is Control.STOP:
         return
     # opened once the first item names this writer's rank: a local tier's hooks and resumed flush need it
     storage = open_checkpoint_store(storage_uri, options, first.rank, wrap_remote)
     if isinstance(storage, TieredStorage):
         _resume_flush(storage, first.rank, first.lease)
-    # after an OpenTier: the first checkpoint, or None (a job that takes none still flushes, at close)
+    # after an OpenTier: the first checkpoint, or STOP (a job that takes none still flushes, at close)
     job = jobs.get() if isinstance(first, OpenTier) else first
     uploader = Uploader(storage, options.upload_threads)
     # Measured on a full 2-bit checkpoint of 3.0M rows x 64, 2 cores: eager 11.8 s on 1 thread and
@@ -260,7 +261,7 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     exchange = connect_exchange(first.exchange)
     peers = Peers.connect(exchange, storage, options.commit_timeout_s)
     try:
-        while job is not None:
+        while job is not Control.STOP:
             use_scope(job.retention)  # this job's retention, also where a hook runs it (cnr.write.local_tier)
             result = _run_job(storage, uploader, encoders, options, job, cancel, exchange, peers, search)
             results.put(result)
@@ -336,10 +337,13 @@ class Writer:
         self._process: Optional[Any] = None  # none until started
         self._cancel = self._ctx.Event()
         self.ready = self._ctx.Event()  # set by the process once it takes jobs (a new one each start)
-        if start:
-            self._start()
         self._marker_storage: Optional[Storage] = None
         self._stop_watch = threading.Event()
+        # the watcher sleeps on the process's sentinel and on this pipe, which wakes it for a new
+        # process, a new job or close (closing the sending end)
+        self._wake_in, self._wake_out = mpc.Pipe(duplex=False)
+        if start:
+            self._start()
         self._watcher = threading.Thread(target=self._watch, name="cnr-writer-watch", daemon=True)
         self._watcher.start()
 
@@ -365,6 +369,7 @@ class Writer:
                                                                      self.ready),
                                           name="cnr-writer", daemon=True)
         self._process.start()
+        self._wake()  # the watcher follows the new process
 
     def start(self) -> None:
         """Start the writer process of a Writer built with ``start=False``; nothing once started."""
@@ -399,20 +404,47 @@ class Writer:
         logger.warning("starting a new background writer (the previous one died; %d restarts so far)", self.restarts)
         self._start()
 
+    def _wake(self) -> None:
+        """Have the watcher look again (a process started, a job submitted)."""
+        try:
+            self._wake_out.send_bytes(b"")
+        except OSError:  # closed: the watcher has stopped
+            pass
+
     def _watch(self) -> None:
-        """Mark the in-flight job failed as soon as the writer process dies (see the class docstring)."""
+        """Mark the in-flight job failed as soon as the writer process dies (see the class
+        docstring): the thread sleeps until the process's sentinel (readable once it has exited)
+        or the wake pipe says something changed; nothing is polled."""
         marked: Optional[Tuple[int, str]] = None
-        while not self._stop_watch.wait(0.2):
-            process, job = self._process, self.in_flight
-            if job is None or process is None or process.is_alive() or marked == (process.pid, job.ckpt_id) or not self._results.empty():
-                continue  # (a result already queued: the job ended before its writer did)
-            marked = (process.pid, job.ckpt_id)
-            try:
-                if self._marker_storage is None:
-                    self._marker_storage = open_storage(self._uri)
-                _mark_failed(self._marker_storage, job, _death(process.exitcode))
-            except Exception as e:  # noqa: BLE001 - the next wait still reports the death
-                logger.warning("could not mark checkpoint %s failed after its writer died: %s", job.ckpt_id, e)
+        try:
+            while not self._stop_watch.is_set():
+                process = self._process
+                alive = process is not None and process.exitcode is None
+                ready = mpc.wait([self._wake_in] + ([process.sentinel] if alive else []))
+                if self._wake_in in ready:
+                    self._wake_in.recv_bytes()  # EOFError once close() closed the sending end
+                if alive and process.sentinel in ready:
+                    process.join(5)  # the sentinel closes as it exits: wait for its exit code
+                marked = self._mark_if_died(marked)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._wake_in.close()
+
+    def _mark_if_died(self, marked: Optional[Tuple[int, str]]) -> Optional[Tuple[int, str]]:
+        """Write the in-flight job's failure marker if its process has died and left no result;
+        ``marked``: the (pid, checkpoint) marked already. Returns the one marked now, else ``marked``."""
+        process, job = self._process, self.in_flight
+        if job is None or process is None or process.exitcode is None or marked == (process.pid, job.ckpt_id) \
+                or not self._results.empty():
+            return marked  # (a result already queued: the job ended before its writer did)
+        try:
+            if self._marker_storage is None:
+                self._marker_storage = open_storage(self._uri)
+            _mark_failed(self._marker_storage, job, _death(process.exitcode))
+        except Exception as e:  # noqa: BLE001 - the next wait still reports the death
+            logger.warning("could not mark checkpoint %s failed after its writer died: %s", job.ckpt_id, e)
+        return (process.pid, job.ckpt_id)
 
     def open_tier(self, rank: int, lease: Optional[LeaseRef], exchange: Optional[ExchangeAddress] = None) -> None:
         """Over a local tier: have the writer open it for ``rank`` now and flush, under ``lease``,
@@ -435,6 +467,7 @@ class Writer:
         self._cancel.clear()
         self.in_flight = job
         self._jobs.put(job)
+        self._wake()  # a process that died before the job: the watcher marks it now
 
     def _check_deaths(self) -> None:
         if self.deaths >= MAX_WRITER_DEATHS:
@@ -454,7 +487,9 @@ class Writer:
                 self.deaths = 0
             except queue.Empty:
                 if not self._process.is_alive():
-                    result = WriteResult(self.in_flight.ckpt_id, WriteStatus.FAILED, error=_death(self._process.exitcode))
+                    death = _death(self._process.exitcode)
+                    result = WriteResult(self.in_flight.ckpt_id, WriteStatus.FAILED, error=death,
+                                         failure=CheckpointError(death))
                     self.deaths += 1
                     self.in_flight = None
                     self._restart_if_allowed()
@@ -486,10 +521,11 @@ class Writer:
         ``timeout_s``: seconds it gets to exit before it is killed (None: 60, and with a local tier
         60 + ``commit_timeout_s`` for the flush)."""
         self._stop_watch.set()
+        self._wake_out.close()  # the watcher reads EOF and ends
         if self._process is None:  # never started: nothing to stop
             return
         if self._process.is_alive():
-            self._jobs.put(None)
+            self._jobs.put(Control.STOP)
             if not self._options.local_dir:
                 self._process.join(timeout=60 if timeout_s is None else timeout_s)
             deadline = time.monotonic() + (60 + self._options.commit_timeout_s if timeout_s is None else timeout_s)
