@@ -148,12 +148,12 @@ class _Rounds:
             self._timed_restore("fresh", ckpt)
             self.exact = self.exact and _equal(self.model, s.saved)
             ckpt.engine.writer.ready.wait(timeout=120)  # its startup ended: the library's time alone
-            ckpt.engine.handoff.buffers.wait_prepared()
+            ckpt.engine.buffers.wait_prepared()
             _perturb(self.model)
             self._timed_restore("settled", ckpt)
             self.exact = self.exact and _equal(self.model, s.saved)
         finally:
-            ckpt.engine.handoff.buffers.wait_prepared()  # nothing of this one's runs while the next is timed
+            ckpt.engine.buffers.wait_prepared()  # nothing of this one's runs while the next is timed
             ckpt.close()
 
     def dcp(self) -> None:
@@ -170,7 +170,7 @@ class _Rounds:
         try:
             self._timed_restore("int4", ckpt)
         finally:
-            ckpt.engine.handoff.buffers.wait_prepared()
+            ckpt.engine.buffers.wait_prepared()
             ckpt.close()
         now = _snapshot(self.model)
         same = not self.int4_first or all(torch.equal(a, b) for a, b in zip(self.int4_first, now))

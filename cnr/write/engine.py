@@ -27,7 +27,7 @@ from cnr.track.shares import replicated_share
 from cnr.policy.kinds import (
     BitDecision, compaction_due, fixed_bits, next_kind, stored_optimizer_bits, table_widths_in_force,
 )
-from cnr.track.snapshot import HostPiece
+from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track.tracker import Captured, RowTracker
 from cnr.types import (
@@ -150,10 +150,15 @@ class CheckpointEngine:
         """Continue ``chain`` (a restored checkpoint's): the next checkpoints build on it."""
         self.chain = chain
 
+    @property
+    def buffers(self) -> HostBuffers:
+        """This rank's host buffers (the hand-off's)."""
+        return self.handoff.buffers
+
     def prepare(self, pieces: List[StatePiece]) -> None:
         """Allocate the host buffers of a full snapshot of ``pieces`` ahead, in the background, so
         that no save allocates them (HostBuffers.prepare; the first save waits for what is left)."""
-        self.handoff.buffers.prepare(pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)])
+        self.buffers.prepare(pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)])
 
     # ---- the boundary --------------------------------------------------------------------
 

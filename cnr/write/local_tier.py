@@ -37,7 +37,7 @@ import stat
 import threading
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from cnr.format.catalog import checkpoint_ids, list_checkpoints
 from cnr.errors import ConfigError, StorageError
@@ -59,23 +59,19 @@ from cnr.types import CheckpointInfo, CheckpointStatus, ExchangeAddress
 logger = logging.getLogger(__name__)
 
 
-def open_checkpoint_store(uri: StorageTarget, options: CheckpointOptions, rank: Optional[int] = None,
-                          wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> Storage:
+def open_checkpoint_store(uri: StorageTarget, options: CheckpointOptions, rank: Optional[int] = None) -> Storage:
     """The checkpoint store at ``uri``, behind ``options.local_dir`` when one is set.
 
     ``rank``: the writer's rank, for its hooks (rank 0 runs retention after each remote commit);
-    None for a reader (restore, inspect), which creates nothing in ``local_dir``. ``wrap_remote``:
-    applied to the store at ``uri`` (a benchmark's emulated link, cnr.bench.link.over_link)."""
+    None for a reader (restore, inspect), which creates nothing in ``local_dir``."""
     remote = open_storage(uri)
     if not options.local_dir:
-        return wrap_remote(remote) if wrap_remote is not None else remote
+        return remote
     try:
         local = open_local_tier(options.local_dir, remote, create=rank is not None)
     except (ConfigError, StorageError):
         remote.close()
         raise
-    if wrap_remote is not None:
-        remote = wrap_remote(remote)
     before = after = None
     if rank is not None:
         before = functools.partial(_fault_before_remote_commit, rank)

@@ -228,8 +228,7 @@ def _published(exchange: Optional[PeerExchange], what: str, publish: Callable[[P
 
 
 def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, results, cancel,
-                retain: Optional[Retain] = None, wrap_remote: Optional[Callable[[Storage], Storage]] = None,
-                ready=None) -> None:
+                retain: Optional[Retain] = None, ready=None) -> None:
     """Entry point of the writer process: one storage client, jobs until Control.STOP.
     ``ready`` (an Event) is set once the process is up and takes jobs (the trainer never waits for it)."""
     die_with_spawner()
@@ -247,7 +246,7 @@ def writer_main(storage_uri: StorageTarget, options: CheckpointOptions, jobs, re
     if first is Control.STOP:
         return
     # opened once the first item names this writer's rank: a local tier's hooks and resumed flush need it
-    storage = open_checkpoint_store(storage_uri, options, first.rank, wrap_remote)
+    storage = open_checkpoint_store(storage_uri, options, first.rank)
     if isinstance(storage, TieredStorage):
         _resume_flush(storage, first.rank, first.lease)
     # after an OpenTier: the first checkpoint, or STOP (a job that takes none still flushes, at close)
@@ -308,8 +307,8 @@ class Writer:
 
     ``retain``: what rank 0's writer runs after each commit (a picklable callable on the
     storage, returning a JSON-able report); default: checkpoint retention, ``keep_last``.
-    ``wrap_remote``: a picklable callable the writer applies to the store at ``storage_uri``
-    (a benchmark's emulated link, cnr.bench.link.over_link); None in training.
+    ``storage_uri``: a URI or a StorageSpec (cnr.storage.spec), which the writer process opens
+    (a benchmark's emulated link is a scheme of its own, cnr.bench.link.linked_spec).
     ``start``: False leaves the process to ``start()`` (or the first ``submit`` / ``open_tier``):
     a Checkpointer that restores first starts it after the restore, whose cores its startup
     (imports, a compiled search kernel) would take.
@@ -324,11 +323,11 @@ class Writer:
     checkpointing.
     """
 
-    def __init__(self, storage_uri: str, options: CheckpointOptions, retain: Optional[Retain] = None,
-                 wrap_remote: Optional[Callable[[Storage], Storage]] = None, start: bool = True) -> None:
+    def __init__(self, storage_uri: StorageTarget, options: CheckpointOptions, retain: Optional[Retain] = None,
+                 start: bool = True) -> None:
         # parsed once, here: the writer processes and the watcher open the (picklable) spec
         self._uri = StorageSpec.parse(storage_uri)
-        self._options, self._retain, self._wrap_remote = options, retain, wrap_remote
+        self._options, self._retain = options, retain
         self._ctx = mp.get_context("spawn")
         self.deaths = 0  # writer processes that died in a row
         self.restarts = 0  # writer processes started after one died, in total
@@ -365,8 +364,7 @@ class Writer:
         self._cancel = self._ctx.Event()
         self.ready = self._ctx.Event()  # set by the process once it takes jobs; submit never waits for it
         self._process = self._ctx.Process(target=writer_main, args=(self._uri, self._options, self._jobs, self._results,
-                                                                     self._cancel, self._retain, self._wrap_remote,
-                                                                     self.ready),
+                                                                     self._cancel, self._retain, self.ready),
                                           name="cnr-writer", daemon=True)
         self._process.start()
         self._wake()  # the watcher follows the new process
