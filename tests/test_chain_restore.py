@@ -16,7 +16,7 @@ from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ChainOrder, Role, ShardRegion
 from cnr.write.job import WriteJob
-from cnr.write.writer import write_rank_data
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 
 ROWS, DIM = 300, 8

@@ -29,7 +29,7 @@ from cnr.types import CheckpointKind, CodecSpec, Encoding, Role, ShardRegion
 from cnr.write.job import WriteJob
 from cnr.write.plan import encode_block
 from cnr.write.puts import Uploader
-from cnr.write.writer import write_rank_data
+from cnr.write.writer_process import write_rank_data
 
 
 class XorCodec(BytesCodec):

@@ -22,7 +22,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, Role, ShardRegion, WriteStatus
 from cnr.write.job import WriteJob
-from cnr.write.writer import Writer, write_rank_data
+from cnr.write.writer import Writer
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import ObjectTimes, Uploader
 
 

@@ -89,7 +89,7 @@ def test_a_lease_taken_during_the_outage_keeps_the_local_checkpoint_off_the_stor
 def test_a_writer_starting_in_an_outage_carries_on_committing_locally(tmp_path):
     # a writer (re)started while the store is down: on main its resumed flush raised and the
     # writer process died, three times over, and the job ended with WriterDied
-    from cnr.write.writer import _resume_flush
+    from cnr.write.local_flush import resume_flush_or_note as _resume_flush
 
     tier, _plain, remote, lease = _writer_store(tmp_path)
     tier.local.put(manifest_key(make_id(10, "abcdef00")), b"{}")  # left by a killed writer: the flush asks the store

@@ -48,6 +48,8 @@ def test_a_nonfinite_job_fails_and_commits_nothing(tmp_path):
     finally:
         writer.close()
     assert result.status == WriteStatus.FAILED and NONFINITE in result.error
+    # the error crossed the process boundary as its own class, which the engine counts by
+    assert type(result.failure) is NonFiniteStateError and result.error == f"NonFiniteStateError: {result.failure}"
     assert not LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
 
 

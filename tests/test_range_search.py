@@ -20,7 +20,8 @@ from cnr.codec.quant.quantize import quantize_rows_with_dtypes
 from cnr.codec.quant.range_search import AUTO_COMPILE_ROWS, Fused, WriterSearch, compiled_search, greedy_range, min_bins
 from cnr.storage.local import LocalStorage
 from cnr.types import SearchKernel, WriteStatus
-from cnr.write.writer import Writer, write_rank_data
+from cnr.write.writer import Writer
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 from test_encode_pool import _job
 from test_quantize import DISTRIBUTIONS, SEARCHES, _rows

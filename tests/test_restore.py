@@ -17,7 +17,7 @@ from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, Role
 from cnr.write.job import WriteJob
-from cnr.write.writer import write_rank_data
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
