@@ -138,9 +138,13 @@ def test_a_job_counts_the_rows_the_adaptive_search_encodes() -> None:
     rows) search; the 8-bit small table (naive), the 1-D log8 sums and dense state do not."""
     job = _job()
     assert searched_rows(job) == 3000 + 700
-    assert searched_rows(dataclasses.replace(job, method="naive")) == 0
-    assert searched_rows(dataclasses.replace(job, bits=32, table_bits={"small": 4})) == 50
-    assert searched_rows(dataclasses.replace(job, bits=8)) == 0
+
+    def planned(**changes):
+        return dataclasses.replace(job, plan=dataclasses.replace(job.plan, **changes))
+
+    assert searched_rows(planned(method="naive")) == 0
+    assert searched_rows(planned(bits=32, table_bits={"small": 4})) == 50
+    assert searched_rows(planned(bits=8)) == 0
 
 
 def test_a_bad_kernel_name_is_refused() -> None:

@@ -33,7 +33,7 @@ from cnr.track.tracker import Captured, RowTracker
 from cnr.types import (
     RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
 )
-from cnr.write.job import CheckpointToken, WriteJob, WriteResult
+from cnr.write.job import CheckpointToken, CodecPlan, WriteJob, WriteResult
 from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
@@ -188,16 +188,14 @@ class CheckpointEngine:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
                                "bit_width": self.bit_width.to_dict()}
         c, width = self.options, self.bit_width.bits
+        plan = CodecPlan(width, c.quant_method, stored_optimizer_bits(c.optimizer_bits, self.bit_width),
+                         c.compression_chain(), c.small_table_rows, c.small_table_bits,
+                         table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 
         def make_job(host: List[HostPiece]) -> WriteJob:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
-            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=width,
-                            method=c.quant_method, app=dict(app or {}),
-                            optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
-                            lease=self.lease, compression=c.compression_chain(), exchange=self.exchange,
-                            retention=self.retention,
-                            small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
-                            table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
+            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, plan,
+                            app=dict(app or {}), lease=self.lease, exchange=self.exchange, retention=self.retention)
 
         chosen = pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)]
         snap_seconds = self.handoff.submit(chosen, row_ids, captured,

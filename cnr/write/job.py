@@ -14,15 +14,31 @@ from cnr.types import CheckpointKind, CodecSpec, ExchangeAddress, LeaseRef, Rete
 
 
 @dataclass(frozen=True)
-class WriteJob:
-    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
+class CodecPlan:
+    """How a job's rows are stored, resolved by the trainer for this job (its bit-width decision
+    can change between jobs); the writer reads nothing else of the codecs' settings (cnr.write.plan).
 
     ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
     store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stage (empty or
     one, cnr.codec.zstd) of the chunks of compressible codecs, quantized and log8 ones (raw chunks
-    are stored as they are);
-    ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
-    cnr.write.plan decides per piece); ``table_bits``: table id -> its rows' width, over both.
+    are stored as they are); ``small_table_rows``/``small_table_bits``: wider rows for tables of
+    at most that many rows; ``table_bits``: table id -> its rows' width, over both.
+    """
+
+    bits: int = 32
+    method: str = ""
+    optimizer_bits: int = 32
+    compression: Tuple[CodecSpec, ...] = ()
+    small_table_rows: int = 0
+    small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
+
+    ``plan``: how its rows are stored (CodecPlan).
     ``lease``: the job's lease on the storage (cnr.write.lease, held by rank 0), which rank 0 checks
     right before the commit, and every rank's local tier before it flushes to the remote store
     after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``lease_uri``:
@@ -43,16 +59,10 @@ class WriteJob:
     world_size: int
     pieces: List[HostPiece]
     manifest_fields: Optional[Dict[str, Any]] = None
-    bits: int = 32
-    method: str = ""
-    optimizer_bits: int = 32
+    plan: CodecPlan = field(default_factory=CodecPlan)
     app: Dict[str, Any] = field(default_factory=dict)
     lease: Optional[LeaseRef] = None
     lease_uri: str = ""
-    compression: Tuple[CodecSpec, ...] = ()
-    small_table_rows: int = 0
-    small_table_bits: int = 8
-    table_bits: Dict[str, int] = field(default_factory=dict)
     exchange: Optional[ExchangeAddress] = None
     retention: Optional[RetentionScope] = None
 
