@@ -51,8 +51,7 @@ from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.track.state import StatePiece
 from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
 from cnr.write.job_location import JobLocation
-from cnr.write.local_flush import FlushReport
-from cnr.write.writer import Writer
+from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
 from cnr.write.proc import sigterm_deferred

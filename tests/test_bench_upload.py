@@ -91,13 +91,11 @@ def test_a_writer_process_opens_its_store_over_the_bench_uplink(tmp_path):
     piece = HostPiece("model/w", (8, 8), ShardRegion((0, 0), (8, 8)), True, torch.ones(8, 8), None)
     job = WriteJob("0000000001-cafe", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={})
     writer = Writer(linked_spec(str(tmp_path), 1e9), CheckpointOptions(keep_last=0))
-    try:
-        writer.submit(job)
-        result = writer.wait()
-    finally:
-        writer.close()
-    assert result.status == WriteStatus.COMMITTED, result.error
-    assert LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
+    writer.submit(job)
+    result = writer.wait()
+    writer.close()  # not in a finally: a writer left by a failure above is a daemon, it dies with the test
+    committed = LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
+    assert (result.status, committed) == (WriteStatus.COMMITTED, True), result.error
 
 
 def test_bench_upload_tiny_on_s3_and_local(tmp_path):

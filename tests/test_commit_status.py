@@ -43,7 +43,7 @@ def test_nothing_committed_in_a_fresh_or_resumed_run():
 # ---- issue #25, item 8: checkpoints committed only on the node-local tier ---------------------
 
 def _with_report(saving, local_only, fenced_out=None, remote_newest=None):
-    from cnr.write.local_flush import FlushReport
+    from cnr.write.writer import FlushReport
 
     saving.flush_report = FlushReport(tuple(f"{step:010d}-beef" for step in local_only), fenced_out, remote_newest,
                                       remote_newest is not None)
