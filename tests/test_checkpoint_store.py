@@ -89,19 +89,17 @@ def test_a_plain_store_has_no_tier_and_a_tiered_store_is_its_own(tmp_path):
         NodeTier()  # the protocol is abstract: an implementation provides every member
 
 
-def test_the_factory_builds_the_callers_tier_after_keying_it_by_the_unwrapped_store(tmp_path):
+def test_the_factory_builds_the_callers_tier_keyed_by_the_location(tmp_path):
     built = []
 
     def tier(local, remote):
         built.append((local, remote))
         return RecordingTier(local, remote)
 
-    wrapped = []
-    store = open_checkpoint_store(str(tmp_path / "store"), str(tmp_path / "nvme"), create=True, tier=tier,
-                                  wrap_remote=lambda s: wrapped.append(s) or WrapperStorage(s))
+    store = open_checkpoint_store(str(tmp_path / "store"), str(tmp_path / "nvme"), create=True, tier=tier)
     (local, remote), = built
-    assert store.node_tier() is store and isinstance(remote, WrapperStorage)
-    assert local.root == local_tier_root(str(tmp_path / "nvme"), wrapped[0])  # keyed by the real location
+    assert store.node_tier() is store and remote.uri == store.remote.uri
+    assert local.root == local_tier_root(str(tmp_path / "nvme"), remote)  # keyed by the location
     assert os.path.exists(os.path.join(local.root, "location.json"))  # a writer's records the location
 
 

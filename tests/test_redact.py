@@ -19,7 +19,7 @@ from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
 from cnr.write.encode_pool import EncodePool
 from cnr.write.job import WriteJob
-from cnr.write.writer import _run_job
+from cnr.write.writer_process import _run_job
 from cnr.write.puts import Uploader
 
 SECRET = "s3cr3t-pa55"

@@ -40,23 +40,19 @@ UNKEYED_ROOT = "checkpoints"  # where a local_dir of the un-keyed layout held ch
 
 
 def open_checkpoint_store(target: StorageTarget, local_dir: str = "", *, create: bool = False,
-                          tier: TierFactory = TieredStorage,
-                          wrap_remote: Optional[Callable[[Storage], Storage]] = None) -> Storage:
+                          tier: TierFactory = TieredStorage) -> Storage:
     """The checkpoint store at ``target``, behind the node-local tier in ``local_dir`` when one is
     given ("" none). ``create``: a writer's, which records the location in ``local_dir`` (a reader
     creates nothing there). ``tier(local, remote)`` builds the tiered store (a writer's carries
-    its hooks, cnr.write.local_tier.tier_for). ``wrap_remote``: applied to the store at ``target``
-    (a benchmark's emulated link, cnr.bench.link.over_link)."""
+    its hooks, cnr.write.local_tier.tier_for)."""
     remote = open_storage(target)
     if not local_dir:
-        return wrap_remote(remote) if wrap_remote is not None else remote
+        return remote
     try:
         local = open_local_tier(local_dir, remote, create=create)
     except (ConfigError, StorageError):
         remote.close()
         raise
-    if wrap_remote is not None:
-        remote = wrap_remote(remote)
     return tier(local, remote)
 
 
