@@ -10,7 +10,7 @@ import torch
 
 from cnr.errors import CheckpointError
 from cnr.restore.chain import newest_first_applies, restore_chain
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage

@@ -9,7 +9,9 @@ import pytest
 
 from cnr.errors import CheckpointError
 from cnr.format.integrity import seal
-from cnr.format.manifest import Manifest, TensorEntry, make_id, manifest_key, manifest_to_bytes, parse_manifest
+from cnr.format.documents import Manifest, TensorEntry
+from cnr.format.layout import make_id, manifest_key
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.format.catalog import list_checkpoints, newest_committed, read_manifest
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpec

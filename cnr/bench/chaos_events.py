@@ -32,7 +32,7 @@ from cnr.bench.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
 from cnr.write.local_tier import open_checkpoint_store
-from cnr.format.manifest import chain_links, id_order
+from cnr.format.layout import chain_links, id_order
 from cnr.options import CheckpointOptions
 from cnr.policy.retention import own_damage
 from cnr.storage.base import Storage

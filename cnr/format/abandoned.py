@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import AbstractSet, FrozenSet, Optional
 
 from cnr.errors import CheckpointError, redact
-from cnr.format.manifest import CHECKPOINT_ID, state_id
+from cnr.format.layout import CHECKPOINT_ID, state_id
 from cnr.format.records import read_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage

@@ -8,10 +8,11 @@ import logging
 from typing import AbstractSet, Callable, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
-from cnr.format.manifest import (
-    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head,
-    state_id, step_of,
+from cnr.format.documents import Manifest
+from cnr.format.layout import (
+    MERGED_SUFFIX, ROOT, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, state_id, step_of,
 )
+from cnr.format.manifest import read_head
 from cnr.format.split import read_manifest
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order

@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import Manifest, check_lineage, read_head
+from cnr.format.documents import Manifest
+from cnr.format.manifest import check_lineage, read_head
 from cnr.format.records import read_record as read_json_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage

@@ -34,10 +34,11 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Tuple
 
 from cnr.errors import CheckpointError
 from cnr.format.integrity import seal, seal_digest
-from cnr.format.manifest import (
-    VERSION, ChunkSummary, Extent, Manifest, RankIndex, TensorEntry, _parse_json, _parse_summary, _parse_tensors,
-    _Reader, _tensors_to_dict, parse_rank_index, rank_index_key, read_head, summarize_chunks, summary_to_dict,
-)
+from cnr.format.documents import ChunkSummary, Extent, Manifest, RankIndex, TensorEntry, VERSION, summarize_chunks
+from cnr.format.layout import rank_index_key
+from cnr.format.manifest import parse_rank_index, read_head
+from cnr.format.strict_json import StrictReader, parse_document
+from cnr.format.tensor_json import parse_chunk_summary, parse_tensors, summary_to_dict, tensors_to_dict
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.format.chunk_coverage import check_coverage
 from cnr.types import ChunkRef, Role, ShardRegion
@@ -106,18 +107,18 @@ def summarize(index: RankIndex, blob: bytes, verified: bool = False) -> IndexSum
 
 def summary_to_bytes(s: IndexSummary) -> bytes:
     body = {"format": SUMMARY_FORMAT, "version": VERSION, "id": s.id, "rank": s.rank, "world_size": s.world_size,
-            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": _tensors_to_dict(s.tensors, False),
+            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": tensors_to_dict(s.tensors, False),
             "verified": s.verified, "app": s.app}
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
 def parse_summary(blob: bytes, where: str) -> IndexSummary:
-    obj, version = _parse_json(blob, where, SUMMARY_FORMAT)
-    r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
+    obj, version = parse_document(blob, where, SUMMARY_FORMAT)
+    r = StrictReader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
                              "totals": dict, "tensors": dict, "verified": bool, "app": dict})
     try:
-        tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
-        totals = _parse_summary(r["totals"], where)
+        tensors = parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+        totals = parse_chunk_summary(r["totals"], where)
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
     app = r["app"]
@@ -155,7 +156,7 @@ def read_rank_index(storage: Storage, manifest: Manifest, rank: int) -> RankInde
     """Rank ``rank``'s index of split ``manifest``, checked: sealed with the digest the manifest
     recorded for it (another or altered index is damage, read again from the next source first),
     of that checkpoint and rank, with the extents the manifest lists for that rank."""
-    key = rank_index_key(manifest.id, rank, manifest.version)
+    key = rank_index_key(manifest.id, rank, manifest.indexes_in_rank_folders)
 
     def read(source: Storage) -> RankIndex:
         where = f"{source.uri}/{key}"

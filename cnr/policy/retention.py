@@ -59,7 +59,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, id_order, manifest_key
+from cnr.format.layout import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, id_order, manifest_key
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planners' home before the split

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, chain_links, state_id
+from cnr.format.layout import MERGED_SUFFIX, chain_links, state_id
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
 
 

@@ -37,7 +37,8 @@ from cnr.format.chunk_coverage import check_coverage
 from cnr.codec.chunk_format import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
 from cnr.publish.module_target import ModuleTarget
-from cnr.format.manifest import ROOT, Manifest, id_order, step_of
+from cnr.format.documents import Manifest
+from cnr.format.layout import ROOT, id_order, step_of
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk
 from cnr.storage import open_storage

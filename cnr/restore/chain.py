@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.restore.overlay import HeldRows, Span
 from cnr.restore.pieces import (
     RestorePlan, apply_in_order, check_covered, chunk_overlaps, chunk_span, piece_span, plan_restore, restore_pieces,

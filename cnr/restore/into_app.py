@@ -38,7 +38,7 @@ from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_t
                                  stateful_name)
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.track.dense_kernel import saved_values
 from cnr.track.managed_collision import check_restore as check_managed_collisions
 from cnr.format.catalog import resolve_chain
@@ -426,14 +426,14 @@ def check_keys(manifest: Manifest, app: AppState, partial: bool = False) -> Tupl
 
     Raises CheckpointError when a key changed kind, or (unless ``partial``) when any key is
     missing on either side: a restore must not silently keep fresh values or drop saved state.
-    Version 1 manifests (cnr train) recorded no JSON for modules and optimizers, so only their
-    Stateful keys and tensors can be matched."""
+    A manifest that recorded only its Stateful keys' JSON (``all_keys_recorded`` False: version 1,
+    cnr train's) has only those keys and its tensors matched."""
     saved = _saved_keys(manifest)
     changed = [f"app_state[{k!r}] is a {app.kinds[k]} now but was saved as a {saved[k]}"
                for k in app.kinds if saved.get(k) and saved[k] != app.kinds[k]]
     if changed:
         raise CheckpointError(f"checkpoint {manifest.id} does not fit app_state: " + "; ".join(changed))
-    fresh = sorted(k for k in app.kinds if k not in saved and (manifest.version > 1 or app.kinds[k] == STATEFUL))
+    fresh = sorted(k for k in app.kinds if k not in saved and (manifest.all_keys_recorded or app.kinds[k] == STATEFUL))
     unused = sorted(k for k in saved if k not in app.kinds)
     if (fresh or unused) and not partial:
         raise CheckpointError(

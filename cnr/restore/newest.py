@@ -49,7 +49,8 @@ from cnr.track.app_state import AppState
 from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError, RankAgreementError
 from cnr.track import agreement
-from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id
+from cnr.format.documents import Manifest
+from cnr.format.layout import MERGED_SUFFIX, manifest_key, merged_id
 from cnr.format.catalog import damaged_merges, resolve_chain, restore_ids
 from cnr.format.manifest import read_head
 from cnr.format.split import load_ranks, ranks_for

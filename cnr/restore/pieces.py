@@ -26,7 +26,7 @@ from cnr.format.chunk_coverage import check_coverage
 from cnr.format.chunks import fetch_chunk, read_range
 from cnr.codec.chunk_format import DTYPES, DecodedChunk, IdsMemo, decode_chunk
 from cnr.errors import CheckpointError, InvalidKeyError
-from cnr.format.manifest import Manifest, TensorEntry
+from cnr.format.documents import Manifest, TensorEntry
 from cnr.restore.overlay import HeldRows, Span, put_rows
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage, from_sources

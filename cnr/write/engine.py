@@ -20,7 +20,7 @@ import torch
 from cnr.errors import NONFINITE
 from cnr.track import agreement
 from cnr.write.handoff import HandOff, SettleMode
-from cnr.format.manifest import make_id
+from cnr.format.layout import make_id
 from cnr.options import CheckpointOptions
 from cnr.write.compact import Merger, MergeSettings
 from cnr.track.shares import replicated_share

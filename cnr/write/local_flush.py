@@ -33,9 +33,10 @@ from typing import Callable, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, CnrError, StorageError
 from cnr.format.catalog import checkpoint_ids, committed_ids
-from cnr.format.manifest import (
-    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head, step_of, stored_rank_index_key,
+from cnr.format.layout import (
+    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, step_of, stored_rank_index_key,
 )
+from cnr.format.manifest import read_head
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.spec import StorageTarget

@@ -38,9 +38,9 @@ from cnr.codec.base import ArrayCodec, DecodedValues, MergeRows
 from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import (
-    Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
-)
+from cnr.format.documents import Manifest, TensorEntry
+from cnr.format.layout import checkpoint_prefix, manifest_key, merged_id
+from cnr.format.manifest import manifest_to_bytes
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain
 from cnr.policy.retention import forget_verified, verified
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes

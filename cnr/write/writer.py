@@ -39,7 +39,9 @@ from cnr.write.encode_pool import EncodePool
 from cnr.errors import Cancelled, CheckpointError, CnrError, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash, retention_fault
-from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.format.documents import RankIndex, TensorEntry
+from cnr.format.layout import failed_key, rank_index_key
+from cnr.format.manifest import rank_index_to_bytes
 from cnr.format.split import extent_of, summarize, summary_to_bytes
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, open_checkpoint_store, retain_local
