@@ -27,14 +27,13 @@ from dataclasses import asdict, dataclass
 from typing import AbstractSet, FrozenSet, Optional
 
 from cnr.errors import CheckpointError, redact
-from cnr.format.layout import CHECKPOINT_ID, state_id
+from cnr.format.layout import ABANDONED_PREFIX, CHECKPOINT_ID, state_id
 from cnr.format.records import read_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
-ABANDONED_PREFIX = "abandoned"
 RECORD_FORMAT = "cnr.abandoned"
 RECORD_VERSION = 1
 _KEY = re.compile(rf"^{ABANDONED_PREFIX}/({CHECKPOINT_ID})\.json$")

@@ -36,7 +36,7 @@ AGREE_VERSION = 8  # the format version this cnr writes
 Extent = Tuple[int, int, int, int, int]
 """``(rank, row_lo, row_hi, col_lo, col_hi)``: the rows and columns of a tensor that ``rank`` wrote
 (its shard, or its share of a replicated tensor); columns ``(0, 0)`` for a 0-d or 1-D tensor, whose
-0-d form is the one row ``(0, 1)`` (as cnr.restore.pieces.piece_span spans a piece)."""
+0-d form is the one row ``(0, 1)`` (as cnr.restore.spans.piece_span spans a piece)."""
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ Layout under the storage root (docs/format.md is the full specification):
     lineage/<seq>-<lineage>.json              job lineage records (cnr.format.lineage)
     abandoned/<id>.json                       abandoned checkpoints (cnr.format.abandoned)
 
-``<r>`` is the rank in 5 digits (``rank_label``), ``<n>`` the object number in 6. ``<id>`` is
-``<step:010d>-<nonce>``: ids order by step (``id_order``: past 10 digits not as strings), and a
-rewrite of the same step never mixes with leftovers of an earlier attempt. A checkpoint without
-``manifest.json`` is uncommitted.
+``<r>`` is the rank in 5 digits (cnr.names.rank_label, as in per-rank tensor names), ``<n>`` the
+object number in 6. ``<id>`` is ``<step:010d>-<nonce>``: ids order by step (``id_order``: past 10
+digits not as strings), and a rewrite of the same step never mixes with leftovers of an earlier
+attempt. A checkpoint without ``manifest.json`` is uncommitted.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import AbstractSet, List, Mapping, Optional, Tuple
 
+from cnr.names import rank_label
 from cnr.storage.base import Storage
 
 ROOT = "checkpoints"
@@ -35,20 +36,6 @@ LINEAGE_PREFIX = "lineage"
 ABANDONED_PREFIX = "abandoned"
 _RANK_FAILED = "/failed-rank-"
 _RANK_FOLDER = re.compile(r"/rank-(\d{5,})/")
-_RANK_LABEL = re.compile(r"rank-(\d{5,})")
-
-
-def rank_label(rank: int) -> str:
-    """``rank-<r:05d>``: a rank's folder, and the rank part of per-rank tensor names (cnr.format.names)."""
-    return f"rank-{rank:05d}"
-
-
-def parse_rank_label(text: str) -> Optional[int]:
-    """The rank ``rank_label`` wrote ``text`` for, or None when ``text`` is not of its form."""
-    match = _RANK_LABEL.fullmatch(text)
-    return int(match.group(1)) if match else None
-
-
 def checkpoint_prefix(ckpt_id: str) -> str:
     return f"{ROOT}/{ckpt_id}"
 

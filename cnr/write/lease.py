@@ -60,12 +60,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError, StorageError
+from cnr.format.layout import LEASE_PREFIX
 from cnr.storage.base import Storage, verified_read
 from cnr.types import LeaseRef
 
 logger = logging.getLogger(__name__)
 
-LEASE_PREFIX = "lease"
 LEASE_FORMAT = "cnr.lease"
 PROBE_KEY = f"{LEASE_PREFIX}/conditional-write-probe"
 _PROBE = b"cnr: probe of the store's conditional writes (If-None-Match); safe to delete when no job runs\n"
