@@ -81,7 +81,7 @@ class ReportData:
 
 
 def _chain_bytes(entry: Entry, by_id: Dict[str, Entry], bases: Dict[str, Optional[str]]) -> Optional[int]:
-    """Written bytes of what restoring ``entry`` reads (cnr.format.manifest.chain_links over ``bases``,
+    """Written bytes of what restoring ``entry`` reads (cnr.format.layout.chain_links over ``bases``,
     id -> base of every entry); None if part of its chain is absent."""
     links, complete = chain_links(entry.id, bases)
     return sum(by_id[i].written for i in links) if complete else None

@@ -60,7 +60,7 @@ def merged_damage_plan(infos: Sequence[Any], damaged: Set[str]) -> Optional[Dict
 
 
 def merges_in_flight(keys: Sequence[str]) -> Set[str]:
-    """The merged baselines of a store listing (keys under cnr.format.manifest.ROOT) that have
+    """The merged baselines of a store listing (keys under cnr.format.layout.ROOT) that have
     objects but no manifest: being written, or left by a cut-off merge."""
     ids: Set[str] = set()
     for key in keys:

@@ -8,7 +8,7 @@ job of lineage L (cnr.format.lineage) keeping ``keep_last`` states:
 - a *state* is what a checkpoint holds; an increment and the merged baseline standing for it
   (cnr.write.merge) are two forms of one state, so ``keep_last`` counts distinct states, never
   both forms of one;
-- a state *restores* when a restore's path to it (cnr.format.manifest.chain_links: each committed
+- a state *restores* when a restore's path to it (cnr.format.layout.chain_links: each committed
   merged baseline as a shortcut, passed over for the links it stands for when it does not
   verify) reaches a full checkpoint over committed links that all verify: every object read back
   and checked (cnr.format.verify: manifest seal, rank indexes, every chunk's CRC). A checkpoint is

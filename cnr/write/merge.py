@@ -10,7 +10,7 @@ cnr.write.compact's; training does not wait for it, only the end of training doe
 (``Checkpointer.finish``).
 
 The merged checkpoint's id is the id of the increment it stands for plus ``MERGED_SUFFIX`` (see
-cnr.format.manifest.merged_id): it sorts right after that increment, chain resolution takes it in place
+cnr.format.layout.merged_id): it sorts right after that increment, chain resolution takes it in place
 of that increment and everything before it, and retention can then drop the old chain. Its
 manifest is written last, after every chunk is stored and only while the increment's chain still
 resolves, so a merge cut off at any point leaves nothing a restore would read, and a re-run merges
