@@ -13,24 +13,27 @@ from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 from cnr.types import RNG_PREFIX, CheckpointKind, ChunkRef, Role, TableSpec
 
 VERSION = 8  # the format version this cnr writes
-"""Version 8 records which Stateful app_state keys saved the same state on every rank
-(``Manifest.app_agree``), so a restore at another world size reads rank 0's index for them, not
-every rank's (issue #39); version 7 splits the manifest (issue #39): a sharded tensor's chunks are listed only in the
-indexes of the ranks that wrote them, and the manifest records, per tensor, each rank's extents
-(``TensorEntry.extents``), per rank its index's digest (``Manifest.indexes``) and the chunk totals
-(``Manifest.summary``), so a rank restores from the manifest and the few indexes its part overlaps
-(cnr.format.split); replicated tensors' chunks and a merged baseline's stay in the manifest;
-version 6 stores each rank's index in its rank's folder (``rank_index_key``), beside its chunks,
-so the indexes of thousands of ranks are not all written under one S3 prefix at once (issue #39);
-version 5 records the checkpoint's job lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``, cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes (cnr.format.integrity);
-version 2 (the library API) records each tensor's role and table, the application's state per
-rank (``app``) and opaque application metadata; versions 1 (cnr train only) to 7 still read
-(versions 1 to 4 with lineage "", none recorded)."""
+"""What each version added. Version 8 records which Stateful app_state keys saved the same state
+on every rank (``Manifest.app_agree``), so a restore at another world size reads rank 0's index
+for them, not every rank's (issue #39); version 7 splits the manifest (issue #39): a sharded
+tensor's chunks are listed only in the indexes of the ranks that wrote them, and the manifest
+records, per tensor, each rank's extents (``TensorEntry.extents``), per rank its index's digest
+(``Manifest.indexes``) and the chunk totals (``Manifest.summary``), so a rank restores from the
+manifest and the few indexes its part overlaps (cnr.format.split); replicated tensors' chunks and
+a merged baseline's stay in the manifest; version 6 stores each rank's index in its rank's folder
+(cnr.format.layout.rank_index_key), beside its chunks, so the indexes of thousands of ranks are
+not all written under one S3 prefix at once (issue #39); version 5 records the checkpoint's job
+lineage (``lineage``, cnr.format.lineage); version 4 records each chunk's codec chain (``codecs``,
+cnr.codec); version 3 seals every manifest and rank index with a SHA-256 of its bytes
+(cnr.format.integrity); version 2 (the library API) records each tensor's role and table, the
+application's state per rank (``app``) and opaque application metadata; versions 1 (cnr train
+only) to 7 still read, upgraded as they are parsed (versions 1 to 4 with lineage "", none
+recorded)."""
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 LINEAGE_VERSION = 5
 RANK_FOLDER_VERSION = 6
 SPLIT_VERSION = 7
-AGREE_VERSION = 8  # the format version this cnr writes
+AGREE_VERSION = 8
 
 
 Extent = Tuple[int, int, int, int, int]

@@ -29,7 +29,8 @@ def load_state_dict(uri: str, key: str, checkpoint: Optional[str] = None) -> Dic
         manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
         if manifest is None:
             raise CheckpointError(f"no committed checkpoint in {storage.uri}")
-        module = {n: TensorName.parse(n) for n, e in manifest.tensors.items() if e.role in (Role.TABLE_ROWS, Role.DENSE)}
+        module = {n: TensorName.parse(n) for n, e in manifest.tensors.items()
+                  if e.role in (Role.TABLE_ROWS, Role.DENSE)}  # a module's tensors: <key>/<state_dict key>
         names = sorted(n for n, parts in module.items() if parts.key == key and parts.state is None)
         if not names:
             keys = sorted({parts.key for parts in module.values()})
