@@ -38,7 +38,7 @@ from cnr.track.pipeline import check_lookahead, check_loaders
 from cnr.errors import CheckpointError
 from cnr.restore.newest import Skipped, restore_checkpoint, restore_newest
 from cnr.track import agreement
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher

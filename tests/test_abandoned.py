@@ -20,7 +20,7 @@ from cnr.format.abandoned import (
     abandoned_ids, abandoned_key, is_abandoned, read_abandoned, record_abandoned,
 )
 from cnr.format.catalog import list_checkpoints, read_manifest, restore_ids
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.policy.retention import plan_on_storage
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope

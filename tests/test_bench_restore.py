@@ -113,7 +113,7 @@ def _catalog_traffic(uri):
     before it existed (that increment's base's chain, then the increment)."""
     from cnr.app.report import collect
     from cnr.format.catalog import read_manifest, resolve_chain
-    from cnr.format.manifest import MERGED_SUFFIX
+    from cnr.format.layout import MERGED_SUFFIX
     from cnr.storage import open_storage
 
     store = open_storage(uri)

@@ -10,7 +10,7 @@ import torch
 
 from cnr.errors import CheckpointError
 from cnr.restore.chain import newest_first_applies, restore_chain
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
@@ -297,7 +297,7 @@ def test_held_rows_stored_alike_go_into_the_baseline_block_before_it_is_dequanti
     held.hold(0, (0, 60, 0, 0), held_chunk)
     target = torch.full((60, 6), -7.0)
     overlay = held.over_chunk(0, base, (0, 60, 0, 0))  # merged rows go in here, for the whole chunk
-    for lo, hi in ((0, 30), (30, 60)):  # as _copy_overlap does: the block's values (into the piece, or
+    for lo, hi in ((0, 30), (30, 60)):  # as copy_overlap does: the block's values (into the piece, or
         if lo == 0:                      # through a copy: some of its columns), then write_over
             overlay.values_into(lo, hi, target[lo:hi])
         else:

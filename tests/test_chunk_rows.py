@@ -12,7 +12,7 @@ import torch
 from cnr.codec.chunk_format import encode_raw_chunk
 from cnr.errors import CorruptChunkError
 from cnr.format.chunks import fetch_chunk
-from cnr.format.manifest import TensorEntry
+from cnr.format.documents import TensorEntry
 from cnr.format.verify import check_objects
 from cnr.restore.pieces import _decode_object, _id_limits
 from cnr.storage.local import LocalStorage

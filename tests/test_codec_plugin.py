@@ -20,7 +20,8 @@ from cnr.codec.chunk_format import decode_chunk, encode_chunk, stored_payload
 from cnr.codec.spec import make_spec, require_params
 from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError, CorruptChunkError
-from cnr.format.manifest import Manifest, manifest_to_bytes, parse_manifest
+from cnr.format.documents import Manifest
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.restore.chain import restore_chain
 from cnr.storage.local import LocalStorage
 from cnr.track.snapshot import HostPiece
@@ -130,7 +131,7 @@ def test_a_manifest_lists_plugin_chains_and_refuses_longer_ones(plugins):
 
 
 def _entry(ref):
-    from cnr.format.manifest import TensorEntry
+    from cnr.format.documents import TensorEntry
     return TensorEntry((3, 2), "float32", False, (ref,), Role.DENSE, None)
 
 

@@ -16,7 +16,7 @@ from cli_helpers import ROOT, TINY, inspect, run_cnr, train
 from cnr.app.config import load_config
 from cnr.errors import CheckpointError, ConfigError
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
-from cnr.format.manifest import manifest_key, merged_id
+from cnr.format.layout import manifest_key, merged_id
 from cnr.options import DEFAULT_COMPACT_RATIO, CheckpointOptions, OptionsError
 from cnr.policy.kinds import compaction_due
 from cnr.storage.local import LocalStorage

@@ -16,7 +16,7 @@ import torch
 from cnr.codec import bytes_codec
 from cnr.codec.zstd import zstd_spec
 from cnr.write.encode_pool import EncodePool
-from cnr.format.manifest import manifest_key, rank_index_key
+from cnr.format.layout import manifest_key, rank_index_key
 from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage

@@ -19,7 +19,8 @@ import cnr
 
 from cnr.codec.chunk_format import DTYPES
 from cnr.app.launch import RankFailed, launch
-from cnr.format.manifest import MERGED_SUFFIX, Manifest
+from cnr.format.documents import Manifest
+from cnr.format.layout import MERGED_SUFFIX
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.track.json_tree import decode_tree  # the stored JSON keeps key order in tagged forms

@@ -15,9 +15,9 @@ import pytest
 
 from cli_helpers import run_cnr, train
 from cnr.errors import CheckpointError
-from cnr.format.manifest import (
-    VERSION, manifest_key, manifest_to_bytes, parse_manifest, parse_rank_index, rank_index_key, read_head,
-)
+from cnr.format.documents import VERSION
+from cnr.format.layout import manifest_key, rank_index_key
+from cnr.format.manifest import manifest_to_bytes, parse_manifest, parse_rank_index, read_head
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention import plan_retention
 from cnr.storage.local import LocalStorage

@@ -16,7 +16,8 @@ from cnr.app.launch import launch
 from cnr.app.train import check_reader_position
 from cnr.errors import CheckpointError
 from cnr.format.catalog import list_checkpoints, read_manifest
-from cnr.format.manifest import Manifest, manifest_to_bytes, parse_manifest
+from cnr.format.documents import Manifest
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.storage.local import LocalStorage
 from cnr.track.managed_collision import check_restore
 from cnr.track.json_tree import decode_tree, encode_tree

@@ -16,7 +16,7 @@ import pytest
 
 from cli_helpers import TINY, run_cnr, train
 from cnr.write.local_tier import resume_flush, retain_local
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
 
@@ -100,7 +100,9 @@ def test_bad_local_tier_settings_are_refused(tmp_path, setting, message):
 
 def _committed(store, ckpt_id: str, base=None) -> None:
     """A stand-in committed checkpoint: one object, an index and a manifest (read only by id/base/kind)."""
-    from cnr.format.manifest import Manifest, manifest_to_bytes, rank_index_key
+    from cnr.format.documents import Manifest
+    from cnr.format.layout import rank_index_key
+    from cnr.format.manifest import manifest_to_bytes
     from cnr.types import CheckpointKind
 
     kind = CheckpointKind.INCREMENTAL if base else CheckpointKind.FULL

@@ -24,7 +24,9 @@ from cnr.write.commit import commit_checkpoint
 from cnr.errors import CheckpointError
 from cnr.write.lease import Lease, LeaseRecord, lease_key
 from cnr.write.local_tier import local_only_checkpoints
-from cnr.format.manifest import RankIndex, make_id, manifest_key, rank_index_key, rank_index_to_bytes
+from cnr.format.documents import RankIndex
+from cnr.format.layout import make_id, manifest_key, rank_index_key
+from cnr.format.manifest import rank_index_to_bytes
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind

@@ -8,8 +8,10 @@ import json
 import pytest
 
 from cnr.errors import CheckpointError
-from cnr.format.integrity import seal
-from cnr.format.manifest import Manifest, TensorEntry, make_id, manifest_key, manifest_to_bytes, parse_manifest
+from cnr.format.integrity import seal, unseal
+from cnr.format.documents import Manifest, TensorEntry
+from cnr.format.layout import make_id, manifest_key
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.format.catalog import list_checkpoints, newest_committed, read_manifest
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ChunkRef, Role, TableSpec
@@ -161,3 +163,56 @@ def test_version_1_manifests_read_with_roles_and_version_2_names():
     # chunks keep the names their headers carry
     assert m.tensors[f"{weight}/t0.momentum1"].chunks[0].tensor_name == "sparse_optim/t0.momentum1"
     assert m.app_ranks[0]["reader"]["state"]["next_batch"] == 30 and m.metadata["config"]["train"]["seed"] == 3
+
+
+def _stored_as(m: Manifest, version: int) -> bytes:
+    """``m`` as format ``version`` (3 to 8) stored a manifest listing every chunk: without the fields
+    later versions added (codecs 4, lineage 5, extents, indexes and summary 7, app_agree 8)."""
+    body = json.loads(unseal(manifest_to_bytes(m), "manifest")[0])
+    body["version"] = version
+    dropped = ([] if version >= 8 else ["app_agree"]) + ([] if version >= 7 else ["indexes", "summary"]) + \
+        ([] if version >= 5 else ["lineage"])
+    for name in dropped:
+        del body[name]
+    for tensor in body["tensors"].values():
+        if version < 7:
+            del tensor["extents"]
+        for chunk in tensor["chunks"]:
+            if version < 4:
+                del chunk["codecs"]
+    return seal(json.dumps(body, sort_keys=True).encode())
+
+
+@pytest.mark.parametrize("version", [3, 4, 5, 6, 7, 8])
+def test_older_versions_parse_to_the_current_in_memory_form(version):
+    """Old formats are upgraded once, at parse: what a version did not record is said by data
+    (index layout, no agreement record, no lineage), so the manifest an old version parses to
+    equals the one this version would hold for the same checkpoint, but for those fields."""
+    m = _manifest()
+    got = parse_manifest(_stored_as(m, version))
+    assert got == dataclasses.replace(m, version=version, indexes_in_rank_folders=version >= 6)
+    assert got.app_agree is None and got.lineage == "" and got.names_match_indexes and got.all_keys_recorded
+    if version < 4:  # chunks written before the codec seam list no chain
+        assert all(c.codecs == () for t in got.tensors.values() for c in t.chunks)
+
+
+def test_version_1_says_what_it_did_not_record():
+    """Version 1's names were upgraded as it was read (its rank indexes keep the old ones) and it
+    recorded only its Stateful keys: said by data, which verify and restore read, not by version."""
+    m = newest_committed(LocalStorage(f"{FIXTURE}/store"))
+    assert not m.names_match_indexes and not m.all_keys_recorded and not m.indexes_in_rank_folders
+    assert m.app_agree is None and m.lineage == ""
+
+
+def test_readers_after_the_parse_never_ask_the_version():
+    """Restores, verification and the writer's commit read the upgraded fields, not ``version``."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "cnr"
+    asking = [f"{path.relative_to(root)}:{n}" for folder in ("restore", "write", "format", "app", "policy", "publish")
+              for path in sorted((root / folder).glob("*.py"))
+              if path.name not in ("manifest.py", "tensor_json.py", "documents.py", "split.py")
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"(manifest|\bm|head|old|newer)\.version\b", line)]
+    assert asking == []

@@ -16,7 +16,8 @@ import torch
 from cli_helpers import MIXED_SHARDING, inspect, run_cnr, train
 from cnr.codec.zstd import zstd_spec
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest, checkpoint_prefix, manifest_key, merged_id
+from cnr.format.documents import Manifest
+from cnr.format.layout import checkpoint_prefix, manifest_key, merged_id
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
 from cnr.format.verify import check_objects
 from cnr.write.compact import Merger, MergeSettings, compact_location, merge_and_retain

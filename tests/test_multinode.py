@@ -17,7 +17,8 @@ import sys
 from cli_helpers import MIXED_SHARDING, ROOT, TINY, train
 from cnr.format.catalog import list_checkpoints
 from cnr.storage.checkpoint_store import local_tier_root
-from cnr.format.manifest import parse_rank_index, rank_index_key
+from cnr.format.layout import rank_index_key
+from cnr.format.manifest import parse_rank_index
 from cnr.storage.local import LocalStorage
 from torchrun_helpers import run_nodes
 

@@ -12,7 +12,7 @@ import torch
 
 from cli_helpers import train
 from cnr.errors import NONFINITE, NonFiniteStateError
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.format.catalog import list_checkpoints, read_manifest, resolve_chain
 from cnr.options import CheckpointOptions
 from cnr.format.chunks import fetch_chunk

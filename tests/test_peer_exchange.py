@@ -13,7 +13,9 @@ import pytest
 
 from cnr.write.commit import wait_for_ranks
 from cnr.errors import CheckpointError
-from cnr.format.manifest import RankIndex, rank_index_key, rank_index_to_bytes
+from cnr.format.documents import RankIndex
+from cnr.format.layout import rank_index_key
+from cnr.format.manifest import rank_index_to_bytes
 from cnr.format.split import summarize, summary_to_bytes
 from cnr.write.peer_exchange import PeerExchange, host_exchange
 from cnr.storage.local import LocalStorage

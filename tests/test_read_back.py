@@ -9,7 +9,7 @@ import pytest
 
 import cnr.policy.retention as retention
 from cnr.errors import CheckpointError
-from cnr.format.manifest import manifest_key, rank_index_key
+from cnr.format.layout import manifest_key, rank_index_key
 from cnr.format.verify import check_stored
 from cnr.options import CheckpointOptions
 from cnr.storage.local import LocalStorage

@@ -263,7 +263,7 @@ def test_a_checkpoint_deleted_between_the_listing_and_its_read_is_left_out(tmp_p
     (``inspect``, ``bench chaos``' checks, a restore's catalog): the scan leaves it out instead
     of failing on the missing manifest (seen in ``bench chaos``: "no object .../manifest.json")."""
     from cnr.format.catalog import scan_checkpoints
-    from cnr.format.manifest import manifest_key
+    from cnr.format.layout import manifest_key
     from cnr.storage.wrapper import WrapperStorage
 
     store = LocalStorage(str(tmp_path))

@@ -12,7 +12,7 @@ import torch
 from cnr.bench.chaos_proxy import ChaosProxy
 from cnr.app.cli import main
 from cnr.errors import CnrError, RedactingFilter, StorageError, redact
-from cnr.format.manifest import failed_key
+from cnr.format.layout import failed_key
 from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage

@@ -11,10 +11,9 @@ import pytest
 from matplotlib.image import imread
 
 from cnr.app.cli import main
-from cnr.format.manifest import (
-    Manifest, RankIndex, TensorEntry, object_key, failed_key, make_id, manifest_key, manifest_to_bytes,
-    rank_index_key, rank_index_to_bytes,
-)
+from cnr.format.documents import Manifest, RankIndex, TensorEntry
+from cnr.format.layout import failed_key, make_id, manifest_key, object_key, rank_index_key
+from cnr.format.manifest import manifest_to_bytes, rank_index_to_bytes
 from cnr.app.report import FIGURES, MARKDOWN, Entry, ReportData, compute, render_markdown
 from cnr.storage import open_storage
 from cnr.storage.base import Storage

@@ -9,9 +9,11 @@ import torch
 
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest, TensorEntry, manifest_to_bytes, parse_manifest
+from cnr.format.documents import Manifest, TensorEntry
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.restore.chain import restore_chain
-from cnr.restore.pieces import apply_restore, chunk_overlaps, fetch_pool, piece_span, plan_restore, restore_pieces
+from cnr.restore.pieces import apply_restore, fetch_pool, plan_restore, restore_pieces
+from cnr.restore.spans import chunk_overlaps, piece_span
 from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage

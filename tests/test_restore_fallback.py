@@ -19,7 +19,7 @@ from cnr.track.app_state import AppState
 from cnr.app.config import load_config
 from cnr.errors import CheckpointError
 from cnr.app.launch import RankFailed, launch
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage

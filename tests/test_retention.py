@@ -8,7 +8,7 @@ from typing import Dict
 import pytest
 
 from cli_helpers import inspect, train
-from cnr.format.manifest import merged_id
+from cnr.format.layout import merged_id
 from cnr.policy.retention import chain_ids, plan_retention
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, chain_links, merged_id, state_id
+from cnr.format.layout import MERGED_SUFFIX, chain_links, merged_id, state_id
 from cnr.policy.retention import plan_verified_retention, plan_with, to_verify
 from cnr.policy.retention_plan import every_path_ids
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope

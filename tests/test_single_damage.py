@@ -17,7 +17,7 @@ import pytest
 
 from cli_helpers import inspect, run_cnr, train
 from cnr.format.catalog import list_checkpoints, read_manifest
-from cnr.format.manifest import MERGED_SUFFIX, manifest_key, state_id
+from cnr.format.layout import MERGED_SUFFIX, manifest_key, state_id
 from cnr.format.verify import verify_store
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointStatus

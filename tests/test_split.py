@@ -12,10 +12,9 @@ from cnr.bench.scale_state import ScaleShape, rank_indexes, table_name
 from cnr.bench.scale_store import MemoryStorage
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.integrity import seal
-from cnr.format.manifest import (
-    VERSION, Manifest, TensorEntry, manifest_key, manifest_to_bytes, merge_rank_indexes, parse_manifest, rank_index_key, rank_index_to_bytes,
-    read_head,
-)
+from cnr.format.documents import Manifest, TensorEntry, VERSION
+from cnr.format.layout import manifest_key, rank_index_key
+from cnr.format.manifest import manifest_to_bytes, merge_rank_indexes, parse_manifest, rank_index_to_bytes, read_head
 from cnr.format.split import (
     agreeing_keys, check_extent_coverage, join_summaries, load_ranks, parse_summary, ranks_for, read_manifest, read_rank_index,
     summarize, summary_to_bytes, whole,

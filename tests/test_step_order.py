@@ -16,7 +16,9 @@ import cnr
 from cnr.app.launch import launch
 from cnr.errors import CheckpointError
 from cnr.format.catalog import checkpoint_ids, committed_ids, list_checkpoints, newest_committed, resolve_chain, restore_ids
-from cnr.format.manifest import Manifest, id_order, manifest_key, manifest_to_bytes, parse_manifest, rank_index_key
+from cnr.format.documents import Manifest
+from cnr.format.layout import id_order, manifest_key, rank_index_key
+from cnr.format.manifest import manifest_to_bytes, parse_manifest
 from cnr.publish.subscriber import committed_publishes
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage

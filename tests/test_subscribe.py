@@ -28,7 +28,7 @@ from cnr.app.data import make_reader
 from cnr.app.evaluate import evaluate
 from cnr.app.inference import InferenceModel
 from cnr.app.launch import launch
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.format.catalog import read_manifest
 from cnr.app.parallel import build_sharded_model
 from cnr.app.train import make_publisher

@@ -11,7 +11,9 @@ import pytest
 from cnr.bench.scale_state import ScaleShape, rank_indexes
 from cnr.bench.scale_store import MemoryStorage
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest, merge_rank_indexes, rank_index_key, rank_index_to_bytes
+from cnr.format.documents import Manifest
+from cnr.format.layout import rank_index_key
+from cnr.format.manifest import merge_rank_indexes, rank_index_to_bytes
 from cnr.format.verify import check_rank_indexes
 from cnr.types import CheckpointKind
 

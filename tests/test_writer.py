@@ -14,7 +14,7 @@ import torch
 
 import cnr.write.writer as writer_module
 from cnr.errors import CheckpointError
-from cnr.format.manifest import failed_key
+from cnr.format.layout import failed_key
 from cnr.options import CheckpointOptions
 from cnr.storage.local import LocalStorage
 from cnr.track.snapshot import HostPiece

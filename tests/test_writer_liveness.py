@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from cnr.format.manifest import failed_key, manifest_key
+from cnr.format.layout import failed_key, manifest_key
 from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage

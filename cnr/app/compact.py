@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict
 from cnr.app.console import moving
 from cnr.errors import ConfigError
 from cnr.options import MAX_CHUNK_BYTES, MAX_KEEP_LAST, MAX_THREADS, CheckpointOptions, shown
-from cnr.format.manifest import ROOT, is_checkpoint_id
+from cnr.format.layout import ROOT, is_checkpoint_id
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.storage.local import LocalStorage

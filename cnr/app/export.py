@@ -29,7 +29,7 @@ import torch
 from cnr.app.console import progress_bar
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.restore.load import load_state_dict
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.write.local_paths import check_creatable_dir
 from cnr.format.catalog import newest_committed, read_manifest
 from cnr.storage import open_storage

@@ -17,7 +17,8 @@ import torch
 from cnr.app.config import Config
 from cnr.app.config_checks import check_device_support, check_host_memory
 from cnr.errors import ConfigError
-from cnr.format.manifest import Manifest, read_head
+from cnr.format.documents import Manifest
+from cnr.format.manifest import read_head
 from cnr.format.catalog import newest_committed
 from cnr.app.launch import check_nproc, under_torchrun
 from cnr.policy.kinds import failure_rate

@@ -37,7 +37,8 @@ from typing import Dict, List, Optional
 from cnr.app.console import moving
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.app.report_points import Entry, Point
-from cnr.format.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key
+from cnr.format.documents import Manifest
+from cnr.format.layout import MERGED_SUFFIX, chain_links, manifest_key, rank_index_key
 from cnr.format.catalog import scan_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
@@ -81,7 +82,7 @@ class ReportData:
 
 
 def _chain_bytes(entry: Entry, by_id: Dict[str, Entry], bases: Dict[str, Optional[str]]) -> Optional[int]:
-    """Written bytes of what restoring ``entry`` reads (cnr.format.manifest.chain_links over ``bases``,
+    """Written bytes of what restoring ``entry`` reads (cnr.format.layout.chain_links over ``bases``,
     id -> base of every entry); None if part of its chain is absent."""
     links, complete = chain_links(entry.id, bases)
     return sum(by_id[i].written for i in links) if complete else None
@@ -115,7 +116,7 @@ def _meta_bytes(storage: Storage, m: Manifest) -> int:
     """Stored size of the manifest and every rank's index (sizes only, nothing is read). A merged
     baseline (cnr.write.merge) is written by one process, with no rank indexes."""
     ranks = 0 if m.id.endswith(MERGED_SUFFIX) else m.world_size
-    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r, m.version) for r in range(ranks)]
+    keys = [manifest_key(m.id)] + [rank_index_key(m.id, r, m.indexes_in_rank_folders) for r in range(ranks)]
     total = 0
     for key in keys:
         try:

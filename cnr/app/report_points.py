@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from cnr.format.manifest import MERGED_SUFFIX
+from cnr.format.layout import MERGED_SUFFIX
 
 
 @dataclass(frozen=True)

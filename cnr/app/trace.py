@@ -22,12 +22,14 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
+from cnr.names import rank_label
+
 PATTERN = "samples-rank-*.jsonl"
 
 
 def trace_path(trace_dir: str, rank: int) -> str:
     """The trace file of ``rank``."""
-    return os.path.join(trace_dir, f"samples-rank-{rank:05d}.jsonl")
+    return os.path.join(trace_dir, f"samples-{rank_label(rank)}.jsonl")
 
 
 def id_runs(sample_ids: torch.Tensor) -> List[List[int]]:

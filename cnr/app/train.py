@@ -28,7 +28,9 @@ from cnr.app.evaluate import evaluate
 from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
-from cnr.format.manifest import Manifest, read_head
+from cnr.format.documents import Manifest
+from cnr.format.layout import step_of
+from cnr.format.manifest import read_head
 from cnr.format.split import load_ranks
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions

@@ -33,7 +33,7 @@ from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
 from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.write.local_tier import tier_for
-from cnr.format.manifest import chain_links, id_order
+from cnr.format.layout import chain_links, id_order
 from cnr.options import CheckpointOptions
 from cnr.policy.retention import own_damage
 from cnr.storage.base import Storage

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from cnr.format.manifest import checkpoint_prefix, manifest_key
+from cnr.format.layout import checkpoint_prefix, manifest_key
 from cnr.write.proc import READER, WRITER
 from cnr.storage.base import Storage
 

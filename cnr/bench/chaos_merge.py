@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from cnr.bench import chaos_job
 from cnr.bench.chaos_events import committed, newest_intact
 from cnr.bench.chaos_job import Job, corrupt_chunk
-from cnr.format.manifest import MERGED_SUFFIX, ROOT, manifest_key, state_id, step_of
+from cnr.format.layout import MERGED_SUFFIX, ROOT, manifest_key, state_id, step_of
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
 from cnr.write.at_exit import ABANDON_BOUND_S
@@ -60,7 +60,7 @@ def merged_damage_plan(infos: Sequence[Any], damaged: Set[str]) -> Optional[Dict
 
 
 def merges_in_flight(keys: Sequence[str]) -> Set[str]:
-    """The merged baselines of a store listing (keys under cnr.format.manifest.ROOT) that have
+    """The merged baselines of a store listing (keys under cnr.format.layout.ROOT) that have
     objects but no manifest: being written, or left by a cut-off merge."""
     ids: Set[str] = set()
     for key in keys:

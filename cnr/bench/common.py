@@ -20,7 +20,7 @@ from cnr.app.config import Config, load_config
 from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
-from cnr.format.manifest import MERGED_SUFFIX, chain_links
+from cnr.format.layout import MERGED_SUFFIX, chain_links
 from cnr.options import CheckpointOptions, shown
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.storage.base import Storage

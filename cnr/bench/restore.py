@@ -68,7 +68,7 @@ from cnr.restore.chain import restore_chain
 from cnr.app.config import Config
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
 from cnr.storage.base import Storage

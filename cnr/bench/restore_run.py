@@ -56,7 +56,7 @@ from cnr.app.launch import launch
 from cnr.app.report_points import Entry
 from cnr.errors import ConfigError
 from cnr.format.catalog import read_manifest
-from cnr.format.manifest import MERGED_SUFFIX, merged_id
+from cnr.format.layout import MERGED_SUFFIX, merged_id
 from cnr.options import CheckpointOptions
 from cnr.restore.chain import restore_chain
 from cnr.restore.into_app import RestoredChain

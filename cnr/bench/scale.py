@@ -49,7 +49,8 @@ from cnr.bench.scale_state import (
 from cnr.bench.scale_store import MemoryStorage, SimulatedS3
 from cnr.errors import ConfigError
 from cnr.format.catalog import restore_ids
-from cnr.format.manifest import make_id, rank_index_key, rank_index_to_bytes, read_head
+from cnr.format.layout import make_id, rank_index_key
+from cnr.format.manifest import rank_index_to_bytes, read_head
 from cnr.format.split import summarize, summary_to_bytes
 from cnr.policy.retention import retain_after_commit
 from cnr.policy.retention_plan import plan_with

@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-from cnr.format.manifest import RankIndex, TensorEntry, object_key
+from cnr.format.documents import RankIndex, TensorEntry
+from cnr.format.layout import object_key
 from cnr.track.shares import share_of, share_writers
 from cnr.types import ChunkRef, Encoding, Role, TableSpec
 

@@ -19,7 +19,7 @@ from cnr.bench.link import Link, LinkedStorage, linked_spec
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.storage.checkpoint_store import local_tier_root
-from cnr.format.manifest import manifest_key
+from cnr.format.layout import manifest_key
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
 from cnr.storage.base import Storage

@@ -45,7 +45,7 @@ from cnr.options import CheckpointOptions
 from cnr.app.config import Config
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
-from cnr.format.manifest import checkpoint_prefix, manifest_key, rank_index_key
+from cnr.format.layout import checkpoint_prefix, manifest_key, rank_index_key
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
 from cnr.storage import open_storage

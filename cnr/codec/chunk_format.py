@@ -23,13 +23,13 @@ names, through cnr.codec's registry.
 
 Format 3 added ``codecs`` (replacing ``encoding``, ``bits`` and ``quant``); format 4 extended the
 CRC over ``dtype``, ``row_shape`` and ``ids`` (before it, the CRC covers the payload alone).
-Versions 1 (int64 ids only), 2 and 3 are still read, their headers mapped onto the equivalent chain.
+Versions 1 (int64 ids only), 2 and 3 are still read, their headers mapped onto the equivalent chain
+as they are parsed (cnr.codec.chunk_header).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -37,31 +37,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from cnr.codec import MAX_BYTES_STAGES, array_codec, bytes_codec, check_chain_names
+from cnr.codec import MAX_BYTES_STAGES, array_codec, bytes_codec
 from cnr.codec.base import DTYPES, DTYPE_NAMES, Encoded, Target, ValuesShape, dtype_name, take, tensor_bytes
-from cnr.codec.spec import make_spec, spec_from_json, spec_to_json
+from cnr.codec.chunk_header import (
+    FORMAT_VERSION, MAGIC, MAX_HEADER, PREFIX, READABLE, check_header_matches, header_crc, ids_bytes, parse_header,
+)
+from cnr.codec.spec import spec_to_json
 from cnr.errors import CorruptChunkError
 from cnr.types import ChunkRef, CodecSpec
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DecodedChunk", "IdsMemo", "decode_chunk", "dtype_name", "encode_chunk", "encode_log8_chunk",
            "encode_quantized_chunk", "encode_raw_chunk", "encode_values", "stored_payload"]
-
-MAGIC = b"CNRC"
-FORMAT_VERSION = 4
-_READABLE = (1, 2, 3, FORMAT_VERSION)
-_CRC_OVER_HEADER = 4  # the first version whose CRC covers dtype, row_shape and ids
-_PREFIX = struct.Struct("<4sHI")
-_MAX_HEADER = 1 << 20
-_MAX_CODECS = 1 + MAX_BYTES_STAGES  # one array->bytes stage and at most one bytes->bytes stage
-
-_COMMON_FIELDS = {
-    "tensor": str, "dtype": str, "row_start": int, "rows": int, "row_ids": bool, "col_offset": int, "cols": int,
-    "row_shape": list, "payload_bytes": int, "payload_crc32": int, "ids": (dict, type(None)),
-}
-_HEADER_FIELDS = {**_COMMON_FIELDS, "codecs": list}
-_V2_HEADER_FIELDS = {**_COMMON_FIELDS, "encoding": str, "bits": int, "quant": (dict, type(None))}
-_V1_HEADER_FIELDS = {k: v for k, v in _V2_HEADER_FIELDS.items() if k != "ids"}
-_QUANT_FIELDS = {"method": str, "scale_dtype": str, "bias_dtype": str}
 
 IdsMemo = Dict[Tuple[int, int, int, bytes], torch.Tensor]
 """(first, span, rows, bitmap bytes) -> the row ids that bitmap lists (``decode_chunk``)."""
@@ -145,7 +131,7 @@ def _encode(key: str, where: _Placement, encoded: Encoded, compression: Compress
     parts: List[Union[memoryview, bytes]] = [ids, *value_parts]
     for stage in compression:
         parts = [bytes_codec(stage.name).encode(stage, b"".join(parts))]
-    crc = _header_crc(shape.dtype, list(shape.row_shape), ids_format)
+    crc = header_crc(shape.dtype, list(shape.row_shape), ids_format)
     for part in parts:
         crc = zlib.crc32(part, crc)
     chain = (spec, *compression)
@@ -156,18 +142,13 @@ def _encode(key: str, where: _Placement, encoded: Encoded, compression: Compress
         "ids": ids_format, "codecs": [spec_to_json(s) for s in chain],
     }
     header_bytes = json.dumps(header, sort_keys=True).encode()
-    blob = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
+    blob = b"".join([PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes, *parts])
     codec = array_codec(spec.name)
     bits, method = codec.summary(spec, shape.dtype)
     ref = ChunkRef(key=key, tensor_name=where.tensor_name, rows=shape.rows, row_start=where.row_start,
                    row_ids=where.row_ids is not None, col_offset=where.col_offset, cols=shape.cols, nbytes=len(blob),
                    crc32=crc, encoding=codec.encoding, bits=bits, method=method, codecs=chain)
     return blob, ref
-
-
-def _header_crc(dtype: str, row_shape: List[int], ids: Optional[dict]) -> int:
-    """The CRC-32 of the header fields no manifest field pins (the seed of a chunk's CRC)."""
-    return zlib.crc32(json.dumps([dtype, list(row_shape), ids], sort_keys=True, separators=(",", ":")).encode())
 
 
 def encode_chunk(key: str, tensor_name: str, encoded: Encoded, row_start: int, col_offset: int,
@@ -230,27 +211,27 @@ def decode_chunk(blob: Union[bytes, memoryview], ref: ChunkRef, dequantize: bool
     where = f"chunk {ref.key!r}"
     if len(blob) != ref.nbytes:
         raise CorruptChunkError(f"{where} has {len(blob)} bytes, the manifest says {ref.nbytes} (truncated or altered)")
-    if len(blob) < _PREFIX.size:
-        raise CorruptChunkError(f"{where} is shorter than its {_PREFIX.size}-byte prefix")
-    magic, version, header_len = _PREFIX.unpack_from(blob, 0)
+    if len(blob) < PREFIX.size:
+        raise CorruptChunkError(f"{where} is shorter than its {PREFIX.size}-byte prefix")
+    magic, version, header_len = PREFIX.unpack_from(blob, 0)
     if magic != MAGIC:
         raise CorruptChunkError(f"{where} does not start with {MAGIC!r}: not a cnr chunk")
-    if version not in _READABLE:
+    if version not in READABLE:
         raise CorruptChunkError(f"{where} has format version {version}; this cnr reads versions 1 to {FORMAT_VERSION}")
-    if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(blob):
+    if header_len > MAX_HEADER or PREFIX.size + header_len > len(blob):
         raise CorruptChunkError(f"{where} declares a {header_len}-byte header that does not fit")
-    header = _parse_header(blob[_PREFIX.size:_PREFIX.size + header_len], where, version)
-    _check_header_matches(header, ref, where, version)
+    header = parse_header(blob[PREFIX.size:PREFIX.size + header_len], where, version)
+    check_header_matches(header, ref, where)
     # read-only, whatever the storage returned: only a bytes stage's own output may become the
     # decoded tensors' memory (cnr.codec.base.take)
-    payload = memoryview(blob).toreadonly()[_PREFIX.size + header_len:]
+    payload = memoryview(blob).toreadonly()[PREFIX.size + header_len:]
     if len(payload) != header["payload_bytes"]:
         raise CorruptChunkError(f"{where} payload has {len(payload)} bytes, its header says {header['payload_bytes']}")
-    seed = _header_crc(header["dtype"], list(header["row_shape"]), header["ids"]) if version >= _CRC_OVER_HEADER else 0
+    over_header = header["crc_over_header"]
+    seed = header_crc(header["dtype"], list(header["row_shape"]), header["ids"]) if over_header else 0
     if zlib.crc32(payload, seed) != header["payload_crc32"]:
-        raise CorruptChunkError(f"{where} header or payload fails its CRC-32 check (altered or corrupted)"
-                                if version >= _CRC_OVER_HEADER else
-                                f"{where} payload fails its CRC-32 check (altered or corrupted)")
+        raise CorruptChunkError(f"{where} {'header or payload' if over_header else 'payload'} fails its CRC-32 check "
+                                "(altered or corrupted)")
     chunk = _payload_tensors(payload, header, ref, where, dequantize, reference, ids_memo)
     if tensor_rows is not None and chunk.row_ids is not None and header["rows"]:
         _check_ids_within(chunk.row_ids, header["ids"], tensor_rows, where)
@@ -268,99 +249,12 @@ def _check_ids_within(row_ids: torch.Tensor, ids: dict, tensor_rows: int, where:
 def stored_payload(blob: Union[bytes, memoryview]) -> memoryview:
     """The stored payload of a chunk ``blob`` that decode_chunk has verified (benchmarks measure
     bytes->bytes stage on it); raises CorruptChunkError when the framing does not hold."""
-    if len(blob) < _PREFIX.size or _PREFIX.unpack_from(blob, 0)[0] != MAGIC:
+    if len(blob) < PREFIX.size or PREFIX.unpack_from(blob, 0)[0] != MAGIC:
         raise CorruptChunkError("not a cnr chunk")
-    header_len = _PREFIX.unpack_from(blob, 0)[2]
-    if _PREFIX.size + header_len > len(blob):
+    header_len = PREFIX.unpack_from(blob, 0)[2]
+    if PREFIX.size + header_len > len(blob):
         raise CorruptChunkError(f"a {header_len}-byte chunk header does not fit")
-    return memoryview(blob)[_PREFIX.size + header_len:]
-
-
-def _typed(value, kind) -> bool:
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-
-
-def _parse_header(raw: bytes, where: str, version: int) -> dict:
-    try:
-        header = json.loads(bytes(raw).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptChunkError(f"{where} header is not valid JSON: {e}") from e
-    fields = {1: _V1_HEADER_FIELDS, 2: _V2_HEADER_FIELDS}.get(version, _HEADER_FIELDS)
-    if not isinstance(header, dict) or set(header) != set(fields):
-        got = sorted(header) if isinstance(header, dict) else type(header).__name__
-        raise CorruptChunkError(f"{where} header fields {got} differ from the expected {sorted(fields)}")
-    if version == 1:
-        header["ids"] = {"format": "int64"} if header["row_ids"] else None
-    for name, kind in {**fields, "ids": (dict, type(None))}.items():
-        if not _typed(header[name], kind):
-            raise CorruptChunkError(f"{where} header field {name!r} = {header[name]!r:.80} has the wrong type")
-    if header["dtype"] not in DTYPES:
-        raise CorruptChunkError(f"{where} header dtype {header['dtype']!r:.40} is not one of {', '.join(DTYPES)}")
-    if any(not _typed(s, int) or s < 0 for s in header["row_shape"]) or header["rows"] < 0:
-        raise CorruptChunkError(f"{where} header has a negative size")
-    header["row_shape"] = tuple(header["row_shape"])
-    header["codecs"] = _legacy_chain(header, where) if version < 3 else _parse_chain(header["codecs"], where)
-    shape = ValuesShape(header["rows"], header["row_shape"], header["cols"], header["dtype"])
-    array_codec(header["codecs"][0].name, where).check(header["codecs"][0], shape, where)
-    for stage in header["codecs"][1:]:
-        bytes_codec(stage.name, where).check(stage, where)
-    _parse_ids(header, where)
-    return header
-
-
-def _parse_chain(raw: list, where: str) -> Tuple[CodecSpec, ...]:
-    chain = tuple(spec_from_json(obj, where) for obj in raw[:_MAX_CODECS + 1])
-    check_chain_names([spec.name for spec in chain], where)
-    return chain
-
-
-def _legacy_chain(header: dict, where: str) -> Tuple[CodecSpec, ...]:
-    """The chain equivalent to a version 1 or 2 header's ``encoding``/``bits``/``quant``."""
-    encoding, quant = header["encoding"], header["quant"]
-    if encoding not in ("raw", "quantized") or (encoding == "quantized") != (quant is not None):
-        raise CorruptChunkError(f"{where} encoding {encoding!r:.40} with quant {quant!r:.80} is not supported")
-    if quant is None:
-        return (make_spec("raw"),)
-    if set(quant) != set(_QUANT_FIELDS) or any(not isinstance(quant[k], str) for k in _QUANT_FIELDS):
-        raise CorruptChunkError(f"{where} quant fields {sorted(quant)} differ from the expected {sorted(_QUANT_FIELDS)}")
-    return (make_spec("rowwise", bits=header["bits"], method=quant["method"], scale=quant["scale_dtype"],
-                      bias=quant["bias_dtype"]),)
-
-
-def _parse_ids(header: dict, where: str) -> None:
-    ids = header["ids"]
-    if (ids is not None) != header["row_ids"]:
-        raise CorruptChunkError(f"{where} header's ids {ids!r:.80} do not match row_ids={header['row_ids']}")
-    if ids is None or ids == {"format": "int64"}:
-        return
-    ok = (set(ids) == {"format", "first", "span"} and ids["format"] == "bitmap"
-          and _typed(ids["first"], int) and _typed(ids["span"], int) and ids["first"] >= 0 and ids["span"] >= 0)
-    if not ok:
-        raise CorruptChunkError(f"{where} header ids {ids!r:.80} are neither int64 nor a valid bitmap")
-
-
-def _check_header_matches(header: dict, ref: ChunkRef, where: str, version: int) -> None:
-    codec = array_codec(header["codecs"][0].name, where)
-    bits, method = codec.summary(header["codecs"][0], header["dtype"])
-    expected = {
-        "tensor": ref.tensor_name, "rows": ref.rows, "row_start": ref.row_start, "row_ids": ref.row_ids,
-        "col_offset": ref.col_offset, "cols": ref.cols, "payload_crc32": ref.crc32,
-    }
-    got = {**{k: header[k] for k in expected}}
-    expected.update(encoding=ref.encoding, bits=ref.bits, method=ref.method)
-    got.update(encoding=codec.encoding, bits=bits, method=method)
-    if version >= 3 or ref.codecs:  # a manifest that lists codecs lists exactly the header's
-        expected["codecs"], got["codecs"] = ref.codecs, header["codecs"]
-    for name, value in expected.items():
-        if got[name] != value:
-            raise CorruptChunkError(f"{where} header {name}={got[name]!r:.120} but the manifest says {value!r:.120}")
-
-
-def _ids_bytes(header: dict) -> int:
-    ids = header["ids"]
-    if ids is None:
-        return 0
-    return 8 * header["rows"] if ids["format"] == "int64" else (ids["span"] + 7) // 8
+    return memoryview(blob)[PREFIX.size + header_len:]
 
 
 def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: str, dequantize: bool,
@@ -368,7 +262,7 @@ def _payload_tensors(payload: memoryview, header: dict, ref: ChunkRef, where: st
     chain = header["codecs"]
     shape = ValuesShape(header["rows"], header["row_shape"], header["cols"], header["dtype"])
     codec = array_codec(chain[0].name, where)
-    size = _ids_bytes(header) + codec.value_bytes(chain[0], shape)
+    size = ids_bytes(header) + codec.value_bytes(chain[0], shape)
     for stage in chain[1:]:  # at most one (MAX_BYTES_STAGES): its decoded size is the one computed here
         payload = memoryview(bytes_codec(stage.name, where).decode(stage, payload, size, where))
     if len(payload) != size:

@@ -27,14 +27,13 @@ from dataclasses import asdict, dataclass
 from typing import AbstractSet, FrozenSet, Optional
 
 from cnr.errors import CheckpointError, redact
-from cnr.format.manifest import CHECKPOINT_ID, state_id
+from cnr.format.layout import ABANDONED_PREFIX, CHECKPOINT_ID, state_id
 from cnr.format.records import read_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
-ABANDONED_PREFIX = "abandoned"
 RECORD_FORMAT = "cnr.abandoned"
 RECORD_VERSION = 1
 _KEY = re.compile(rf"^{ABANDONED_PREFIX}/({CHECKPOINT_ID})\.json$")
@@ -75,7 +74,7 @@ def record_abandoned(storage: Storage, ckpt_id: str, restored_instead: str, reas
     """Record that a restore passed over ``ckpt_id`` (``reason``: what is damaged) and took
     ``restored_instead``; False when a record of it is there already (records are never rewritten).
     A merged baseline is recorded by the state it holds, its increment's id
-    (cnr.format.manifest.state_id): both forms of one state are one branch. Rank 0's trainer calls
+    (cnr.format.layout.state_id): both forms of one state are one branch. Rank 0's trainer calls
     it under the lease."""
     state = state_id(ckpt_id)
     record = AbandonedRecord(state, restored_instead, redact(reason)[:_REASON_LIMIT], time.time(),

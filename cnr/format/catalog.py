@@ -8,10 +8,12 @@ import logging
 from typing import AbstractSet, Callable, List, Optional, Tuple
 
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError
-from cnr.format.manifest import (
-    MERGED_SUFFIX, ROOT, Manifest, checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head,
+from cnr.format.documents import Manifest
+from cnr.format.layout import (
+    MERGED_SUFFIX, ROOT, checkpoint_prefix, failed_key, id_order, is_rank_failure_key, manifest_key, merged_id,
     state_id, step_of,
 )
+from cnr.format.manifest import read_head
 from cnr.format.split import read_manifest
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.lineage import foreign_reason, recorded_lineages, restore_order
@@ -38,7 +40,7 @@ def marker_error(storage: Storage, key: str) -> str:
 
 def failure_of(storage: Storage, ckpt_id: str) -> Optional[str]:
     """The error recorded for a failed checkpoint (or one of its ranks), else None."""
-    for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if "/failed-rank-" in k]:
+    for key in [failed_key(ckpt_id)] + [k for k in storage.list(checkpoint_prefix(ckpt_id)) if is_rank_failure_key(k)]:
         if storage.exists(key):
             return marker_error(storage, key)
     return None

@@ -6,7 +6,7 @@ import math
 from typing import Dict, List, Tuple
 
 from cnr.errors import CheckpointError
-from cnr.format.manifest import TensorEntry
+from cnr.format.documents import TensorEntry
 from cnr.types import TABLE_ROLES, CheckpointKind, ChunkRef
 
 

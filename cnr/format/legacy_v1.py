@@ -14,7 +14,7 @@ from cnr.errors import CheckpointError
 from cnr.types import RNG_PREFIX, Role
 
 Entry = TypeVar("Entry")
-"""A cnr.format.manifest.TensorEntry (anything with ``role`` and ``table`` that dataclasses.replace
+"""A cnr.format.documents.TensorEntry (anything with ``role`` and ``table`` that dataclasses.replace
 takes): this module sits below the manifest module, which reads version 1 through it."""
 
 V1_MODEL, V1_SPARSE_OPTIM, V1_DENSE_OPTIM = "model/", "sparse_optim/", "dense_optim/"

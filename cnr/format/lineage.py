@@ -41,19 +41,20 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import Manifest, check_lineage, read_head
+from cnr.format.documents import Manifest
+from cnr.format.manifest import check_lineage, read_head
+from cnr.format.layout import LINEAGE_PREFIX
 from cnr.format.records import read_record as read_json_record, record_bytes
 from cnr.format.records import parse_record as parse_json_record
 from cnr.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
-LINEAGE_PREFIX = "lineage"
 RECORD_FORMAT = "cnr.lineage"
 RECORD_VERSION = 1
 UNRECORDED = ""
 _UNRECORDED_NAME = "unrecorded"  # the record name of lineage "" (manifests that record none)
-_KEY = re.compile(r"^lineage/(\d{12})-([0-9a-f]{32}|unrecorded)\.json$")
+_KEY = re.compile("^" + re.escape(LINEAGE_PREFIX) + r"/(\d{12})-([0-9a-f]{32}|unrecorded)\.json$")
 
 
 def new_lineage_id() -> str:

@@ -34,10 +34,12 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Tuple
 
 from cnr.errors import CheckpointError
 from cnr.format.integrity import seal, seal_digest
-from cnr.format.manifest import (
-    VERSION, ChunkSummary, Extent, Manifest, RankIndex, TensorEntry, _parse_json, _parse_summary, _parse_tensors,
-    _Reader, _tensors_to_dict, parse_rank_index, rank_index_key, read_head, summarize_chunks, summary_to_dict,
-)
+from cnr.format.documents import ChunkSummary, Extent, Manifest, RankIndex, TensorEntry, VERSION, summarize_chunks
+from cnr.format.layout import rank_index_key
+from cnr.format.manifest import parse_rank_index, read_head
+from cnr.format.strict_json import StrictReader, parse_document
+from cnr.format.tensor_json import parse_chunk_summary, parse_tensors, summary_to_dict, tensors_to_dict
+from cnr.names import TensorName, rank_label
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.format.chunk_coverage import check_coverage
 from cnr.types import ChunkRef, Role, ShardRegion
@@ -64,12 +66,12 @@ class IndexSummary:
 
 def stateful_checksums(tensors: Mapping[str, TensorEntry]) -> Dict[Tuple[str, str], List[Tuple[str, List[int]]]]:
     """(app_state key, "rank-<r>") -> its Stateful tensors (named ``<key>/rank-<r>/t<i>``,
-    cnr.track.app_state.stateful_name) as (their last name part, their chunks' CRC-32s)."""
+    cnr.names.stateful_name) as (their last name part, their chunks' CRC-32s)."""
     out: Dict[Tuple[str, str], List[Tuple[str, List[int]]]] = {}
     for name, t in tensors.items():
         if t.role == Role.STATEFUL:
-            key, rank, part = name.rsplit("/", 2)
-            out.setdefault((key, rank), []).append((part, [c.crc32 for c in t.chunks]))
+            parts = TensorName.parse(name)
+            out.setdefault((parts.key, parts.path), []).append((parts.state, [c.crc32 for c in t.chunks]))
     return out
 
 
@@ -82,7 +84,7 @@ def app_digests(rank: int, app: Mapping[str, Any], crcs: Mapping[Tuple[str, str]
     when all are read)."""
     out = {}
     for key, entry in app.items():
-        mine = sorted(crcs.get((key, f"rank-{rank:05d}"), []))
+        mine = sorted(crcs.get((key, rank_label(rank)), []))
         out[key] = hashlib.sha256(json.dumps([entry, mine], sort_keys=True).encode()).hexdigest()
     return out
 
@@ -106,18 +108,18 @@ def summarize(index: RankIndex, blob: bytes, verified: bool = False) -> IndexSum
 
 def summary_to_bytes(s: IndexSummary) -> bytes:
     body = {"format": SUMMARY_FORMAT, "version": VERSION, "id": s.id, "rank": s.rank, "world_size": s.world_size,
-            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": _tensors_to_dict(s.tensors, False),
+            "digest": s.digest, "totals": summary_to_dict(s.totals), "tensors": tensors_to_dict(s.tensors, False),
             "verified": s.verified, "app": s.app}
     return seal(json.dumps(body, sort_keys=True).encode())
 
 
 def parse_summary(blob: bytes, where: str) -> IndexSummary:
-    obj, version = _parse_json(blob, where, SUMMARY_FORMAT)
-    r = _Reader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
+    obj, version = parse_document(blob, where, SUMMARY_FORMAT)
+    r = StrictReader(obj, where, {"format": str, "version": int, "id": str, "rank": int, "world_size": int, "digest": str,
                              "totals": dict, "tensors": dict, "verified": bool, "app": dict})
     try:
-        tensors = _parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
-        totals = _parse_summary(r["totals"], where)
+        tensors = parse_tensors(r["tensors"], f"{where}.tensors", r["id"], version)
+        totals = parse_chunk_summary(r["totals"], where)
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{where} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
     app = r["app"]
@@ -155,7 +157,7 @@ def read_rank_index(storage: Storage, manifest: Manifest, rank: int) -> RankInde
     """Rank ``rank``'s index of split ``manifest``, checked: sealed with the digest the manifest
     recorded for it (another or altered index is damage, read again from the next source first),
     of that checkpoint and rank, with the extents the manifest lists for that rank."""
-    key = rank_index_key(manifest.id, rank, manifest.version)
+    key = rank_index_key(manifest.id, rank, manifest.indexes_in_rank_folders)
 
     def read(source: Storage) -> RankIndex:
         where = f"{source.uri}/{key}"
@@ -252,7 +254,7 @@ def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
 
 
 def extent_of(rank: int, region: ShardRegion) -> Extent:
-    """The extent of ``rank``'s part ``region`` of a tensor (spanned as cnr.restore.pieces.piece_span spans a piece)."""
+    """The extent of ``rank``'s part ``region`` of a tensor (spanned as cnr.restore.spans.piece_span spans a piece)."""
     offs, sizes = region.offsets, region.sizes
     if not offs:  # 0-d: one row
         return rank, 0, 1, 0, 0
@@ -262,7 +264,7 @@ def extent_of(rank: int, region: ShardRegion) -> Extent:
 
 def extent_overlaps(extent: Extent, span: Tuple[int, int, int, int]) -> bool:
     """Whether ``extent`` holds any element of ``span`` ((row_lo, row_hi, col_lo, col_hi) as
-    cnr.restore.pieces.piece_span gives it): rows overlap, and columns overlap or neither has any."""
+    cnr.restore.spans.piece_span gives it): rows overlap, and columns overlap or neither has any."""
     _rank, r0, r1, c0, c1 = extent
     p0, p1, q0, q1 = span
     cols = (c0 < q1 and q0 < c1) or (c1 == c0 == 0 and q1 == q0 == 0)

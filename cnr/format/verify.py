@@ -13,12 +13,13 @@ reached) is raised, not reported: a store that cannot be read says nothing about
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import MERGED_SUFFIX, Manifest, parse_rank_index, rank_index_key
+from cnr.format.documents import Manifest
+from cnr.format.layout import MERGED_SUFFIX, rank_index_key, writer_rank
+from cnr.format.manifest import parse_rank_index
 from cnr.format.catalog import read_manifest, resolve_chain, scan_checkpoints
 from cnr.format.split import read_rank_index, whole
 from cnr.codec.chunk_format import decode_chunk
@@ -36,20 +37,11 @@ def _chunk_ids(tensors) -> Set[_ChunkId]:
     return {(name, c.key, c.offset, c.nbytes, c.row_start, c.col_offset) for name, t in tensors.items() for c in t.chunks}
 
 
-_RANK_FOLDER = re.compile(r"/rank-(\d{5,})/")
-
-
-def _writer_rank(key: str) -> int:
-    """The rank whose folder holds object ``key`` (cnr.format.manifest.object_key), or -1."""
-    match = _RANK_FOLDER.search(key)
-    return int(match.group(1)) if match else -1
-
-
 def check_rank_indexes(storage: Storage, manifest: Manifest, ranks: Optional[Iterable[int]] = None) -> None:
     """Raise CheckpointError unless ``manifest``'s rank indexes verify and hold exactly its chunks
-    (a chunk dropped from, or added to, the manifest after the commit is caught here). Version 1
-    manifests are read under the tensor names of version 2 while their indexes are not: they are
-    left out.
+    (a chunk dropped from, or added to, the manifest after the commit is caught here). A manifest
+    whose tensor names were upgraded as it was read (version 1's) while its indexes keep the old
+    ones (``names_match_indexes`` False) is left out.
 
     ``ranks``: check only these ranks' indexes (None: all), each against the manifest's chunks
     in that rank's folder; every chunk of the manifest must lie in the folder of one of its ranks
@@ -59,7 +51,7 @@ def check_rank_indexes(storage: Storage, manifest: Manifest, ranks: Optional[Ite
 
     A split manifest as stored (version 7, cnr.format.split) lists the digest of each index: each
     of ``ranks``' indexes must carry it and list the extents the manifest gives its rank."""
-    if manifest.version == 1:
+    if not manifest.names_match_indexes:
         return
     if manifest.indexes:
         for rank in (range(manifest.world_size) if ranks is None else ranks):
@@ -68,13 +60,13 @@ def check_rank_indexes(storage: Storage, manifest: Manifest, ranks: Optional[Ite
         return
     listed: Dict[int, Set[_ChunkId]] = {}
     for chunk in _chunk_ids(manifest.tensors):
-        owner = _writer_rank(chunk[1])
+        owner = writer_rank(chunk[1])
         if not 0 <= owner < manifest.world_size:
             raise CheckpointError(f"checkpoint {manifest.id}: its manifest lists chunk object {chunk[1]!r}, which is in "
                                   f"no rank's folder of its {manifest.world_size} ranks")
         listed.setdefault(owner, set()).add(chunk)
     for rank in (range(manifest.world_size) if ranks is None else ranks):
-        key = rank_index_key(manifest.id, rank, manifest.version)
+        key = rank_index_key(manifest.id, rank, manifest.indexes_in_rank_folders)
         index = from_sources(storage, key, lambda source: parse_rank_index(read_document(source, key),
                                                                            where=f"{source.uri}/{key}"))
         if index.id != manifest.id or index.rank != rank or index.world_size != manifest.world_size:

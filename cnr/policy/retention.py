@@ -8,7 +8,7 @@ job of lineage L (cnr.format.lineage) keeping ``keep_last`` states:
 - a *state* is what a checkpoint holds; an increment and the merged baseline standing for it
   (cnr.write.merge) are two forms of one state, so ``keep_last`` counts distinct states, never
   both forms of one;
-- a state *restores* when a restore's path to it (cnr.format.manifest.chain_links: each committed
+- a state *restores* when a restore's path to it (cnr.format.layout.chain_links: each committed
   merged baseline as a shortcut, passed over for the links it stands for when it does not
   verify) reaches a full checkpoint over committed links that all verify: every object read back
   and checked (cnr.format.verify: manifest seal, rank indexes, every chunk's CRC). A checkpoint is
@@ -59,7 +59,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, id_order, manifest_key
+from cnr.format.layout import (
+    MERGED_SUFFIX, checkpoint_prefix, deleting_key, failed_key, id_order, is_rank_failure_key, manifest_key,
+)
 from cnr.format.abandoned import abandoned_ids, is_abandoned
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.policy.retention_plan import (  # noqa: F401 - re-exported: the planners' home before the split
@@ -89,7 +91,7 @@ def remove_checkpoint(storage: Storage, ckpt_id: str, keep_marker: bool) -> int:
     first = [k for k in keys if k == manifest_key(ckpt_id)]
     for key in first:  # the commit goes first: nothing half-deleted ever reads as committed
         storage.delete(key)
-    rest = [k for k in keys if k not in first and k != deleting and not (keep_marker and (k == marker or "/failed-rank-" in k))]
+    rest = [k for k in keys if k not in first and k != deleting and not (keep_marker and (k == marker or is_rank_failure_key(k)))]
     storage.delete_many(rest)  # S3: 1,000 per request (thousands of ranks' objects, issue #39)
     freed = sum(sizes[k] for k in first + rest)
     if not keep_marker:

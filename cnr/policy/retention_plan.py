@@ -6,8 +6,8 @@ vocabulary:
 
 - a *state* is what one checkpoint holds: an increment and the merged baseline standing for it
   (cnr.write.merge) are two forms of one state, named by the increment's id
-  (cnr.format.manifest.state_id). ``keep_last`` counts states, never two forms of one;
-- a state's *path* is the checkpoints a restore of it reads (cnr.format.manifest.chain_links),
+  (cnr.format.layout.state_id). ``keep_last`` counts states, never two forms of one;
+- a state's *path* is the checkpoints a restore of it reads (cnr.format.layout.chain_links),
   first with every committed merged baseline as its shortcut and, when a merged baseline on it
   does not verify, through the links it stands for, as the restore does (cnr.restore.newest);
 - a stored object belongs to one checkpoint, so damage to one object is damage to one
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
-from cnr.format.manifest import MERGED_SUFFIX, chain_links, state_id
+from cnr.format.layout import MERGED_SUFFIX, chain_links, state_id
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, RetentionScope
 
 
@@ -38,7 +38,7 @@ class RetentionPlan:
 
 
 def chain_ids(ckpt_id: str, bases: Mapping[str, Optional[str]]) -> List[str]:
-    """``ckpt_id`` and every committed checkpoint a restore of it reads (cnr.format.manifest.chain_links:
+    """``ckpt_id`` and every committed checkpoint a restore of it reads (cnr.format.layout.chain_links:
     a missing link ends the walk, retention never invents a chain)."""
     links, _complete = chain_links(ckpt_id, bases)
     return [ckpt_id] + [i for i in links if i != ckpt_id]

@@ -47,7 +47,7 @@ from cnr.track import agreement
 from cnr.write.handoff import RUNNING, HandOff, SettleMode, Settled
 from cnr.track.app_state import AppState, whole_tables
 from cnr.options import CheckpointOptions, PublishOptions
-from cnr.format.manifest import make_id
+from cnr.format.layout import make_id
 from cnr.format.catalog import newest_committed
 from cnr.policy.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
 from cnr.track.state import StatePiece

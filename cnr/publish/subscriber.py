@@ -37,7 +37,8 @@ from cnr.format.chunk_coverage import check_coverage
 from cnr.codec.chunk_format import DecodedChunk
 from cnr.errors import CheckpointError, CnrError, ConfigError
 from cnr.publish.module_target import ModuleTarget
-from cnr.format.manifest import ROOT, Manifest, id_order, step_of
+from cnr.format.documents import Manifest
+from cnr.format.layout import ROOT, id_order, is_manifest_key, step_of
 from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk
 from cnr.storage import open_storage
@@ -92,8 +93,8 @@ def _now_us() -> int:
 
 def committed_publishes(storage: Storage) -> List[Tuple[int, str]]:
     """(sequence number, id) of every committed publish in the store, ascending (``id_order``)."""
-    ids = [parts[1] for parts in (key.split("/") for key in storage.list(ROOT))
-           if len(parts) == 3 and parts[2] == "manifest.json" and step_of(parts[1]) >= 0]
+    ids = [key.split("/")[1] for key in storage.list(ROOT) if is_manifest_key(key)]
+    ids = [pub_id for pub_id in ids if step_of(pub_id) >= 0]
     return [(step_of(pub_id), pub_id) for pub_id in sorted(ids, key=id_order)]
 
 

@@ -29,11 +29,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.restore.overlay import HeldRows, Span
-from cnr.restore.pieces import (
-    RestorePlan, apply_in_order, check_covered, chunk_overlaps, chunk_span, piece_span, plan_restore, restore_pieces,
-)
+from cnr.restore.pieces import RestorePlan, apply_in_order, check_covered, plan_restore, restore_pieces
+from cnr.restore.spans import chunk_overlaps, chunk_span, piece_span
 from cnr.restore.workers import check_threads, fetch_pool
 from cnr.track.state import StatePiece
 from cnr.storage.base import Storage

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from cnr.errors import CheckpointError
-from cnr.format.manifest import Manifest
+from cnr.format.documents import Manifest
 from cnr.track.app_state import MODULE, AppState, sharded_modules
 from cnr.track.fused_kernel import (differing, fp32, fused_kernels, is_kernel, kernel_values, leaf_optimizers,
                                     relevant, set_kernel, structural_differences)

@@ -10,6 +10,7 @@ import torch
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
+from cnr.names import TensorName
 from cnr.restore.chain import restore_chain
 from cnr.track.state import whole_piece
 from cnr.storage import open_storage
@@ -28,11 +29,11 @@ def load_state_dict(uri: str, key: str, checkpoint: Optional[str] = None) -> Dic
         manifest = read_manifest(storage, checkpoint) if checkpoint else newest_committed(storage)
         if manifest is None:
             raise CheckpointError(f"no committed checkpoint in {storage.uri}")
-        prefix = key + "/"
-        names = sorted(n for n, e in manifest.tensors.items()
-                       if n.startswith(prefix) and "/" not in n[len(prefix):] and e.role in (Role.TABLE_ROWS, Role.DENSE))
+        module = {n: TensorName.parse(n) for n, e in manifest.tensors.items()
+                  if e.role in (Role.TABLE_ROWS, Role.DENSE)}  # a module's tensors: <key>/<state_dict key>
+        names = sorted(n for n, parts in module.items() if parts.key == key and parts.state is None)
         if not names:
-            keys = sorted({n.split("/")[0] for n, e in manifest.tensors.items() if e.role in (Role.TABLE_ROWS, Role.DENSE)})
+            keys = sorted({parts.key for parts in module.values()})
             raise CheckpointError(f"checkpoint {manifest.id} holds no module under key {key!r}; modules: {keys}")
         pieces = []
         for name in names:
@@ -40,6 +41,6 @@ def load_state_dict(uri: str, key: str, checkpoint: Optional[str] = None) -> Dic
             target = torch.empty(tuple(entry.shape), dtype=DTYPES[entry.dtype])
             pieces.append(whole_piece(name, target, entry.role, table=entry.table))
         restore_chain(storage, resolve_chain(storage, manifest), pieces)
-        return OrderedDict((p.name[len(prefix):], p.tensor) for p in pieces)
+        return OrderedDict((module[p.name].path, p.tensor) for p in pieces)
     finally:
         storage.close()

@@ -49,11 +49,12 @@ from cnr.track.app_state import AppState
 from cnr.options import values_of
 from cnr.errors import CheckpointError, CorruptChunkError, KeyNotFoundError, RankAgreementError
 from cnr.track import agreement
-from cnr.format.manifest import MERGED_SUFFIX, Manifest, manifest_key, merged_id
+from cnr.format.documents import Manifest
+from cnr.format.layout import MERGED_SUFFIX, manifest_key, merged_id
 from cnr.format.catalog import damaged_merges, resolve_chain, restore_ids
 from cnr.format.manifest import read_head
 from cnr.format.split import load_ranks, ranks_for
-from cnr.restore.pieces import piece_span
+from cnr.restore.spans import piece_span
 from cnr.track.state import StatePiece
 from cnr.format.lineage import foreign_reason, recorded_lineages
 from cnr.storage.base import Storage
@@ -77,7 +78,7 @@ Spans = Dict[str, List[Tuple[int, int, int, int]]]  # tensor name -> the spans t
 
 
 def _spans_of(pieces: Sequence[StatePiece]) -> Spans:
-    """What a rank restores into ``pieces``: each one's span (cnr.restore.pieces.piece_span), by tensor."""
+    """What a rank restores into ``pieces``: each one's span (cnr.restore.spans.piece_span), by tensor."""
     out: Spans = {}
     for piece in pieces:
         out.setdefault(piece.name, []).append(piece_span(piece))

@@ -36,7 +36,7 @@ from cnr.storage.tiered import TieredStorage
 logger = logging.getLogger(__name__)
 
 TierFactory = Callable[[LocalStorage, Storage], Storage]  # (local tier, remote store) -> the store in front of both
-UNKEYED_ROOT = "checkpoints"  # where a local_dir of the un-keyed layout held checkpoints (cnr.format.manifest.ROOT)
+UNKEYED_ROOT = "checkpoints"  # where a local_dir of the un-keyed layout held checkpoints (cnr.format.layout.ROOT)
 
 
 def open_checkpoint_store(target: StorageTarget, local_dir: str = "", *, create: bool = False,

@@ -12,7 +12,7 @@
 - any other object with ``state_dict()`` / ``load_state_dict()`` (the Stateful protocol): its
   state, a tree of dicts, lists, tuples, JSON scalars and tensors, stored per rank.
 
-Stored names (``/`` separates what a state_dict key never contains):
+Stored names (``/`` separates what a state_dict key never contains; cnr.names.TensorName parses them):
   ``<key>/<state_dict key>``                          module tensors (role table_rows or dense)
   ``<key>/<table weight key>/<fused state key>``       e.g. ``model/ebc.embedding_bags.t0.weight/t0.momentum1``
   ``<key>/<module key>.<parameter path>/<state key>``  optimizer state, e.g. ``optim/model.over.0.weight/sum``;
@@ -37,6 +37,7 @@ from cnr.track.fused_kernel import fused_table_kernels, fused_table_optimizers, 
 from cnr.track.json_tree import decode_tree, encode_tree, is_sharded  # noqa: F401 (decode_tree: restores import it here)
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
 from cnr.track.modules import embedding_modules, is_managed_collision
+from cnr.names import stateful_name
 from cnr.track.state import StatePiece, pieces_of, whole_piece
 from cnr.types import Role
 
@@ -125,10 +126,6 @@ def tables_of(key: str, module: torch.nn.Module) -> List[TableRef]:
 def app_tables(app_state: Mapping[str, Any]) -> List[TableRef]:
     """Every embedding table of every module in ``app_state``."""
     return [t for key, value in app_state.items() if isinstance(value, torch.nn.Module) for t in tables_of(key, value)]
-
-
-def stateful_name(key: str, rank: int, i: int) -> str:
-    return f"{key}/rank-{rank:05d}/t{i}"
 
 
 def group_values_json(group: Dict[str, Any], path: str) -> Any:

@@ -21,10 +21,9 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 from cnr.errors import Cancelled, CheckpointError, StorageError
 from cnr.write.faults import maybe_crash
 from cnr.write.lease import check_held
-from cnr.format.manifest import (
-    ChunkSummary, Manifest, TensorEntry, failed_key, manifest_key, manifest_to_bytes, merged_id, parse_rank_index,
-    rank_index_key,
-)
+from cnr.format.documents import ChunkSummary, Manifest, TensorEntry
+from cnr.format.layout import failed_key, manifest_key, merged_id, rank_index_key
+from cnr.format.manifest import manifest_to_bytes, parse_rank_index
 from cnr.format.split import (
     IndexSummary, agreeing_keys, check_extent_coverage, join_summaries, parse_summary, summarize,
 )
@@ -168,7 +167,7 @@ def build_manifest(job, tensors: Dict[str, TensorEntry], totals: ChunkSummary, d
 def commit_requires(manifest: Manifest) -> List[Union[str, Tuple[str, ...]]]:
     """What a store must hold before ``manifest`` commits on it (``Storage.commit``): every rank's
     index, and for an increment its base or the merged baseline standing for it (cnr.write.merge)."""
-    needs: List[Union[str, Tuple[str, ...]]] = [rank_index_key(manifest.id, r, manifest.version)
+    needs: List[Union[str, Tuple[str, ...]]] = [rank_index_key(manifest.id, r, manifest.indexes_in_rank_folders)
                                                  for r in range(manifest.world_size)]
     if manifest.kind == CheckpointKind.INCREMENTAL and manifest.base:
         needs.append((manifest_key(manifest.base), manifest_key(merged_id(manifest.base))))

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from cnr.errors import KeyNotFoundError
 from cnr.format.catalog import newest_committed, read_manifest, resolve_chain
-from cnr.format.manifest import MERGED_SUFFIX, merged_id
+from cnr.format.layout import CLAIM_PREFIX, MERGED_SUFFIX, merged_id
 from cnr.policy.retention import retain_checkpoints
 from cnr.storage import open_storage
 from cnr.storage.base import Buffer, Storage
@@ -52,7 +52,6 @@ from cnr.write.proc import MERGER, die_with_spawner, name_this_process
 
 logger = logging.getLogger(__name__)
 
-CLAIM_PREFIX = "compact"
 DEFAULT_CLAIM_TTL_S = 60.0
 
 

@@ -20,7 +20,8 @@ import torch
 from cnr.errors import NonFiniteStateError
 from cnr.track import agreement
 from cnr.write.handoff import HandOff, SettleMode, Settled
-from cnr.format.manifest import make_id
+from cnr.format.layout import make_id
+from cnr.names import rng_name
 from cnr.options import CheckpointOptions
 from cnr.write.compact import Merger, MergeSettings
 from cnr.track.shares import replicated_share
@@ -31,7 +32,7 @@ from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track.tracker import Captured, RowTracker
 from cnr.types import (
-    RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
+    CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
 )
 from cnr.write.job import CheckpointToken, CodecPlan, WriteJob, WriteResult
 from cnr.write.writer import Writer
@@ -71,7 +72,7 @@ class SaveStats(WriteTotals):
 
 def rng_piece(rank: int) -> StatePiece:
     """This rank's torch CPU generator state, stored per rank (restored when world size matches)."""
-    return whole_piece(f"{RNG_PREFIX}rank-{rank:05d}", torch.get_rng_state(), Role.RNG, replicated=False)
+    return whole_piece(rng_name(rank), torch.get_rng_state(), Role.RNG, replicated=False)
 
 
 def pieces_to_write(pieces: List[StatePiece], rank: int, world_size: int) -> List[StatePiece]:

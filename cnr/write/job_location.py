@@ -27,7 +27,8 @@ from cnr.errors import CheckpointError, CnrError
 from cnr.format.abandoned import record_abandoned
 from cnr.format.catalog import restore_ids
 from cnr.format.lineage import new_lineage_id, record_activation
-from cnr.format.manifest import Manifest, step_of
+from cnr.format.documents import Manifest
+from cnr.format.layout import step_of
 from cnr.storage.base import Storage
 from cnr.track import agreement
 from cnr.types import LeaseRef, RetentionScope

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Tuple
 
 from cnr.errors import CheckpointError
+from cnr.format.layout import LEASE_PREFIX
 
-LEASE_PREFIX = "lease"
 LEASE_FORMAT = "cnr.lease"
 PROBE_KEY = f"{LEASE_PREFIX}/conditional-write-probe"
 

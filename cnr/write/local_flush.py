@@ -33,9 +33,10 @@ from typing import Callable, List, Optional, Set, Tuple
 
 from cnr.errors import CheckpointError, CnrError, StorageError
 from cnr.format.catalog import checkpoint_ids, committed_ids
-from cnr.format.manifest import (
-    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head, step_of, stored_rank_index_key,
+from cnr.format.layout import (
+    checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, rank_prefix, step_of, stored_rank_index_key,
 )
+from cnr.format.manifest import read_head
 from cnr.storage import open_storage
 from cnr.storage.base import NodeTier, Storage
 from cnr.storage.spec import StorageTarget
@@ -130,7 +131,7 @@ def resume_flush(tier: NodeTier, rank: int, fence: Optional[Callable[[Storage], 
     else:
         chosen = _rank_objects_to_resend(tier, rank)
     for ckpt_id in chosen:
-        own = checkpoint_prefix(ckpt_id) + f"/rank-{rank:05d}/"
+        own = rank_prefix(ckpt_id, rank)
         index = stored_rank_index_key(tier.local, ckpt_id, rank)
         for key in tier.local.list(checkpoint_prefix(ckpt_id)):
             if key.startswith(own) and key != index:

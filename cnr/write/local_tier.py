@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 from cnr.format.catalog import checkpoint_ids, list_checkpoints
 from cnr.write.faults import maybe_crash, retention_fault
-from cnr.format.manifest import checkpoint_prefix, manifest_key, step_of
+from cnr.format.layout import checkpoint_prefix, manifest_key, step_of
 from cnr.options import CheckpointOptions
 from cnr.write.local_flush import is_manifest as _is_manifest, record_flushed, resume_flush  # noqa: F401 (re-export)
 from cnr.write.peer_exchange import PeerExchange

@@ -10,7 +10,7 @@ cnr.write.compact's; training does not wait for it, only the end of training doe
 (``Checkpointer.finish``).
 
 The merged checkpoint's id is the id of the increment it stands for plus ``MERGED_SUFFIX`` (see
-cnr.format.manifest.merged_id): it sorts right after that increment, chain resolution takes it in place
+cnr.format.layout.merged_id): it sorts right after that increment, chain resolution takes it in place
 of that increment and everything before it, and retention can then drop the old chain. Its
 manifest is written last, after every chunk is stored and only while the increment's chain still
 resolves, so a merge cut off at any point leaves nothing a restore would read, and a re-run merges
@@ -38,9 +38,9 @@ from cnr.codec.base import ArrayCodec, DecodedValues, MergeRows
 from cnr.codec.chunk_format import Compression, encode_chunk
 from cnr.format.chunk_coverage import check_coverage
 from cnr.errors import CheckpointError, KeyNotFoundError
-from cnr.format.manifest import (
-    Manifest, TensorEntry, checkpoint_prefix, manifest_key, manifest_to_bytes, merged_id,
-)
+from cnr.format.documents import Manifest, TensorEntry
+from cnr.format.layout import checkpoint_prefix, manifest_key, merged_id
+from cnr.format.manifest import manifest_to_bytes
 from cnr.format.catalog import damaged_merges, read_manifest, resolve_chain
 from cnr.policy.retention import forget_verified, verified
 from cnr.format.chunks import fetch_chunk, fetch_chunk_bytes

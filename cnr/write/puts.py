@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from cnr.format.manifest import object_key
+from cnr.format.layout import object_key
 from cnr.storage.base import Storage
 from cnr.types import ChunkRef
 

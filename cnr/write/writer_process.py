@@ -35,7 +35,9 @@ from cnr.write.encode_pool import EncodePool
 from cnr.errors import Cancelled, CheckpointError, CnrError, portable, redact, redact_logging
 import cnr.write.faults as faults
 from cnr.write.faults import maybe_crash, retention_fault
-from cnr.format.manifest import RankIndex, TensorEntry, failed_key, rank_index_key, rank_index_to_bytes
+from cnr.format.documents import RankIndex, TensorEntry
+from cnr.format.layout import failed_key, rank_index_key
+from cnr.format.manifest import rank_index_to_bytes
 from cnr.format.split import extent_of, summarize, summary_to_bytes
 from cnr.track.snapshot import HostPiece
 from cnr.write.local_tier import Peers, retain_local, tier_for
