@@ -74,10 +74,9 @@ def _table_spec(table: TableRef) -> TableSpec:
 
 
 def _as_library_options(value: Any, cls: type, name: str) -> Any:
-    """``value`` as exactly ``cls``, checked on construction. An object holding ``cls``'s settings
-    and some of its own (an application's config section: ``enabled``, ``interval``, ...) is
-    refused: the Checkpointer would ignore them without a word. A subclass of ``cls`` with no
-    settings of its own (whose checks may be off) is rebuilt as ``cls``, so every value is checked."""
+    """``value`` as exactly ``cls``, checked on construction. An object with settings of its own (an
+    application's config section: ``enabled``, ``interval``, ...) is refused: the Checkpointer would
+    ignore them without a word. A subclass of ``cls`` (whose checks may be off) is rebuilt as ``cls``."""
     if type(value) is cls:
         return value
     takes = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "SETTINGS", ()))
