@@ -49,7 +49,7 @@ from cnr.write.peer_exchange import host_exchange
 from cnr.storage.tiered import TieredStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.track.state import StatePiece
-from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, Policy, TableSpec
 from cnr.write.job_location import JobLocation
 from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
@@ -147,7 +147,7 @@ class Checkpointer:
         except ValueError as e:
             raise OptionsError(f"CheckpointOptions.{e}") from None
         self.tracker: Optional[RowTracker] = None
-        if self.options.policy != "full" or views:  # a slot held by a foreign hook is refused before anything opens
+        if self.options.policy != Policy.FULL or views:  # a slot held by a foreign hook is refused before anything opens
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
             agreement.barrier("open: torchrec's hook slots are free for the row tracker", self.tracker.check_slots)
         self.metadata = dict(metadata or {})
