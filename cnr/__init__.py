@@ -16,7 +16,10 @@ _EXPORTS = {
     "Checkpointer": "cnr.api", "PendingCheckpoint": "cnr.api", "CheckpointError": "cnr.errors",
     "load_state_dict": "cnr.restore.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
     "FailureBudget": "cnr.options", "OnDamage": "cnr.types", "OnOverlap": "cnr.types", "BitPolicy": "cnr.types",
-    "Compression": "cnr.types", "SearchKernel": "cnr.types",
+    "Compression": "cnr.types", "SearchKernel": "cnr.types", "Policy": "cnr.types", "Compaction": "cnr.types",
+    "QuantMethod": "cnr.types", "ScheduleOptions": "cnr.options", "EncodingOptions": "cnr.options",
+    "WriterOptions": "cnr.options", "TierOptions": "cnr.options", "RetentionOptions": "cnr.options",
+    "LeaseOptions": "cnr.options",
     "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
     "DeterministicDataParallel": "cnr.track.dense_sync", "PipelineFeed": "cnr.track.pipeline",
     "UnsupportedStateError": "cnr.track.coverage", "RankAgreementError": "cnr.errors",
@@ -47,11 +50,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from cnr.write.writer import WriterDied  # noqa: F401
     from cnr.restore.load import load_state_dict  # noqa: F401
     from cnr.track.coverage import UnsupportedStateError  # noqa: F401
-    from cnr.options import CheckpointOptions, FailureBudget, PublishOptions  # noqa: F401
+    from cnr.options import (  # noqa: F401
+        CheckpointOptions, EncodingOptions, FailureBudget, LeaseOptions, PublishOptions, RetentionOptions,
+        ScheduleOptions, TierOptions, WriterOptions,
+    )
     from cnr.track.pipeline import PipelineFeed  # noqa: F401
     from cnr.publish.subscriber import Subscriber  # noqa: F401
     from cnr.types import (  # noqa: F401
-        BitPolicy, CheckpointInfo, CheckpointKind, Compression, OnDamage, OnOverlap, SearchKernel,
+        BitPolicy, CheckpointInfo, CheckpointKind, Compaction, Compression, OnDamage, OnOverlap, Policy, QuantMethod,
+        SearchKernel,
     )
 
 

@@ -49,7 +49,7 @@ from cnr.write.peer_exchange import host_exchange
 from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.track.state import StatePiece
-from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, Policy, TableSpec
 from cnr.write.job_location import JobLocation
 from cnr.write.writer import FlushReport, Writer
 import cnr.write.at_exit as at_exit
@@ -74,16 +74,20 @@ def _table_spec(table: TableRef) -> TableSpec:
 
 
 def _as_library_options(value: Any, cls: type, name: str) -> Any:
-    """``value`` (a ``cls``, maybe a subclass) as exactly ``cls``, checked on construction. A
-    subclass with settings of its own (an application's config section: ``enabled``,
-    ``interval``, ...) is refused: the Checkpointer would ignore them without a word."""
+    """``value`` as exactly ``cls``, checked on construction. An object with settings of its own (an
+    application's config section: ``enabled``, ``interval``, ...) is refused: the Checkpointer would
+    ignore them without a word. A subclass of ``cls`` (whose checks may be off) is rebuilt as ``cls``."""
     if type(value) is cls:
         return value
-    own = sorted({f.name for f in dataclasses.fields(value)} - {f.name for f in dataclasses.fields(cls)})
-    if own:
-        raise TypeError(f"{name} must be a cnr.{cls.__name__}, got a {type(value).__name__} with settings the "
-                        f"Checkpointer does not take ({', '.join(own)}); pass the library's options it holds "
-                        "(e.g. its .options(...))")
+    takes = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "SETTINGS", ()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        own = sorted({f.name for f in dataclasses.fields(value)} - takes)
+        if own:
+            raise TypeError(f"{name} must be a cnr.{cls.__name__}, got a {type(value).__name__} with settings the "
+                            f"Checkpointer does not take ({', '.join(own)}); pass the library's options it holds "
+                            "(e.g. its .options(...))")
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a cnr.{cls.__name__}, got {type(value).__name__}")
     return cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -126,14 +130,10 @@ class Checkpointer:
                  metadata: Optional[Dict[str, Any]] = None, views: tuple = (), writer: Optional[Writer] = None,
                  publish: Optional[PublishOptions] = None, new_history: bool = False) -> None:
         check_main_guard()  # before anything is opened: spawn would re-run an unguarded script in the writer
-        self.options = options if options is not None else CheckpointOptions()
-        if not isinstance(self.options, CheckpointOptions):
-            raise TypeError(f"options must be a cnr.CheckpointOptions, got {type(self.options).__name__}")
-        if publish is not None and not isinstance(publish, PublishOptions):
-            raise TypeError(f"publish must be a cnr.PublishOptions, got {type(publish).__name__}")
-        # a subclass (an application's config section) may skip the checks in its __post_init__:
-        # rebuilt as the library's own type, every value is checked here, before anything starts
-        self.options = _as_library_options(self.options, CheckpointOptions, "options")
+        # an application's section, or a subclass whose __post_init__ skips the checks, is refused
+        # or rebuilt as the library's own type: every value is checked here, before anything starts
+        self.options = _as_library_options(options if options is not None else CheckpointOptions(),
+                                           CheckpointOptions, "options")
         if publish is not None:
             publish = _as_library_options(publish, PublishOptions, "publish")
         if publish is not None and PUBLISH_VIEW not in views:
@@ -147,7 +147,7 @@ class Checkpointer:
         except ValueError as e:
             raise OptionsError(f"CheckpointOptions.{e}") from None
         self.tracker: Optional[RowTracker] = None
-        if self.options.policy != "full" or views:  # a slot held by a foreign hook is refused before anything opens
+        if self.options.policy != Policy.FULL or views:  # a slot held by a foreign hook is refused before anything opens
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
             agreement.barrier("open: torchrec's hook slots are free for the row tracker", self.tracker.check_slots)
         self.metadata = dict(metadata or {})

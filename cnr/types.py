@@ -21,12 +21,56 @@ STORED_QUANT_METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive")
 only the quantize benchmark runs: its codebooks have no chunk encoding)."""
 
 
-POLICIES = ("full", "one_shot", "consecutive", "intermittent")
-"""The checkpoint policies (``CheckpointOptions.policy``; cnr.policy.kinds decides by them): every
-checkpoint full; one full baseline then increments on it; each increment on the previous one;
-the history predictor choosing full or incremental (Check-N-Run's intermittent baseline)."""
-CAPPED_POLICIES = ("intermittent", "consecutive")
-"""The policies whose chains ``CheckpointOptions.chain_cap`` bounds."""
+class Choice(str, enum.Enum):
+    """A setting's choice among strings (cnr.options): a ``str`` equal to its value, whose ``str()``
+    and ``format()`` are that value too, on every Python (as 3.11's ``enum.StrEnum``), so that a
+    choice reads the same in messages and records whether it was given as a member or a string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Policy(Choice):
+    """What each checkpoint holds (``CheckpointOptions.policy``; cnr.policy.kinds decides by it)."""
+
+    FULL = "full"
+    """Every checkpoint full."""
+    ONE_SHOT = "one_shot"
+    """One full baseline, then increments of the rows touched since it."""
+    CONSECUTIVE = "consecutive"
+    """Each increment on the previous checkpoint; a restore replays the chain."""
+    INTERMITTENT = "intermittent"
+    """One-shot, with a new baseline whenever the history predictor expects it to pay off
+    (Check-N-Run's intermittent baseline)."""
+
+
+POLICIES: Tuple[str, ...] = tuple(p.value for p in Policy)
+"""The checkpoint policies' names, in Policy's order."""
+CAPPED_POLICIES = (Policy.INTERMITTENT.value, Policy.CONSECUTIVE.value)
+"""The policies whose chains ``CheckpointOptions.max_chain_ratio`` bounds."""
+
+
+class Compaction(Choice):
+    """Who merges a consecutive chain into a new baseline (``CheckpointOptions.compaction``)."""
+
+    JOB = "job"
+    """The job's own rank 0, in a background merge (cnr.write.merge)."""
+    EXTERNAL = "external"
+    """Nothing in the job; ``cnr compact`` run elsewhere does (cnr.write.compact)."""
+
+
+class QuantMethod(Choice):
+    """The row-wise quantization method of stored rows (``CheckpointOptions.quant_method``,
+    ``PublishOptions.quant_method``; cnr.codec.quant.quantize.stored_method)."""
+
+    DEFAULT = ""
+    """The width's default: adaptive below 8 bits, naive at 8."""
+    NAIVE = "naive"
+    SYMMETRIC = "symmetric"
+    ADAPTIVE = "adaptive"
 
 
 class CheckpointKind(str, enum.Enum):
@@ -83,7 +127,7 @@ class ChainOrder(str, enum.Enum):
     """The baseline, then every increment on top in order: a row is written once per link holding it."""
 
 
-class SearchKernel(str, enum.Enum):
+class SearchKernel(Choice):
     """Which kernel runs the adaptive quantizer's greedy range search in a writer (cnr.codec.quant.range_search).
     Both walk the same path; they differ only in how fast."""
 
@@ -98,7 +142,7 @@ class SearchKernel(str, enum.Enum):
     (about 3x the eager rows/s on one core); EAGER until it is built, or if it cannot be."""
 
 
-class OnOverlap(str, enum.Enum):
+class OnOverlap(Choice):
     """What ``save`` does while the previous checkpoint is still being written
     (``CheckpointOptions.on_overlap``)."""
 
@@ -108,7 +152,7 @@ class OnOverlap(str, enum.Enum):
     """Cancel it: the new checkpoint is taken at once, the older one never commits."""
 
 
-class OnDamage(str, enum.Enum):
+class OnDamage(Choice):
     """What a restore does when the newest committed checkpoint does not verify
     (``CheckpointOptions.on_damage``, cnr.restore.newest)."""
 
@@ -118,7 +162,7 @@ class OnDamage(str, enum.Enum):
     """Raise on every rank; no older checkpoint is tried."""
 
 
-class BitPolicy(str, enum.Enum):
+class BitPolicy(Choice):
     """How the bit-width embedding rows are stored at is chosen (``CheckpointOptions.bit_policy``)."""
 
     FIXED = "fixed"
@@ -128,7 +172,7 @@ class BitPolicy(str, enum.Enum):
     within ``CheckpointOptions.failures``, the failure budget; 8 bits once more are observed."""
 
 
-class Compression(str, enum.Enum):
+class Compression(Choice):
     """The lossless bytes->bytes stage over quantized and log8 chunks' payloads
     (``CheckpointOptions.compression``)."""
 

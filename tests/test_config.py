@@ -142,18 +142,21 @@ def test_chain_cap_needs_a_policy_that_takes_new_baselines():
 
 
 def test_an_application_section_handed_to_the_checkpointer_is_refused_or_checked(tmp_path):
-    # cnr train's sections subclass the library's options and leave their checks to the whole-config
-    # validation, and carry settings the Checkpointer does not take (enabled, interval, storage):
-    # handed straight to a Checkpointer they are refused, naming those settings; a subclass with no
-    # settings of its own is checked as the library's type
+    # cnr train's sections hold the library's settings (checked by the library's path as they are
+    # built) and carry settings the Checkpointer does not take (enabled, interval, storage): handed
+    # straight to a Checkpointer they are refused, naming those settings; a subclass of the
+    # library's options with no settings of its own, its checks switched off, is checked as the
+    # library's type
     import dataclasses
 
     from cnr.api import Checkpointer
     from cnr.app.config import CheckpointConfig, PublishConfig
     from cnr.options import CheckpointOptions, OptionsError
 
+    with pytest.raises(ConfigError, match="config key 'checkpoint.bits' = 5 is not allowed"):
+        dataclasses.replace(CheckpointConfig(), bits=5)
     with pytest.raises(TypeError, match=r"got a CheckpointConfig with settings .*\(enabled, interval\)"):
-        Checkpointer(str(tmp_path / "store"), {}, dataclasses.replace(CheckpointConfig(), bits=5))
+        Checkpointer(str(tmp_path / "store"), {}, dataclasses.replace(CheckpointConfig(), bits=4))
     with pytest.raises(TypeError, match=r"got a PublishConfig with settings .*interval, storage"):
         Checkpointer(str(tmp_path / "store"), {}, None, publish=PublishConfig(enabled=True, storage="s3://b/p"))
 

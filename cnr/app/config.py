@@ -3,12 +3,14 @@
 Every bad value is rejected with a ConfigError naming the key, the value and what is allowed,
 before any process is spawned or anything is written (cnr.app.config_checks). The ``checkpoint``
 and ``publish`` sections are the library's CheckpointOptions and PublishOptions (cnr.options:
-their fields, defaults, meaning and rules) plus what only ``cnr train`` has.
+their fields, defaults, meaning and rules) plus what only ``cnr train`` has, checked on
+construction by the library's own path under their config keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 import typing
@@ -19,7 +21,8 @@ import yaml
 
 from cnr.app.config_checks import validate
 from cnr.errors import ConfigError
-from cnr.options import CheckpointOptions, FailureBudget, PublishOptions, shown
+from cnr.options import (CheckpointOptions, FailureBudget, Naming, PublishOptions, check_checkpoint_settings,
+                         check_publish_settings, flat_settings, shown)
 from cnr.types import TableSpec
 
 FailureConfig = FailureBudget  # checkpoint.failures: the library's failure budget (cnr.options.FailureBudget)
@@ -91,26 +94,33 @@ class TrainConfig:
     eval_interval: int = 0
 
 
-@dataclass(frozen=True)
-class CheckpointConfig(CheckpointOptions):
-    """The ``checkpoint`` section: every field of cnr.options.CheckpointOptions under its own name
-    (meaning, default and rules are written there; ``checkpoint.failures`` is its
+def _checkpoint_post_init(self: Any) -> None:
+    check_checkpoint_settings(self, CHECKPOINT_KEYS, skip=("expected_steps",))
+
+
+def _checkpoint_options(self: Any, expected_steps: int) -> CheckpointOptions:
+    """The library's options this section holds, for a job of ``expected_steps`` steps."""
+    return CheckpointOptions.from_config(self, expected_steps)
+
+
+CHECKPOINT_KEYS = Naming("checkpoint.", config_keys=True, error=ConfigError)
+PUBLISH_KEYS = Naming("publish.", config_keys=True, error=ConfigError)
+
+# Flat, as its YAML keys are, with the library's own fields (cnr.options.flat_settings) so that the
+# two cannot drift apart; its values stay as the file spelt them (what a manifest records).
+CheckpointConfig = dataclasses.make_dataclass(
+    "CheckpointConfig", [*flat_settings(), ("enabled", bool, True), ("interval", int, 50)], frozen=True,
+    namespace={
+        "__module__": __name__, "NOT_KEYS": ("expected_steps",), "__post_init__": _checkpoint_post_init,
+        "options": _checkpoint_options,
+        "__doc__": """The ``checkpoint`` section: every setting of cnr.options.CheckpointOptions, flat,
+    under its own name (meaning, default and rules are written there; ``checkpoint.failures`` is its
     FailureBudget), but ``expected_steps``, which is ``train.steps``; plus what only ``cnr train``
     has: ``enabled`` (false: no checkpoint is written) and ``interval``, the steps between
-    checkpoints. Validated with the whole config (cnr.app.config_checks.validate), naming config keys.
-    """
-
-    NOT_KEYS: ClassVar[Tuple[str, ...]] = ("expected_steps",)
-
-    enabled: bool = True
-    interval: int = 50
-
-    def __post_init__(self) -> None:
-        """Checked by cnr.app.config_checks.validate with the rest of the config, not here."""
-
-    def options(self, expected_steps: int) -> CheckpointOptions:
-        """The library's options this section holds, for a job of ``expected_steps`` steps."""
-        return CheckpointOptions.from_config(self, expected_steps)
+    checkpoints. Checked on construction by the library's own path
+    (cnr.options.check_checkpoint_settings), naming config keys; the table names of ``table_bits``
+    with the whole config (cnr.app.config_checks.validate).
+    """})
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,7 @@ class PublishConfig(PublishOptions):
     the fields of cnr.options.PublishOptions but ``uri``, plus ``enabled``, ``storage`` (the
     publish store, a URI of its own; "" = ``<--storage>/publish``, cnr.publish.location) and
     ``interval``: every ``interval`` steps the rows modified since the previous publish go out
-    (``dense_interval`` must be a multiple of it).
+    (``dense_interval`` must be a multiple of it). Checked on construction, naming config keys.
     """
 
     NOT_KEYS: ClassVar[Tuple[str, ...]] = ("uri",)
@@ -129,7 +139,8 @@ class PublishConfig(PublishOptions):
     interval: int = 20
 
     def __post_init__(self) -> None:
-        """Checked by cnr.app.config_checks.validate with the rest of the config, not here."""
+        """Checked by the library's own path (cnr.options.check_publish_settings), naming config keys."""
+        check_publish_settings(self, PUBLISH_KEYS, interval=self.interval)
 
     def options(self, uri: str) -> PublishOptions:
         """The library's options this section holds, publishing to ``uri``."""
@@ -283,6 +294,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} must be a mapping, got {shown(value)}")
         return {_coerce(key_hint, k, f"{key} key {k!r}"): _coerce(value_hint, v, f"{key}[{k!r}]") for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # a choice: kept as spelt, checked by its section
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r} must be a string, got {shown(value)}")
+        return value
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be true or false, got {shown(value)}")

@@ -1,7 +1,8 @@
 """The checks of a cnr configuration (cnr.app.config's dataclasses): every bad value raises a
 ConfigError naming the key, the value and what is allowed, before any work starts. The
-``checkpoint`` and ``publish`` sections hold the library's settings, checked by the library's own
-rules (cnr.options.check_checkpoint, check_publish) under their config keys.
+``checkpoint`` and ``publish`` sections hold the library's settings, which those sections check
+themselves on construction by the library's own path (cnr.options.check_checkpoint_settings,
+check_publish_settings) under their config keys; what needs the whole config is checked here.
 
 Below cnr.app.config (which imports it): its types are only named here, never imported.
 """
@@ -13,7 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
 from cnr.errors import ConfigError
-from cnr.options import Naming, check_checkpoint, check_publish, shown
+from cnr.options import Naming, shown
 from cnr.types import ShardingKind
 
 if TYPE_CHECKING:
@@ -92,13 +93,10 @@ def validate(config: "Config") -> None:
                  f"(0, {MAX_LEARNING_RATE:.7g}] (the optimizers compute in fp32: a larger rate overflows it)")
     _require(t.eval_interval >= 0, f"config key 'train.eval_interval' = {t.eval_interval} is not allowed; it must be >= 0")
     _positive("checkpoint.interval", c.interval)
-    check_checkpoint(c, Naming("checkpoint.", config_keys=True, error=ConfigError))
     names = [t.name for t in m.tables]
     unknown = sorted(set(c.table_bits) - set(names))
     _require(not unknown, f"config key 'checkpoint.table_bits' names {shown(unknown[0]) if unknown else ''}, which is "
              f"not a table of model.tables; tables: {shown(', '.join(names))}")
-    p = config.publish
-    check_publish(p, Naming("publish.", config_keys=True, error=ConfigError), interval=p.interval)
 
 
 def check_device_support(config: "Config", device: "torch.device") -> None:

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 from cnr.options import CheckpointOptions
 from cnr.track import agreement
+from cnr.types import BitPolicy
 from cnr.policy.kinds import BitDecision, apply_observed, decide_bits, fixed_bits, previous_decision
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class BitWidthPlanner:
 
     def _initial(self, previous: Optional[BitDecision]) -> Optional[BitDecision]:
         c = self.options
-        if c.bit_policy == "fixed":
+        if c.bit_policy == BitPolicy.FIXED:
             return fixed_bits(c.bits)
         if previous is not None and previous.mode == "failures":
             return apply_observed(previous, self.restores)

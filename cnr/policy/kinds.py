@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from cnr.errors import ConfigError
-from cnr.types import CAPPED_POLICIES, POLICIES, CheckpointKind
+from cnr.types import CAPPED_POLICIES, POLICIES, BitPolicy, CheckpointKind
 
 FALLBACK_BITS = 8
 
@@ -287,7 +287,7 @@ def failure_rate(options) -> float:
     """Failures per node-hour for the bit-width policy of ``options`` (a CheckpointOptions or a
     config's checkpoint section): configured, or from the failure log; 0 for fixed bits."""
     f = options.failures
-    if options.bit_policy != "failures":
+    if options.bit_policy != BitPolicy.FAILURES:
         return 0.0
     if f.log:
         return rate_from_failure_log(read_failure_log(f.log), f.log_nodes)
