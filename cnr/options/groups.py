@@ -173,7 +173,7 @@ class TierOptions:
     - ``local_dir``: a node-local directory ("" none): each rank stores its chunks there first, a
       checkpoint commits there once every rank's chunks are durable on its node, then is flushed
       to the storage in the background and commits there too; give each node its own (each
-      storage location has its own subdirectory of it, cnr.write.local_tier, so jobs may share
+      storage location has its own subdirectory of it, cnr.storage.checkpoint_store, so jobs may share
       one). ``local_keep_last``: committed checkpoints (with their chains) the local tier keeps
       (0: all; what the storage does not hold yet is never deleted from it).
     """
