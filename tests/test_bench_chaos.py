@@ -1,5 +1,4 @@
-"""``bench chaos``: its fault proxy against the real S3 backend, its event plan, the damage it
-does, and one short real run (a kill of the job and a damaged chunk, on moto through the proxy)."""
+"""``bench chaos``: its event plan, the damage it does, and one short real run (a kill of the job and a damaged chunk, on moto through the proxy)."""
 
 from __future__ import annotations
 
@@ -12,41 +11,7 @@ import pytest
 import torch
 
 from cnr.bench import chaos, chaos_events, chaos_job
-from cnr.bench.chaos_proxy import ChaosProxy
-from cnr.errors import StorageError
-from cnr.storage.s3 import S3Storage
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
-
-
-@pytest.fixture
-def proxied(moto, s3_bucket):
-    proxy = ChaosProxy(moto.endpoint, seed=3)
-    storage = S3Storage(s3_bucket, "job", endpoint_url=proxy.endpoint, request_attempts=1, op_attempts=8,
-                        backoff_base=0.01, backoff_max=0.02)
-    yield proxy, storage
-    storage.close()
-    proxy.close()
-
-
-def test_proxy_faults_are_injected_and_retried_through(proxied):
-    proxy, storage = proxied
-    proxy.fault_rate = 0.3
-    for i in range(20):
-        storage.put(f"k{i}", f"v{i}".encode())
-        assert storage.get(f"k{i}") == f"v{i}".encode()
-    injected = {k: v for k, v in proxy.counts.items() if k not in ("forwarded", "outage")}
-    assert all(v > 0 for v in injected.values()), proxy.counts
-
-
-def test_proxy_outage_fails_requests_until_it_ends(proxied):
-    proxy, storage = proxied
-    storage.put("k", b"v")
-    proxy.down(30)
-    with pytest.raises(StorageError):
-        storage.get("k")
-    assert proxy.counts["outage"] >= 8
-    proxy.up()
-    assert storage.get("k") == b"v"
 
 
 def test_plan_has_every_kind_once_then_random():

@@ -2,7 +2,7 @@
 
 The job trains ``configs/tiny.yaml`` (fp32, consecutive increments, two reader processes per
 rank, a sample trace) on S3: a moto server on 127.0.0.1 in its own process, reached through a
-fault proxy (cnr.bench.chaos_proxy). At seeded random moments while it trains, one event of
+fault proxy (cnr.testing.s3_proxy). At seeded random moments while it trains, one event of
 ``EVENTS`` happens; after each attempt that ended early, the job is started again (``--resume``
 once anything committed), until it reaches its last step:
 
@@ -67,7 +67,7 @@ from cnr.bench import chaos_job, nodes
 from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
 from cnr.bench.chaos_job import Job
 from cnr.bench.chaos_merge import FAULT_SPEC, MergeEvents
-from cnr.bench.chaos_proxy import ChaosProxy
+from cnr.testing.s3_proxy import FaultProxy
 from cnr.bench.chaos_report import report, unrestorable
 from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
 from cnr.format.catalog import scan_checkpoints
@@ -258,7 +258,7 @@ class Chaos(NewEvents, MergeEvents):
     the environment of a job that reaches the store directly, past the proxy (the events' other
     jobs); ``new_bucket``: a fresh bucket on that store."""
 
-    def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: ChaosProxy,
+    def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: FaultProxy,
                  storage: S3Storage, uri: str, side_env: Optional[Dict[str, str]] = None,
                  new_bucket: Optional[Callable[[], str]] = None) -> None:
         self.args, self.workdir, self.env, self.proxy, self.storage, self.uri = args, workdir, env, proxy, storage, uri
@@ -459,7 +459,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         with MotoS3(in_process=False) as moto:
-            proxy = ChaosProxy(moto.endpoint, seed=args.seed)
+            proxy = FaultProxy(moto.endpoint, seed=args.seed)
             proxied = dict(env, **endpoint_env(proxy.endpoint))
             reference = _reference(args, workdir, proxied, f"s3://{moto.new_bucket()}/job")
             if "error" in reference:
