@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from cnr.bench import chaos, chaos_events, chaos_job
+from cnr.systest import chaos, chaos_events, chaos_job
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 
@@ -271,7 +271,7 @@ def test_a_reference_run_past_its_bound_is_a_failed_result_not_a_traceback(tmp_p
     assert result["settings"]["job_timeout_s"] == 1.0 and result["reference_seconds"] < 60
 
 
-# ---- issue #38's events (cnr.bench.chaos_merge) ------------------------------------------------------
+# ---- issue #38's events (cnr.systest.chaos_merge) ------------------------------------------------------
 
 
 def test_new_events_are_drawn_and_end_their_attempt_where_they_stop_the_job():
@@ -284,7 +284,7 @@ def test_new_events_are_drawn_and_end_their_attempt_where_they_stop_the_job():
 def test_a_damaged_merged_baseline_is_passed_over_through_the_links_it_replaced():
     """a <- b <- c, and c's merged baseline: damaging c.merged must leave c restorable through
     b and a (the links retention keeps); were they deleted, one damaged object lost state c."""
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     store = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"), ("c.merged", 30, None), ("d", 40, "c"))
     assert chaos_events.newest_intact(store, set()).id == "d"  # d's chain ends at c.merged
@@ -310,7 +310,7 @@ def test_restorable_check_goes_round_a_damaged_merged_baseline(monkeypatch):
 
 
 def test_merges_in_flight_are_merged_baselines_with_objects_and_no_manifest():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     keys = ["checkpoints/c/manifest.json", "checkpoints/c/rank-00000/chunk-000000.bin",
             "checkpoints/c.merged/rank-00000/chunk-000000.bin",  # being written
@@ -324,7 +324,7 @@ def test_merges_in_flight_are_merged_baselines_with_objects_and_no_manifest():
 
 
 def test_exception_step_is_a_checkpoint_two_to_four_intervals_ahead_before_the_last_interval():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     steps = {chaos_merge.exception_step(40, 20, 1200, random.Random(s)) for s in range(30)}
     assert steps == {80, 100, 120}
@@ -334,7 +334,7 @@ def test_exception_step_is_a_checkpoint_two_to_four_intervals_ahead_before_the_l
 
 
 def test_exception_outcome_needs_the_raise_a_prompt_nonzero_exit_and_the_lease_released():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     err = "Traceback ...\ncnr.write.faults.InjectedFault: injected failure at after_save of step 60\n"
     assert chaos_merge.exception_outcome(60, 1, err, 4.0, True)["ok"]

@@ -19,8 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 

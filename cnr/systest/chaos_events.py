@@ -28,7 +28,7 @@ import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.bench.chaos_job import Job, corrupt_chunk
+from cnr.systest.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
 from cnr.write.local_tier import open_checkpoint_store
@@ -223,7 +223,7 @@ class RestorableCheck:
 
 
 class NewEvents:
-    """``fire`` of the events above, mixed into cnr.bench.chaos.Chaos, which provides ``args``,
+    """``fire`` of the events above, mixed into cnr.systest.chaos.Chaos, which provides ``args``,
     ``workdir``, ``rng``, ``watch``, ``damaged``, ``storage``, ``fired``, ``side_env`` (the
     environment of a client that reaches the store directly, past the fault proxy),
     ``new_bucket`` and ``_job``."""

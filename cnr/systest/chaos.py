@@ -17,12 +17,12 @@ once anything committed), until it reaches its last step:
   committed checkpoint is flipped before the restart;
 - ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused;
 - ``damage_resume_crash``, ``fresh_race``, ``shared_local_dir``: issue #25's events
-  (cnr.bench.chaos_events): a damaged baseline or middle link, then a resume that falls back and
+  (cnr.systest.chaos_events): a damaged baseline or middle link, then a resume that falls back and
   is killed after its second commit; a job without ``--resume`` started while the job finishes a
   checkpoint (refused, nothing of the job's lost); two jobs on other locations sharing one
   ``checkpoint.local_dir`` (neither sees the other's checkpoints);
 - ``damage_merged``, ``kill_merge``, ``user_exception_s3``: issue #38's events
-  (cnr.bench.chaos_merge), with the job's compaction on (the consecutive policy's default): a
+  (cnr.systest.chaos_merge), with the job's compaction on (the consecutive policy's default): a
   byte of the newest committed merged baseline flipped while the job is down (the resume must
   restore the same state through the links it replaced); a SIGKILL of the merge worker while a
   merge runs (the job goes on and merges again); ``cnr train``'s loop raising right after a save
@@ -63,13 +63,15 @@ import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
-from cnr.bench import chaos_job, nodes
-from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
-from cnr.bench.chaos_job import Job
-from cnr.bench.chaos_merge import FAULT_SPEC, MergeEvents
+from cnr.testing import nodes
+from cnr.systest import chaos_job
+from cnr.testing import procs
+from cnr.systest.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
+from cnr.systest.chaos_job import Job
+from cnr.systest.chaos_merge import FAULT_SPEC, MergeEvents
 from cnr.testing.s3_proxy import FaultProxy
-from cnr.bench.chaos_report import report, unrestorable
-from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
+from cnr.systest.chaos_report import report, unrestorable
+from cnr.app.cli_args import ROOT, argv_list, number_arg, workdir_arg
 from cnr.format.catalog import scan_checkpoints
 from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
@@ -104,7 +106,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the job (with --nodes: ranks per node)")
     p.add_argument("--nodes", type=int, default=1,
-                   help="torchrun agents of the job, each a node of --nproc ranks (cnr.bench.nodes); 1: cnr train "
+                   help="torchrun agents of the job, each a node of --nproc ranks (cnr.testing.nodes); 1: cnr train "
                    "--nproc spawns the ranks")
     p.add_argument("--events", type=int, default=16,
                    help=f"events to inject (each kind at least once when >= {len(EVENTS)})")
@@ -287,7 +289,7 @@ class Chaos(NewEvents, MergeEvents):
         False when it ended first."""
         deadline = time.monotonic() + timeout
         while job.running() and time.monotonic() < deadline:
-            if _modified_since(self.trace_dir, started_unix) and chaos_job.named(job.proc.pid, chaos_job.WRITER_NAME):
+            if _modified_since(self.trace_dir, started_unix) and procs.named(job.proc.pid, chaos_job.WRITER_NAME):
                 return True
             time.sleep(0.2)
         return job.running()
@@ -347,7 +349,7 @@ class Chaos(NewEvents, MergeEvents):
             return {}
         if kind in ("kill_writer", "kill_reader"):
             name = chaos_job.WRITER_NAME if kind == "kill_writer" else chaos_job.READER_NAME
-            return {"pid": chaos_job.kill_one(job.proc.pid, name, self.rng)}
+            return {"pid": procs.kill_one(job.proc.pid, name, self.rng)}
         if kind == "s3_faults":
             seconds = self.rng.uniform(3.0, 8.0)
             self.proxy.fault_rate = self.args.fault_rate
