@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from cnr.bench.scale_state import ScaleShape, rank_indexes
-from cnr.bench.scale_store import MemoryStorage
+from cnr.testing.synthetic_state import ScaleShape, rank_indexes
+from cnr.testing.memory_storage import MemoryStorage
 from cnr.errors import CheckpointError
 from cnr.format.manifest import Manifest, merge_rank_indexes, rank_index_key, rank_index_to_bytes
 from cnr.format.verify import check_rank_indexes
