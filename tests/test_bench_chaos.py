@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from cnr.systest import chaos, chaos_events, chaos_job
+from cnr.systest import chaos, chaos_events, chaos_job, chaos_plan
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 
@@ -38,7 +38,7 @@ def _info(ckpt_id: str, step: int, base=None) -> CheckpointInfo:
 
 def test_newest_intact_skips_damaged_links():
     infos = [_info("a", 10), _info("b", 20, "a"), _info("c", 30, "b"), _info("d", 40)]
-    newest = chaos.StoreWatch.newest_intact
+    newest = chaos_events.StoreWatch.newest_intact
     assert newest(None, infos, set()).id == "d"
     assert newest(None, infos, {"d"}).id == "c"
     assert newest(None, infos, {"d", "b"}).id == "a"  # c's chain goes through b
@@ -250,7 +250,7 @@ def test_short_chaos_run_loses_nothing(tmp_path):
 
 
 def test_the_job_bound_scales_with_steps_and_can_be_given():
-    assert chaos.parse_args(["--steps", "1200"]).job_timeout_s == chaos.JOB_START_S + 1200 * chaos.JOB_STEP_S
+    assert chaos.parse_args(["--steps", "1200"]).job_timeout_s == chaos_plan.JOB_START_S + 1200 * chaos_plan.JOB_STEP_S
     assert chaos.parse_args(["--steps", "5000"]).job_timeout_s > chaos.parse_args(["--steps", "1200"]).job_timeout_s
     assert chaos.parse_args(["--job-timeout-s", "7.5"]).job_timeout_s == 7.5
 

@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -343,3 +344,44 @@ class NewEvents:
         out = shared_outcome(runs, stores)
         out["runs"] = runs
         return out
+
+
+class StoreWatch:
+    """Polls the store (directly, not through the proxy) and remembers every checkpoint seen (bench chaos)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.status: Dict[str, CheckpointStatus] = {}
+        self.steps: Dict[str, int] = {}
+        self.bases: Dict[str, Optional[str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-watch", daemon=True)
+        self._thread.start()
+
+    def scan(self) -> List[Any]:
+        logging.getLogger("cnr.format.manifest").setLevel(logging.ERROR)  # damage is ours; the job reports it
+        infos = [info for info, _m in scan_checkpoints(self.storage)]
+        with self._lock:
+            for info in infos:
+                if self.status.get(info.id) != CheckpointStatus.COMMITTED:  # once committed, stays counted so
+                    self.status[info.id] = info.status
+                self.steps[info.id] = info.step
+                if info.status == CheckpointStatus.COMMITTED:
+                    self.bases[info.id] = info.base
+        return infos
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - a scan racing retention's deletes; the next one sees it
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def newest_intact(self, infos: List[Any], damaged: Set[str]) -> Optional[Any]:
+        """The newest committed checkpoint of ``infos`` whose chain has no damaged link."""
+        return newest_intact(infos, damaged)
