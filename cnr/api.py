@@ -44,9 +44,9 @@ from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.policy.kinds import BitDecision, failure_rate
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.write.peer_exchange import host_exchange
-from cnr.storage.tiered import TieredStorage
+from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
 from cnr.track.state import StatePiece
 from cnr.types import CheckpointInfo, CheckpointStatus, TableSpec
@@ -151,12 +151,13 @@ class Checkpointer:
             self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
             agreement.barrier("open: torchrec's hook slots are free for the row tracker", self.tracker.check_slots)
         self.metadata = dict(metadata or {})
-        self.storage = open_checkpoint_store(uri, self.options)
+        self.storage = open_checkpoint_store(uri, self.options.local_dir, tier=tier_for(self.options))
         self.uri = self.storage.uri
         self.storage.check_writable()
         self.tables = [_table_spec(t) for t in self.app.tables]
         try:  # the lease is the remote store's: it decides which job owns the location
-            lease_store = self.storage.remote if isinstance(self.storage, TieredStorage) else self.storage
+            tier = self.storage.node_tier()
+            lease_store = tier.remote if tier is not None else self.storage
             self.location = JobLocation.open(self.storage, lease_store, self.options.lease_ttl_s, new_history)
         except BaseException:
             if writer is not None:

@@ -6,6 +6,7 @@ summaries, log records) goes through it, so no password or secret key is ever pr
 
 import logging
 import os
+import pickle
 import re
 from urllib.parse import urlsplit
 
@@ -109,3 +110,20 @@ NONFINITE = "non-finite values (NaN or inf)"
 class NonFiniteStateError(CheckpointError):
     """State to be checkpointed holds NaN or inf: a diverged run. The checkpoint does not commit,
     so the newest committed checkpoint stays the last finite one."""
+
+
+def portable(error: BaseException, text: str) -> CnrError:
+    """``error`` as an object that crosses a process boundary (it pickles) and holds no secret: the
+    CnrError itself when it pickles and its message needs no redaction, else one of its class
+    made from its redacted message, else a CheckpointError of ``text`` redacted (an error that is
+    no CnrError: ``text`` is what users see of it, a traceback)."""
+    if isinstance(error, CnrError):
+        message = redact(str(error))
+        candidates = [error] if message == str(error) else []
+        for make in candidates + [None]:
+            try:
+                made = make if make is not None else type(error)(message)
+                return pickle.loads(pickle.dumps(made))
+            except Exception:  # noqa: BLE001 - a class that cannot travel: the generic error below
+                continue
+    return CheckpointError(redact(text))

@@ -8,7 +8,7 @@ running the same deterministic job before and after it and comparing the two dig
 
 Chunk objects are hashed as stored. JSON objects are hashed after normalizing what differs
 between two runs of the same job: the random 8-hex suffix of checkpoint ids, the lineage id,
-wall-clock fields, and the digests that cover those (a manifest's `sha256`, its `indexes`).
+wall-clock fields, the node-local tier's folder, and the digests that cover those (a manifest's `sha256`, its `indexes`).
 Lease records and the lineage record hold only such values and are left out.
 """
 
@@ -23,7 +23,7 @@ import sys
 from typing import Any, Iterator, List, Tuple
 
 _ID_SUFFIX = re.compile(r"(\d{10})-[0-9a-f]{8}")
-_VOLATILE_KEYS = frozenset({"created_unix", "lineage", "sha256", "indexes", "written_unix",
+_VOLATILE_KEYS = frozenset({"created_unix", "lineage", "sha256", "indexes", "written_unix", "local_dir",
                             "trigger_unix_us"})
 _LEFT_OUT_TOP = ("lease/", "lineage/")
 

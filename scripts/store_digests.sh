@@ -4,11 +4,15 @@
 # stores, and compare the two outputs line by line. Sharding types are pinned: torchrec's planner
 # may pick table_wise or column_wise for the same tables from one run to the next.
 #   usage: scripts/store_digests.sh WORK_DIR [PYTHON]
+# The cnr it runs is the one `python -m cnr` imports from the current folder: run it from the
+# root of the checkout under test.
 set -euo pipefail
 work=${1:?usage: scripts/store_digests.sh WORK_DIR [PYTHON]}
 py=${2:-.venv/bin/python}
 here=$(cd "$(dirname "$0")/.." && pwd)
-rm -rf "$work" && mkdir -p "$work"
+# beside the work folder (its path, recorded in the manifests, is left out of the digests)
+tier="$work.tier"
+rm -rf "$work" "$tier" && mkdir -p "$work"
 
 run() {  # NAME ARGS... [--compact]
   local name=$1; shift
@@ -29,8 +33,9 @@ run incremental_4bit --set checkpoint.policy=intermittent --set checkpoint.bits=
   --set train.steps=100
 run two_ranks_8bit_optim --nproc 2 --set 'model.sharding_types=[column_wise]' --set checkpoint.policy=intermittent --set checkpoint.bits=8 \
   --set checkpoint.optimizer_bits=8 --set train.steps=100
-# merging and retention inside a job run in the background, when they get to it: compact offline
+# merging and retention inside a job run in the background, when they get to it, and a publish is
+# skipped while the one before is in flight: so the job's chain is compacted offline, and
+# publishing (timing-dependent) is not among these jobs
 run consecutive_compacted --set checkpoint.policy=consecutive --set checkpoint.bits=8 \
-  --set checkpoint.keep_last=0 --set train.steps=120 --compact
-run local_tier --set checkpoint.local_dir=/tmp/cnr_store_digests_tier --set train.steps=80
-run publishing --set publish.enabled=true --set publish.interval=10 --set train.steps=60
+  --set checkpoint.compaction=external --set checkpoint.keep_last=0 --set train.steps=120 --compact
+run local_tier --set checkpoint.local_dir="$tier" --set train.steps=80

@@ -31,6 +31,43 @@ def run_cnr(args: List[str], cwd: str, env: Optional[Dict[str, str]] = None, tim
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def run_cnr_on_terminal(args: List[str], cwd: str, timeout: int = 300) -> Tuple[int, str, str]:
+    """``run_cnr`` with stderr on a pseudo-terminal (120 columns): what a person at a terminal sees there."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing 0 wide
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env.pop("CNR_FAULT_INJECT", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cnr", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=slave, text=True)
+    os.close(slave)
+    chunks: List[bytes] = []
+
+    def drain() -> None:  # read as it comes: a full terminal buffer would block the process
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        reader.join(timeout=10)
+        os.close(master)
+    return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
 def train(cwd: str, storage: str, *extra: str, nproc: int = 1, env: Optional[Dict[str, str]] = None,
           expect_rc: int = 0) -> Dict:
     """Run ``cnr train`` on tiny.yaml; assert it exits ``expect_rc`` (3: trained to the end, but its

@@ -137,6 +137,9 @@ def test_fresh_race_outcome_flags_a_racer_that_trained_or_wrote_or_lost_the_jobs
     assert out["ok"] and out["refused"] and out["trained_steps"] == 0 and out["kept"]
     assert not chaos_events.fresh_race_outcome(0, "", str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a)["ok"]
     assert not chaos_events.fresh_race_outcome(2, "error: bad config", str(tmp_path), {"A"}, {"A"}, newest, of_a)["ok"]
+    lease = "error: rank 0: LeaseHeldError: another job is writing checkpoints to /x (host h, pid 7)"
+    assert chaos_events.fresh_race_outcome(1, lease, str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a)["ok"]  # its rank's lease
+    assert not chaos_events.fresh_race_outcome(3, refused, str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a)["ok"]
     b_wrote = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A", "B"}, newest, of_a)
     assert not b_wrote["ok"] and b_wrote["new_lineages"] == ["B"]
     gone = chaos_events.fresh_race_outcome(2, refused, str(tmp_path / "none"), {"A"}, {"A"}, newest, of_a[:1])

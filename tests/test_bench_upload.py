@@ -60,18 +60,42 @@ def test_link_queues_transfers_at_its_rate(tmp_path):
         Link(0)
 
 
-def test_uplink_carries_writes_and_over_link_pickles(tmp_path):
-    import functools
+def test_uplink_carries_writes_and_its_spec_pickles(tmp_path):
     import pickle
 
-    from cnr.bench.link import over_link
+    from cnr.bench.link import linked_spec
+    from cnr.storage import open_storage
 
-    wrap = pickle.loads(pickle.dumps(functools.partial(over_link, 1e9)))  # as a writer process gets it
-    store = wrap(LocalStorage(str(tmp_path)))
+    spec = pickle.loads(pickle.dumps(linked_spec(str(tmp_path), 1e9)))  # as a writer process gets it
+    store = open_storage(spec)
+    assert isinstance(store, LinkedStorage) and isinstance(store.inner, LocalStorage)
     before = time.monotonic()
     store.put("a/b", b"x" * 4000)
     assert store.uplink._free_at >= before + 4000 / 1e9 and store.link is None
     assert store.get("a/b") == b"x" * 4000
+
+
+def test_a_writer_process_opens_its_store_over_the_bench_uplink(tmp_path):
+    """The bench's uplink needs no hook in the writer: the spawned writer opens the linked spec
+    (unpickling it imports cnr.bench.link, which registers the scheme there) and commits."""
+    import torch
+
+    from cnr.bench.link import linked_spec
+    from cnr.format.manifest import manifest_key
+    from cnr.options import CheckpointOptions
+    from cnr.track.snapshot import HostPiece
+    from cnr.types import CheckpointKind, ShardRegion, WriteStatus
+    from cnr.write.job import WriteJob
+    from cnr.write.writer import Writer
+
+    piece = HostPiece("model/w", (8, 8), ShardRegion((0, 0), (8, 8)), True, torch.ones(8, 8), None)
+    job = WriteJob("0000000001-cafe", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={})
+    writer = Writer(linked_spec(str(tmp_path), 1e9), CheckpointOptions(keep_last=0))
+    writer.submit(job)
+    result = writer.wait()
+    writer.close()  # not in a finally: a writer left by a failure above is a daemon, it dies with the test
+    committed = LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
+    assert (result.status, committed) == (WriteStatus.COMMITTED, True), result.error
 
 
 def test_bench_upload_tiny_on_s3_and_local(tmp_path):

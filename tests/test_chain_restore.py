@@ -15,8 +15,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ChainOrder, Role, ShardRegion
-from cnr.write.job import WriteJob
-from cnr.write.writer import write_rank_data
+from cnr.write.job import CodecPlan, WriteJob
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 
 ROWS, DIM = 300, 8
@@ -48,7 +48,8 @@ def _link(store, step: int, kind: CheckpointKind, state: Dict[str, torch.Tensor]
             pieces.append(HostPiece(name, tuple(tensor.shape), region, False,
                                     (data if ids is None else data[ids]).contiguous(), ids, ROLES[name], table))
     ckpt_id = f"{step:010d}-ab"
-    job = WriteJob(ckpt_id, step, kind, None, 0, 1, pieces, bits=bits, optimizer_bits=8 if bits != 32 else 32)
+    job = WriteJob(ckpt_id, step, kind, None, 0, 1, pieces,
+                   plan=CodecPlan(bits=bits, optimizer_bits=8 if bits != 32 else 32))
     uploader = Uploader(store, 2)
     try:
         index, _ = write_rank_data(store, uploader, job, chunk_bytes=512)

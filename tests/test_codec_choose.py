@@ -11,7 +11,7 @@ from cnr.write.plan import encode_block, quantized_bits, resolve_table_bits
 from cnr.codec.zstd import zstd_spec
 from cnr.track.snapshot import HostPiece
 from cnr.types import CheckpointKind, Role, ShardRegion
-from cnr.write.job import WriteJob
+from cnr.write.job import CodecPlan, WriteJob
 
 
 def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPiece:
@@ -21,8 +21,9 @@ def _piece(role: Role, rows: int, cols: int = 0, dtype=torch.float32) -> HostPie
 
 
 def _job(bits=2, optimizer_bits=32, small_rows=0, small_bits=8, table_bits=None) -> WriteJob:
-    return WriteJob("0000000001-x", 1, CheckpointKind.FULL, None, 0, 1, [], bits=bits, optimizer_bits=optimizer_bits,
-                    small_table_rows=small_rows, small_table_bits=small_bits, table_bits=table_bits or {})
+    return WriteJob("0000000001-x", 1, CheckpointKind.FULL, None, 0, 1, [],
+                    plan=CodecPlan(bits=bits, optimizer_bits=optimizer_bits, small_table_rows=small_rows,
+                                   small_table_bits=small_bits, table_bits=table_bits or {}))
 
 
 @pytest.mark.parametrize("job,piece,bits", [
@@ -54,7 +55,8 @@ def test_each_piece_is_stored_at_its_width(job, piece, bits):
 ])
 def test_quantized_and_log8_chunks_are_compressed_raw_ones_are_not(piece, codecs):
     piece.data.copy_(torch.rand(piece.data.shape))
-    job = dataclasses.replace(_job(optimizer_bits=8), compression=(zstd_spec(),))
+    job = _job(optimizer_bits=8)
+    job = dataclasses.replace(job, plan=dataclasses.replace(job.plan, compression=(zstd_spec(),)))
     _, ref = encode_block(job, piece, "k", 0, 40, 0, 0)
     assert [spec.name for spec in ref.codecs] == codecs
 

@@ -26,10 +26,10 @@ from cnr.storage.local import LocalStorage
 from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.types import CheckpointKind, CodecSpec, Encoding, Role, ShardRegion
-from cnr.write.job import WriteJob
+from cnr.write.job import CodecPlan, WriteJob
 from cnr.write.plan import encode_block
 from cnr.write.puts import Uploader
-from cnr.write.writer import write_rank_data
+from cnr.write.writer_process import write_rank_data
 
 
 class XorCodec(BytesCodec):
@@ -146,7 +146,7 @@ def _host(name: str, t: torch.Tensor) -> HostPiece:
 
 
 def test_the_writers_plan_picks_a_plugin_codec_and_a_job_selects_a_plugin_stage(plugins):
-    job = WriteJob("0000000001-ab", 1, CheckpointKind.FULL, None, 0, 1, [], bits=4, compression=(XOR,))
+    job = WriteJob("0000000001-ab", 1, CheckpointKind.FULL, None, 0, 1, [], plan=CodecPlan(bits=4, compression=(XOR,)))
     state = _pieces()
     _, quantized = encode_block(job, _host("model/ebc.t.weight", state["model/ebc.t.weight"]), "k", 0, 50, 0, 0)
     assert [s.name for s in quantized.codecs] == ["rowwise", "xor"]  # 4-bit rows: rowwise, tried before
@@ -161,7 +161,7 @@ def test_a_checkpoint_written_and_restored_through_plugin_codecs(plugins, tmp_pa
     store = LocalStorage(str(tmp_path))
     state = _pieces()
     job = WriteJob("0000000001-ab", 1, CheckpointKind.FULL, None, 0, 1, [_host(n, t) for n, t in state.items()],
-                   bits=32, compression=(XOR,))
+                   plan=CodecPlan(bits=32, compression=(XOR,)))
     uploader = Uploader(store, 2)
     try:
         index, _ = write_rank_data(store, uploader, job, chunk_bytes=1024)

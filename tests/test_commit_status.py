@@ -1,11 +1,11 @@
-"""cnr train's end-of-run commit status (cnr.app.train.commit_status): the summary keys and the CLI's
+"""cnr train's end-of-run commit status (cnr.app.commit_status): the summary keys and the CLI's
 exit status 3 when no checkpoint committed since step N (the CLI case: tests/test_train_s3.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cnr.app.train import commit_status
+from cnr.app.commit_status import commit_status
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
 
 OK, FAILED = CheckpointStatus.COMMITTED, CheckpointStatus.FAILED

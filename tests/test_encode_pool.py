@@ -21,8 +21,9 @@ from cnr.options import CheckpointOptions
 from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, Role, ShardRegion, WriteStatus
-from cnr.write.job import WriteJob
-from cnr.write.writer import Writer, write_rank_data
+from cnr.write.job import CodecPlan, WriteJob
+from cnr.write.writer import Writer
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import ObjectTimes, Uploader
 
 
@@ -128,8 +129,9 @@ def _job() -> WriteJob:
         HostPiece("model/dense.weight", (64, 13), ShardRegion((0, 0), (64, 13)), True,
                   torch.randn(64, 13, generator=g), None, Role.DENSE, None),
     ]
-    return WriteJob("0000000001-enc", 1, CheckpointKind.FULL, None, 0, 1, pieces, bits=2, optimizer_bits=8,
-                    compression=(zstd_spec(),), small_table_rows=100, small_table_bits=8)
+    return WriteJob("0000000001-enc", 1, CheckpointKind.FULL, None, 0, 1, pieces,
+                    plan=CodecPlan(bits=2, optimizer_bits=8, compression=(zstd_spec(),), small_table_rows=100,
+                                   small_table_bits=8))
 
 
 def _stored(root: Path, threads: int) -> Dict[str, bytes]:
@@ -171,5 +173,5 @@ def test_the_writer_process_encodes_on_checkpoint_encode_threads(tmp_path, threa
         writer.close()
     assert result.status == WriteStatus.COMMITTED, result.error
     assert LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
-    overlaps = _overlapping_encodes(result.extra["objects"])
+    overlaps = _overlapping_encodes(result.objects)
     assert (overlaps > 0) == (threads > 1), overlaps

@@ -13,7 +13,7 @@ import cnr
 
 ROOT = Path(__file__).resolve().parent.parent
 # raised only inside cnr and caught there, or by the fault injection of tests and benches
-INTERNAL = {"_AliasFound", "_Unknown", "_FencedOut", "_DamagedRecord", "InjectedFault", "RankFailed", "RankError",
+INTERNAL = {"_AliasFound", "_Unknown", "_FencedOut", "_DamagedRecord", "InjectedFault", "RankFailed", "RankConfigError", "RankError",
             "Cancelled", "InvalidKeyError", "ConditionalWriteError", "UnknownLeaseError", "ClaimHeldError",
             "CodebookError"}
 
@@ -45,3 +45,19 @@ def test_every_public_error_is_a_cnr_error_exported_and_in_the_reference():
 def test_the_errors_that_were_builtin_ones_still_are():
     assert issubclass(cnr.UnsupportedStateError, TypeError) and issubclass(cnr.OptionsError, ValueError)
     assert issubclass(cnr.UnguardedMainError, RuntimeError)
+
+
+def test_portable_errors_cross_a_process_boundary_as_their_own_class_and_message(monkeypatch):
+    import pickle
+
+    from cnr.errors import CheckpointError, NonFiniteStateError, RankAgreementError, StorageError, portable
+
+    for error in (NonFiniteStateError("tensor 'w' holds 2 non-finite values (NaN or inf)"),
+                  RankAgreementError("commit", {1: StorageError("gone")})):
+        moved = pickle.loads(pickle.dumps(portable(error, "text")))
+        assert type(moved) is type(error) and str(moved) == str(error)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "sekrit-key")
+    leaky = portable(StorageError("cannot reach s3://user:pw@host/b with sekrit-key"), "text")
+    assert type(leaky) is StorageError and "sekrit" not in str(leaky) and "pw@" not in str(leaky)
+    plain = portable(ValueError("boom sekrit-key"), "Traceback ...: ValueError: boom sekrit-key")
+    assert type(plain) is CheckpointError and str(plain) == "Traceback ...: ValueError: boom ***"

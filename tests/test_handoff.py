@@ -32,7 +32,7 @@ class FakeWriter:
         if timeout == 0.0 and not self.done:
             return None
         self.in_flight = None
-        return WriteResult("id", self.status, bytes_written=10, extra={"rows": 3, "bytes": 7})
+        return WriteResult("id", self.status, bytes_written=10, rows=3, nbytes=7)
 
     def cancel(self):
         self.calls.append("cancel")

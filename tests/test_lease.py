@@ -272,13 +272,13 @@ def test_a_restart_after_a_clean_close_takes_the_lease_quietly(tmp_path, caplog)
 def test_second_train_job_on_one_location_is_refused(tmp_path):
     """The issue's case: a job starts (fresh, or --resume) while another one writes to its
     location. This test process holds the lease, as a running job does; the new job is refused
-    with exit 2 and one error line before it writes anything."""
+    with exit 1 (a runtime failure) and one error line before it writes anything."""
     from cnr.storage import open_storage
 
     store = str(tmp_path / "store")
     running = Lease.acquire(open_storage(store), ttl_s=60)
     rc, out, err = run_cnr(["train", "--config", TINY, "--storage", store, "--set", "train.steps=10"], str(tmp_path))
-    assert rc == 2, err[-3000:]
+    assert rc == 1, err[-3000:]
     assert "another job is writing checkpoints" in err and f"pid {running.record.pid}" in err
     assert "Traceback" not in err
     assert sorted(os.listdir(store)) == ["lease"]
@@ -286,12 +286,12 @@ def test_second_train_job_on_one_location_is_refused(tmp_path):
 
 
 def test_train_on_a_store_ignoring_if_none_match_is_refused(tmp_path, moto, s3_bucket):
-    """#25.7 through the CLI: exit 2, one error line naming the store, no checkpoint written."""
+    """#25.7 through the CLI: exit 1 (the store fails), one error line naming the store, no checkpoint written."""
     uri = f"s3://{s3_bucket}/jobs/run-1"
     with FaultProxy(moto.endpoint, mode="ignore_if_none_match") as proxy:
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--set", "train.steps=20"], str(tmp_path),
                                env={"AWS_ENDPOINT_URL": proxy.endpoint})
-    assert rc == 2, err[-3000:]
+    assert rc == 1, err[-3000:]
     assert f"error: storage {uri} does not honour conditional writes" in err and "Traceback" not in err
     from cnr.storage.s3 import S3Storage
 
@@ -349,7 +349,7 @@ def test_a_resume_on_s3_that_restores_nothing_exits_and_frees_the_lease(tmp_path
         store.delete(index)  # the base's: every checkpoint of the chain needs it
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--resume", "--set", "train.steps=60"],
                                str(tmp_path), env=env, timeout=240)
-        assert rc == 2 and "no committed checkpoint in" in err and "restores" in err, err[-3000:]
+        assert rc == 1 and "no committed checkpoint in" in err and "restores" in err, err[-3000:]  # a runtime failure
         assert "could not release the lease" not in err, err[-3000:]  # released before exit, not at it
     finally:
         store.close()

@@ -156,10 +156,12 @@ def test_a_failed_remote_commit_leaves_the_local_one_standing(tmp_path, baseline
 def _open(storage: str, local_dir: str, rank=1):
     """The checkpoint store at ``storage`` behind ``local_dir``: a writer's (``rank``, no retention
     hook below rank 0) or, with ``rank`` None, a reader's."""
-    from cnr.write.local_tier import open_checkpoint_store
+    from cnr.storage.checkpoint_store import open_checkpoint_store
+    from cnr.write.local_tier import tier_for
     from cnr.options import CheckpointOptions
 
-    return open_checkpoint_store(storage, CheckpointOptions(local_dir=local_dir, commit_timeout_s=5), rank)
+    options = CheckpointOptions(local_dir=local_dir, commit_timeout_s=5)
+    return open_checkpoint_store(storage, local_dir, create=rank is not None, tier=tier_for(options, rank))
 
 
 def _ids(store) -> list:
@@ -179,7 +181,7 @@ def test_two_locations_sharing_a_local_dir_never_see_each_other(tmp_path):
     _committed(b, "0000000002-b")
     assert b.flush(10)
     b.close()
-    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root, storage_location
+    from cnr.storage.checkpoint_store import LOCATION_RECORD, local_tier_root, storage_location
 
     a_reader, b_reader = _open(str(tmp_path / "a"), shared, None), _open(str(tmp_path / "b"), shared, None)
     assert _ids(a_reader) == [("0000000001-a", "committed")] and _ids(b_reader) == [("0000000002-b", "committed")]
@@ -216,7 +218,7 @@ def test_two_jobs_sharing_a_local_dir_as_users_run_them(tmp_path):
 
 def test_a_tier_recording_another_location_is_refused_and_kept(tmp_path):
     from cnr.errors import ConfigError
-    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root
+    from cnr.storage.checkpoint_store import LOCATION_RECORD, local_tier_root
 
     shared = str(tmp_path / "nvme")
     root = local_tier_root(shared, LocalStorage(str(tmp_path / "ck")))
@@ -252,7 +254,7 @@ def test_an_unkeyed_local_dir_is_refused_kept_and_adopted_once_moved(tmp_path):
     move = str(e.value).split("move them into its keyed tier: ", 1)[1].split(" ;", 1)[0]
     subprocess.run(move, shell=True, check=True)  # the command the message gives
     assert shlex.split(move)[0] == "mkdir"
-    from cnr.write.local_tier import LOCATION_RECORD
+    from cnr.storage.checkpoint_store import LOCATION_RECORD
 
     store = _open(str(tmp_path / "ck"), shared)  # a writer: adopts the keyed tier, recording the location
     assert _ids(store.local) == [("0000000001-a", "committed")]
@@ -261,7 +263,7 @@ def test_an_unkeyed_local_dir_is_refused_kept_and_adopted_once_moved(tmp_path):
 
 
 def test_a_damaged_location_record_is_rewritten_by_the_writer(tmp_path):
-    from cnr.write.local_tier import LOCATION_RECORD, local_tier_root
+    from cnr.storage.checkpoint_store import LOCATION_RECORD, local_tier_root
 
     shared, ck = str(tmp_path / "nvme"), LocalStorage(str(tmp_path / "ck"))
     record = os.path.join(local_tier_root(shared, ck), LOCATION_RECORD)
@@ -330,7 +332,7 @@ def test_local_retention_never_deletes_outside_the_tier(tmp_path):
 
 def test_an_s3_location_is_keyed_with_its_custom_endpoint(s3_bucket, tmp_path):
     """The same bucket and prefix on another S3-compatible endpoint is another location."""
-    from cnr.write.local_tier import location_key, storage_location
+    from cnr.storage.checkpoint_store import location_key, storage_location
     from cnr.storage.s3 import S3Storage
 
     store = S3Storage(s3_bucket, "job/")

@@ -89,7 +89,7 @@ def test_a_lease_taken_during_the_outage_keeps_the_local_checkpoint_off_the_stor
 def test_a_writer_starting_in_an_outage_carries_on_committing_locally(tmp_path):
     # a writer (re)started while the store is down: on main its resumed flush raised and the
     # writer process died, three times over, and the job ended with WriterDied
-    from cnr.write.writer import _resume_flush
+    from cnr.write.local_flush import resume_flush_or_note as _resume_flush
 
     tier, _plain, remote, lease = _writer_store(tmp_path)
     tier.local.put(manifest_key(make_id(10, "abcdef00")), b"{}")  # left by a killed writer: the flush asks the store
@@ -108,6 +108,9 @@ JOB = textwrap.dedent('''
     import torch, torch.distributed as dist
     import cnr
     from cnr.errors import StorageError
+    from cnr.storage import open_storage
+    from cnr.storage.registry import register_scheme
+    from cnr.storage.spec import StorageSpec
     from cnr.write.writer import Writer
 
     class Down:
@@ -123,11 +126,12 @@ JOB = textwrap.dedent('''
                 return refuse
             return attr
 
-    class Switched:
-        def __init__(self, flag):
-            self.flag = flag
-        def __call__(self, remote):
-            return Down(remote, self.flag)
+    def open_down(spec):
+        """The store at ``spec.location`` behind Down, its flag file ``spec.options``."""
+        return Down(open_storage(spec.location), spec.options)
+
+    # at the top level: the spawned writer runs it too (it imports this script as __mp_main__)
+    register_scheme("down", open_down, replace=True)
 
     def main():
         workdir, mode = sys.argv[1], sys.argv[2]
@@ -136,7 +140,7 @@ JOB = textwrap.dedent('''
         uri, flag = os.path.join(workdir, "ck"), os.path.join(workdir, "down")
         options = cnr.CheckpointOptions(policy="full", keep_last=0, local_keep_last=0, commit_timeout_s=4,
                                         local_dir=os.path.join(workdir, "nvme"))
-        ckpt = cnr.Checkpointer(uri, {"model": model}, options, writer=Writer(uri, options, wrap_remote=Switched(flag)))
+        ckpt = cnr.Checkpointer(uri, {"model": model}, options, writer=Writer(StorageSpec("down", uri, flag), options))
         ids = [ckpt.save(1).wait().id]
         open(flag, "w").close()  # the store goes down
         for step in (2, 3):

@@ -16,7 +16,7 @@ import sys
 
 from cli_helpers import MIXED_SHARDING, ROOT, TINY, train
 from cnr.format.catalog import list_checkpoints
-from cnr.write.local_tier import local_tier_root
+from cnr.storage.checkpoint_store import local_tier_root
 from cnr.format.manifest import parse_rank_index, rank_index_key
 from cnr.storage.local import LocalStorage
 from torchrun_helpers import run_nodes

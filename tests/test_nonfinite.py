@@ -20,7 +20,7 @@ from cnr.track.snapshot import HostPiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, CheckpointStatus, ShardRegion, WriteStatus
 from cnr.write.plan import check_finite
-from cnr.write.job import WriteJob
+from cnr.write.job import CodecPlan, WriteJob
 from cnr.write.writer import Writer
 
 
@@ -40,7 +40,8 @@ def test_a_nonfinite_job_fails_and_commits_nothing(tmp_path):
     data = torch.ones(8, 4)
     data[5, 2] = float("nan")
     piece = HostPiece("model/w", (8, 4), ShardRegion((0, 0), (8, 4)), True, data, None)
-    job = WriteJob("0000000001-beef", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={}, bits=4)
+    job = WriteJob("0000000001-beef", 1, CheckpointKind.FULL, None, 0, 1, [piece], manifest_fields={},
+                   plan=CodecPlan(bits=4))
     writer = Writer(str(tmp_path), CheckpointOptions(keep_last=0))
     try:
         writer.submit(job)
@@ -48,6 +49,8 @@ def test_a_nonfinite_job_fails_and_commits_nothing(tmp_path):
     finally:
         writer.close()
     assert result.status == WriteStatus.FAILED and NONFINITE in result.error
+    # the error crossed the process boundary as its own class, which the engine counts by
+    assert type(result.failure) is NonFiniteStateError and result.error == f"NonFiniteStateError: {result.failure}"
     assert not LocalStorage(str(tmp_path)).exists(manifest_key(job.ckpt_id))
 
 

@@ -20,7 +20,8 @@ from cnr.codec.quant.quantize import quantize_rows_with_dtypes
 from cnr.codec.quant.range_search import AUTO_COMPILE_ROWS, Fused, WriterSearch, compiled_search, greedy_range, min_bins
 from cnr.storage.local import LocalStorage
 from cnr.types import SearchKernel, WriteStatus
-from cnr.write.writer import Writer, write_rank_data
+from cnr.write.writer import Writer
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 from test_encode_pool import _job
 from test_quantize import DISTRIBUTIONS, SEARCHES, _rows
@@ -137,9 +138,13 @@ def test_a_job_counts_the_rows_the_adaptive_search_encodes() -> None:
     rows) search; the 8-bit small table (naive), the 1-D log8 sums and dense state do not."""
     job = _job()
     assert searched_rows(job) == 3000 + 700
-    assert searched_rows(dataclasses.replace(job, method="naive")) == 0
-    assert searched_rows(dataclasses.replace(job, bits=32, table_bits={"small": 4})) == 50
-    assert searched_rows(dataclasses.replace(job, bits=8)) == 0
+
+    def planned(**changes):
+        return dataclasses.replace(job, plan=dataclasses.replace(job.plan, **changes))
+
+    assert searched_rows(planned(method="naive")) == 0
+    assert searched_rows(planned(bits=32, table_bits={"small": 4})) == 50
+    assert searched_rows(planned(bits=8)) == 0
 
 
 def test_a_bad_kernel_name_is_refused() -> None:
@@ -170,7 +175,7 @@ def test_a_writer_on_the_compiled_kernel_stores_what_the_eager_kernel_stores(tmp
             writer.submit(job)
             result = writer.wait()
             assert result.status == WriteStatus.COMMITTED, result.error
-            kernels.append(result.extra["search"])
+            kernels.append(result.search)
             time.sleep(0.5)
     finally:
         writer.close()

@@ -18,7 +18,7 @@ from cnr.types import CheckpointKind, Role, ShardRegion, WriteStatus
 from cnr.write.encode_pool import EncodePool
 from cnr.write.job import WriteJob
 from cnr.write.puts import Uploader
-from cnr.write.writer import _read_back, _run_job, write_rank_data
+from cnr.write.writer_process import _read_back, _run_job, write_rank_data
 
 TABLE = "model/ebc.t.weight"
 

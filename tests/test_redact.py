@@ -19,7 +19,7 @@ from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, WriteStatus
 from cnr.write.encode_pool import EncodePool
 from cnr.write.job import WriteJob
-from cnr.write.writer import _run_job
+from cnr.write.writer_process import _run_job
 from cnr.write.puts import Uploader
 
 SECRET = "s3cr3t-pa55"
@@ -96,4 +96,4 @@ def test_cli_error_lines_and_logs_are_redacted(endpoint_env, capsys, monkeypatch
     assert handler.filter(record) and SECRET not in record.getMessage()
     rc = main(["inspect", "/nonexistent-store"])
     err = capsys.readouterr().err
-    assert rc == 2 and SECRET not in err and "http://***@127.0.0.1:9/bucket/x" in err
+    assert rc == 1 and SECRET not in err and "http://***@127.0.0.1:9/bucket/x" in err  # a runtime failure

@@ -220,12 +220,12 @@ def test_report_s3(tmp_path, s3_bucket, capsys):
 
 def test_no_checkpoints_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    assert main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    assert main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 1  # a runtime failure
     assert "no committed checkpoint" in capsys.readouterr().err
     store = open_storage(str(tmp_path / "failed-only"))
     ckpt_id = _write_checkpoint(store, 10, CheckpointKind.FULL, None, 100, commit=False)
     store.put(failed_key(ckpt_id), b'{"error": "x"}')
-    assert main(["report", str(tmp_path / "failed-only"), "--out", str(tmp_path / "out")]) == 2
+    assert main(["report", str(tmp_path / "failed-only"), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "no committed checkpoint" in err and "1 failed or uncommitted" in err
 

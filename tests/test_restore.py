@@ -16,8 +16,8 @@ from cnr.track.snapshot import HostPiece
 from cnr.track.state import StatePiece
 from cnr.storage.local import LocalStorage
 from cnr.types import CheckpointKind, ShardRegion, Role
-from cnr.write.job import WriteJob
-from cnr.write.writer import write_rank_data
+from cnr.write.job import CodecPlan, WriteJob
+from cnr.write.writer_process import write_rank_data
 from cnr.write.puts import Uploader
 
 NAME = "model/sparse_arch.embedding_bag_collection.embedding_bags.t.weight"
@@ -295,7 +295,7 @@ def test_quantized_writer_restores_within_the_quantization_bound(tmp_path, bits)
     host = HostPiece(piece.name, piece.global_shape, piece.region, False, piece.tensor, None, piece.role, piece.table)
     uploader = Uploader(store, 2)
     try:
-        job = WriteJob("0000000001-q", 1, CheckpointKind.FULL, None, 0, 1, [host], bits=bits)
+        job = WriteJob("0000000001-q", 1, CheckpointKind.FULL, None, 0, 1, [host], plan=CodecPlan(bits=bits))
         index, _written = write_rank_data(store, uploader, job, chunk_bytes=96)
     finally:
         uploader.close()
@@ -363,7 +363,7 @@ def test_one_value_per_row_optimizer_state_is_log8_only_when_asked_and_codable(t
     store = LocalStorage(str(tmp_path))
     uploader = Uploader(store, 2)
     try:
-        job = WriteJob("0000000001-o", 1, CheckpointKind.FULL, None, 0, 1, [host], bits=4, optimizer_bits=optimizer_bits)
+        job = WriteJob("0000000001-o", 1, CheckpointKind.FULL, None, 0, 1, [host], plan=CodecPlan(bits=4, optimizer_bits=optimizer_bits))
         index, _ = write_rank_data(store, uploader, job, chunk_bytes=64)
     finally:
         uploader.close()

@@ -1,4 +1,9 @@
-"""Command line: ``python -m cnr {train,inspect,report,subscribe,export,compact,bench} ...``. Errors exit 2 with one clear line."""
+"""Command line: ``python -m cnr [-q|-v] {train,inspect,report,subscribe,export,compact,bench} ...``.
+
+An error is one clear line on stderr; the exit code says which kind (cnr.app.console: 1 a runtime
+failure, 2 a usage error). Every command that reports takes ``--json``: its last stdout line is then
+one JSON object (train, report, subscribe, export, compact and bench print it always).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import importlib
 import json
 import logging
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
+from cnr.app.console import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_NOT_COMMITTED, NORMAL, QUIET, VERBOSE, exit_code,
+                             moving, set_verbosity)
 from cnr.errors import CnrError, redact, redact_logging
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
@@ -17,7 +24,6 @@ SYSTEM_TESTS = ("chaos", "conformance")  # cnr/systest/<name>.py, system tests w
 EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
 MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
 UNKNOWN = "?"  # inspect's text for what no readable manifest says (kind, bits, rows of an uncommitted checkpoint)
-EXIT_NOT_COMMITTED = 3  # cnr train ran to the end but no checkpoint committed since step N (docs/cli.md)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -27,7 +33,8 @@ def _train(args: argparse.Namespace) -> int:
     from cnr.app.rank_entry import run_job_rank
 
     config = load_config(args.config, args.set)
-    job = prepare_job(config, args.storage, args.resume, args.nproc, new_history=args.new_history)
+    job = prepare_job(config, args.storage, args.resume, args.nproc, new_history=args.new_history,
+                      verbosity=args.verbosity)
     summary = launch(run_job_rank, args.nproc, job)
     if summary is not None:  # under torchrun only rank 0 has the summary
         print(json.dumps(summary, sort_keys=True), flush=True)
@@ -40,10 +47,12 @@ def _train(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from cnr.format.abandoned import abandoned_ids, is_abandoned
     from cnr.format.catalog import list_checkpoints
-    from cnr.write.local_tier import committed_in, open_checkpoint_store
+    from cnr.storage.checkpoint_store import open_checkpoint_store
+    from cnr.write.local_tier import committed_in, tier_for
     from cnr.options import CheckpointOptions
 
-    storage = open_checkpoint_store(args.uri, CheckpointOptions(local_dir=args.local_dir or ""))
+    options = CheckpointOptions(local_dir=args.local_dir or "")
+    storage = open_checkpoint_store(args.uri, options.local_dir, tier=tier_for(options))
     if args.verify:
         return _inspect_verify(storage, args.json)
     if args.tables:
@@ -55,7 +64,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if args.json:  # the JSON object stays the last stdout line
             print(json.dumps({"uri": storage.uri, "checkpoints": [], "error": error}, sort_keys=True))
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     abandoned = abandoned_ids(storage)
     rows = [
         {"id": i.id, "step": i.step, "kind": i.kind.value if i.kind is not None else None, "bits": i.bits,
@@ -85,7 +94,8 @@ def _inspect_verify(storage, as_json: bool) -> int:
     from cnr.format.abandoned import abandoned_ids, is_abandoned
     from cnr.format.verify import verify_store
 
-    results = verify_store(storage)
+    with moving(storage, "verify") as read:  # every object is read back: a bar of the bytes so far
+        results = verify_store(read)
     abandoned = abandoned_ids(storage)  # a restore passes over them, whatever their objects
     rows = [{"id": v.id, "step": v.step, "intact": not v.damage, "abandoned": is_abandoned(v.id, abandoned),
              "restorable": v.restorable, "chain": list(v.chain), "damage": list(v.damage)} for v in results]
@@ -103,7 +113,7 @@ def _inspect_verify(storage, as_json: bool) -> int:
                 print(f"    {line}")
         print(f"{len(restorable)} of {len(rows)} committed checkpoints restore" +
               (f"; newest: {restorable[-1]}" if restorable else ""))
-    return 0 if restorable else 1
+    return 0 if restorable else EXIT_FAILURE
 
 
 def _inspect_tables(storage, checkpoint: Optional[str], as_json: bool) -> int:
@@ -214,11 +224,37 @@ def _version() -> str:
         return "unknown"
 
 
+def add_verbosity(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> None:
+    """-q/-v on ``parser``: before the command or after it (a subcommand's default is SUPPRESS,
+    so that it does not undo the top-level flag)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=QUIET, default=default,
+                       help="warnings and errors only, no progress bars")
+    group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=VERBOSE, default=default,
+                       help="debug messages too")
+
+
+def add_json(parser: argparse.ArgumentParser, always: bool = True) -> None:
+    """``--json`` on a command that reports (``always``: it prints its JSON object anyway)."""
+    parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object" +
+                        (" (printed with or without this flag)" if always else " instead of a table"))
+
+
+def add_command(sub: Any, name: str, summary: str, always_json: bool = True) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (``summary``: its help line), taking -q/-v and --json."""
+    parser = sub.add_parser(name, help=summary)
+    add_verbosity(parser)
+    add_json(parser, always_json)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec")
+    parser = argparse.ArgumentParser(prog="python -m cnr", description="Check-N-Run checkpointing for torchrec; exit "
+                                     "codes: 0 done, 1 a runtime failure, 2 a usage error (docs/cli.md)")
     parser.add_argument("--version", action="version", version=f"cnr {_version()}")
+    add_verbosity(parser, NORMAL)
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
+    t = add_command(sub, "train", "train a DLRM with Check-N-Run checkpoints; last stdout line is a JSON summary")
     t.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (dotted path)")
     t.add_argument("--storage", default="./checkpoints", help="local path, file://PATH or s3://BUCKET/PREFIX")
@@ -229,9 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=1, help="local ranks to spawn, at most one per GPU (CUDA) or twice "
                    "the usable CPU cores; they die with this launcher (ignored under torchrun)")
     t.set_defaults(func=_train)
-    i = sub.add_parser("inspect", help="list the checkpoints under a storage URI")
+    i = add_command(sub, "inspect", "list the checkpoints under a storage URI", always_json=False)
     i.add_argument("uri")
-    i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--tables", action="store_true", help="list the embedding tables of a checkpoint instead")
     i.add_argument("--checkpoint", default=None, metavar="ID", help="with --tables: this checkpoint (default: newest)")
     i.add_argument("--verify", action="store_true", help="read back and check every object of every committed "
@@ -239,12 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--local-dir", default=None, metavar="DIR", help="the job's node-local tier "
                    "(checkpoint.local_dir): list its checkpoints too, with the tiers each is committed in")
     i.set_defaults(func=_inspect)
-    r = sub.add_parser("report", help="write report.md and PNG figures of the checkpoints under a storage URI")
+    r = add_command(sub, "report", "write report.md and PNG figures of the checkpoints under a storage URI; last "
+                    "stdout line is a JSON object")
     r.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
     r.add_argument("--out", default="cnr-report", help="directory for report.md and the PNGs (created if missing)")
     r.set_defaults(func=_report)
-    s = sub.add_parser("subscribe", help="apply publishes from a publish store to an inference model; last stdout "
-                       "line is a JSON object")
+    s = add_command(sub, "subscribe", "apply publishes from a publish store to an inference model; last stdout "
+                    "line is a JSON object")
     s.add_argument("uri", help="the publish store: local path, file://PATH or s3://BUCKET/PREFIX")
     s.add_argument("--config", required=True, help="the trainer's YAML config (tables and dense shape)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -256,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
     s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
     s.set_defaults(func=_subscribe)
-    e = sub.add_parser("export", help="write a committed checkpoint's modules in another format; last stdout line "
-                       "is a JSON object")
+    e = add_command(sub, "export", "write a committed checkpoint's modules in another format; last stdout line "
+                    "is a JSON object")
     e.add_argument("uri", help="local path, file://PATH or s3://BUCKET/PREFIX")
     e.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="dcp: a torch.distributed.checkpoint directory")
     e.add_argument("out", help="new directory to write (must be missing or empty)")
@@ -267,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_export)
     from cnr.app.compact import add_parser as add_compact  # cnr/app/compact.py
 
-    add_compact(sub)
-    b = sub.add_parser("bench", help="run a benchmark; last stdout line is a JSON object")
+    add_compact(sub, add_command)
+    # -q/-v/--json go before NAME: what follows it is the benchmark's own
+    b = add_command(sub, "bench", "run a benchmark; last stdout line is a JSON object")
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=_bench)
@@ -276,16 +313,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command line ``argv``; its exit code (cnr.app.console; argparse exits 2 itself)."""
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
+    ours = not logging.getLogger().handlers  # else a host (pytest, an embedding program) set logging up
+    if ours:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-        logging.getLogger("cnr").setLevel(logging.INFO)
+    set_verbosity(args.verbosity, ours or args.verbosity != NORMAL)
     redact_logging()
     try:
         return args.func(args)
     except CnrError as e:
         print(f"error: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     except KeyboardInterrupt:
         print("error: interrupted (SIGINT); the job was stopped, its committed checkpoints are intact", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
+from cnr.app.console import moving
 from cnr.errors import ConfigError
 from cnr.options import MAX_CHUNK_BYTES, MAX_KEEP_LAST, MAX_THREADS, CheckpointOptions, shown
 from cnr.format.manifest import ROOT, is_checkpoint_id
@@ -24,11 +25,12 @@ from cnr.storage.local import LocalStorage
 from cnr.write.compact import MergeSettings, compact_location
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register ``compact`` on the subcommands ``sub``."""
+def add_parser(sub: Any, command: Callable[[Any, str, str], argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Register ``compact`` on the subcommands ``sub`` with ``command(sub, name, help)`` (the CLI's
+    cnr.app.cli.add_command: the options every command takes)."""
     defaults = CheckpointOptions()
-    c = sub.add_parser("compact", help="merge a consecutive chain into a new baseline from a separate process "
-                       "(for jobs with checkpoint.compaction: external); last stdout line is a JSON object")
+    c = command(sub, "compact", "merge a consecutive chain into a new baseline from a separate process "
+                "(for jobs with checkpoint.compaction: external); last stdout line is a JSON object")
     c.add_argument("uri", help="the job's storage: local path, file://PATH or s3://BUCKET/PREFIX")
     c.add_argument("--checkpoint", default=None, metavar="ID", help="the committed increment whose chain to merge "
                    "(default: the newest committed checkpoint)")
@@ -88,7 +90,8 @@ def compact(args: argparse.Namespace) -> Dict[str, Any]:
     storage = open_storage(args.uri)
     try:
         check_location(storage)
-        return compact_location(storage, args.checkpoint, settings, args.min_chain_ratio, args.lease_ttl_s)
+        with moving(storage, "compact") as moved:  # a bar of the bytes the merge reads and writes
+            return compact_location(moved, args.checkpoint, settings, args.min_chain_ratio, args.lease_ttl_s)
     finally:
         storage.close()
 

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from cnr.app.console import progress_bar
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.restore.load import load_state_dict
 from cnr.format.manifest import Manifest
@@ -79,9 +80,23 @@ def export_dcp(uri: str, out: str, checkpoint: Optional[str] = None,
     unknown = [k for k in wanted if k not in available]
     if unknown:
         raise ConfigError(f"--key {', '.join(unknown)} is not a module of checkpoint {manifest.id}; modules: {available}")
-    state = {k: load_state_dict(uri, k, manifest.id) for k in wanted}
+    with progress_bar("export", total=len(wanted) + 1, unit="step") as bar:  # each module's read, the DCP write
+        state = {}
+        for k in wanted:
+            state[k] = load_state_dict(uri, k, manifest.id)
+            bar.update(1)
+        _write_dcp(state, out)
+        bar.update(1)
     tensors = sum(len(sd) for sd in state.values())
     nbytes = sum(t.numel() * t.element_size() for sd in state.values() for t in sd.values())
+    logger.info("exported checkpoint %s (step %d) modules %s: %d tensors, %d bytes to %s",
+                manifest.id, manifest.step, wanted, tensors, nbytes, out)
+    return {"checkpoint": manifest.id, "step": manifest.step, "keys": wanted, "tensors": tensors, "bytes": nbytes,
+            "format": "dcp", "out": out, "torch": torch.__version__}
+
+
+def _write_dcp(state: Dict[str, Dict[str, torch.Tensor]], out: str) -> None:
+    """``state`` as a new DCP directory ``out``: written into a temporary sibling, renamed onto ``out``."""
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:12]}")
@@ -100,7 +115,3 @@ def export_dcp(uri: str, out: str, checkpoint: Optional[str] = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported checkpoint %s (step %d) modules %s: %d tensors, %d bytes to %s",
-                manifest.id, manifest.step, wanted, tensors, nbytes, out)
-    return {"checkpoint": manifest.id, "step": manifest.step, "keys": wanted, "tensors": tensors, "bytes": nbytes,
-            "format": "dcp", "out": out, "torch": torch.__version__}

@@ -22,7 +22,8 @@ from cnr.format.catalog import newest_committed
 from cnr.app.launch import check_nproc, under_torchrun
 from cnr.policy.kinds import failure_rate
 from cnr.publish.location import check_publish_storage, default_publish_uri
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.write.local_paths import check_creatable_dir
 
 FRESH_START_REMEDY = ("pass --resume to continue from it, --new-history to start a new history beside it (the old "
@@ -42,6 +43,7 @@ class TrainJob:
     storage_uri: str
     resume: bool
     new_history: bool = False  # --new-history: start another history beside the location's (cnr.format.lineage)
+    verbosity: int = 0  # -q/-v (cnr.app.console: QUIET, NORMAL, VERBOSE): each rank's log level and bars
 
 
 def _saved_config(manifest: Manifest) -> Dict[str, Any]:
@@ -97,7 +99,8 @@ def _node_share() -> float:
     return min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) / world)
 
 
-def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_history: bool = False) -> TrainJob:
+def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_history: bool = False,
+                verbosity: int = 0) -> TrainJob:
     """Validate everything that can be checked before spawning ranks; writes nothing on error.
     A fresh start where committed checkpoints are is refused here and again under the lease
     (cnr.app.train), since a job may commit and end in between; ``new_history`` allows it."""
@@ -122,7 +125,8 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
                               "publish.storage")
     needs_storage = resume or config.checkpoint.enabled
     if needs_storage:
-        storage = open_checkpoint_store(storage_uri, config.checkpoint.options(config.train.steps))
+        options = config.checkpoint.options(config.train.steps)
+        storage = open_checkpoint_store(storage_uri, options.local_dir, tier=tier_for(options))
         newest = newest_committed(storage, read_head)  # its config is in the manifest itself
         if resume and newest is None:
             raise ConfigError(f"--resume: no committed checkpoint in {storage.uri}")
@@ -138,4 +142,4 @@ def prepare_job(config: Config, storage_uri: str, resume: bool, nproc: int, new_
         storage.close()
     if config.checkpoint.bit_policy == "failures":
         failure_rate(config.checkpoint)  # reads the failure log now: a bad one is an error before any work
-    return TrainJob(config, storage_uri, resume, new_history)
+    return TrainJob(config, storage_uri, resume, new_history, verbosity)

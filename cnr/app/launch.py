@@ -36,6 +36,14 @@ class RankFailed(CnrError):
     """A rank exited with an error or was killed."""
 
 
+class RankConfigError(RankFailed, ConfigError):
+    """A rank refused a flag or config value (a ConfigError): the CLI's usage error (exit 2), as
+    the same error raised in the launching process is."""
+
+
+CONFIG_MARK = "config-"  # + error-<rank>.txt: that rank's error was a ConfigError
+
+
 def under_torchrun() -> bool:
     """Whether torchrun (or another env:// launcher) set this process's rank and world size."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -84,6 +92,8 @@ def _entry(rank: int, world_size: int, fn: RankFn, arg: Any, workdir: str, spawn
         message = str(e) if isinstance(e, CnrError) else "".join(traceback.format_exception(e))
         with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {message}")
+        if isinstance(e, ConfigError):
+            open(os.path.join(workdir, f"{CONFIG_MARK}error-{rank}.txt"), "w").close()
         if not spawned:
             raise
     finally:
@@ -141,13 +151,13 @@ def launch(fn: RankFn, nproc: int, arg: Any) -> Optional[Dict[str, Any]]:
                 while not context.join(timeout=0.5, grace_period=RANK_GRACE_S):
                     pass
             except ProcessException as e:
-                raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
+                raise rank_failed(workdir, f"a rank failed: {e}") from None
             except KeyboardInterrupt:
                 _stop_ranks(context.processes)  # SIGINT of this launcher alone must stop the job too
                 raise
         path = os.path.join(workdir, "result.json")
         if not os.path.exists(path):
-            raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
+            raise rank_failed(workdir, "rank 0 returned no result")
         with open(path) as f:
             return json.load(f)
 
@@ -167,13 +177,13 @@ def spawn(fn: RankFn, nproc: int, arg: Any, timeout_s: float) -> Optional[Dict[s
                     _stop_ranks(context.processes)
                     raise RankFailed(f"the launch ran past {timeout_s:.0f} s (a hang?); stopped")
         except ProcessException as e:
-            raise RankFailed(_first_error(workdir) or f"a rank failed: {e}") from None
+            raise rank_failed(workdir, f"a rank failed: {e}") from None
         except KeyboardInterrupt:
             _stop_ranks(context.processes)
             raise
         path = os.path.join(workdir, "result.json")
         if not os.path.exists(path):
-            raise RankFailed(_first_error(workdir) or "rank 0 returned no result")
+            raise rank_failed(workdir, "rank 0 returned no result")
         with open(path) as f:
             return json.load(f)
 
@@ -192,9 +202,13 @@ def _stop_ranks(processes, grace_s: float = 10.0) -> None:
             p.join()
 
 
-def _first_error(workdir: str) -> Optional[str]:
+def rank_failed(workdir: str, otherwise: str) -> RankFailed:
+    """The error of the lowest rank that wrote one (``otherwise`` when none did): a RankConfigError
+    when it was a ConfigError, so that ``--nproc N`` exits as ``--nproc 1`` does."""
     for name in sorted(os.listdir(workdir)):
         if name.startswith("error-"):
             with open(os.path.join(workdir, name)) as f:
-                return f"rank {name[6:-4]}: {f.read()}"
-    return None
+                message = f"rank {name[6:-4]}: {f.read()}"
+            config = os.path.exists(os.path.join(workdir, CONFIG_MARK + name))
+            return (RankConfigError if config else RankFailed)(message)
+    return RankFailed(otherwise)

@@ -34,6 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from cnr.app.console import moving
 from cnr.errors import CheckpointError, ConfigError, KeyNotFoundError
 from cnr.app.report_points import Entry, Point
 from cnr.format.manifest import MERGED_SUFFIX, Manifest, chain_links, manifest_key, rank_index_key
@@ -237,7 +238,8 @@ def write_report(uri: str, out_dir: str) -> Dict[str, object]:
     path = _prepare_out_dir(out_dir)
     storage = open_storage(uri)
     try:
-        data = collect(storage)
+        with moving(storage, "report") as read:  # a bar of the manifest bytes read
+            data = collect(read)
     finally:
         storage.close()
     files = {name: os.path.join(path, file) for name, file in FIGURES.items()}

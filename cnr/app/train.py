@@ -10,8 +10,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from cnr.app.evaluate import evaluate
 from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
-from cnr.format.manifest import Manifest, read_head, step_of
+from cnr.format.manifest import Manifest, read_head
 from cnr.format.split import load_ranks
 from cnr.format.catalog import newest_committed
 from cnr.options import CheckpointOptions, PublishOptions
@@ -37,17 +36,21 @@ from cnr.app.job import FRESH_START_REMEDY, TrainJob, check_compatible, publish_
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.publish.publisher import Publisher
 from cnr.track.state import all_gather_names, state_digest
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.app.trace import SampleTrace, reset_trace
-from cnr.types import CheckpointStatus
+from cnr.app.commit_status import commit_status
+from cnr.app.console import LEVELS, VERBOSE, phase, progress_bar, set_verbosity
 from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
 
 
-def _setup_logging(rank: int) -> None:
+def _setup_logging(rank: int, verbosity: int) -> None:
+    """Rank 0 logs at -q/-v's level (cnr.app.console.LEVELS), the others warnings only unless -v."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"%(asctime)s rank{rank} %(name)s: %(message)s", force=True)
-    logging.getLogger("cnr").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    set_verbosity(verbosity, set_level=False)  # bars: this rank's process has its own flag
+    logging.getLogger("cnr").setLevel(LEVELS[verbosity] if rank == 0 or verbosity == VERBOSE else logging.WARNING)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     redact_logging()
 
@@ -130,20 +133,13 @@ class Readers:
         self.source.close()
 
 
-def _progress(rank: int, total: int, initial: int):
-    if rank != 0 or not sys.stdout.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
-
-
 def run_rank(rank: int, world_size: int, job: TrainJob) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns the summary dict (other ranks return None)."""
-    _setup_logging(rank)
+    _setup_logging(rank, job.verbosity)
     manifest = None
     if job.resume:
-        storage = open_checkpoint_store(job.storage_uri, _options(job.config))
+        options = _options(job.config)
+        storage = open_checkpoint_store(job.storage_uri, options.local_dir, tier=tier_for(options))
         try:
             manifest = _newest(storage)
         finally:
@@ -211,7 +207,8 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
             if manifest is None and config.checkpoint.enabled:
                 _check_fresh_start(ckpt)
             if manifest is not None:
-                info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
+                with phase(f"restore {manifest.id}", wanted=rank == 0):  # the library reports no progress inside
+                    info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
                 if info is None:
                     raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
                 if ckpt.restored_manifest.id != manifest.id:  # a fallback: prepare_job checked the newest only
@@ -266,78 +263,6 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
     }
 
 
-def commit_status(saving: Optional[Checkpointer], restored_step: Optional[int]) -> Dict[str, Any]:
-    """Whether this run's checkpoints ended committed: ``last_committed_step`` (the newest committed
-    checkpoint's step, this run's or the restored one; None: none), and, when the checkpoints
-    taken after it all failed, ``no_commit_since_step`` (that step, 0 for none) and
-    ``commit_failure`` (one line for the CLI, which then exits 3). Both None otherwise.
-
-    With a local tier, ``local_only_checkpoints`` names the checkpoints committed only on the node,
-    this run's and those an earlier run left there, that its writer could not flush (the remote
-    store was unreachable until the job's bounded end, a remote write failed, or another job took
-    the lease), and ``last_remote_step`` the newest step the storage holds committed, as listed
-    after the flush (None when it holds none or could not be listed: then this run's flushed
-    checkpoints' newest). When the newest committed checkpoint (this run's, or the restored one)
-    is among them, the storage lacks the job's newest state: ``commit_failure`` says so (exit 3
-    too) and how to resume from the node, and ``no_commit_since_step`` is the remote step."""
-    outcomes = saving.outcomes if saving is not None else []
-    last = max((i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED), default=restored_step)
-    since = last if last is not None else 0
-    failed = [i for i in outcomes if i.status != CheckpointStatus.COMMITTED and (last is None or i.step > last)]
-    out: Dict[str, Any] = {"last_committed_step": last, "no_commit_since_step": None, "commit_failure": None}
-    if failed:
-        newest = failed[-1]
-        out["no_commit_since_step"] = since
-        out["commit_failure"] = (f"no checkpoint committed since step {since}: the {len(failed)} checkpoint(s) taken "
-                                 f"after it failed, the newest ({newest.id}, step {newest.step}) with: "
-                                 f"{(newest.error or 'no reason given')[:500]}")
-    report = saving.flush_report if saving is not None else None
-    if report is None:
-        return out
-    local_ids = list(report.local_only)
-    local_only = [SimpleNamespace(id=i, step=step_of(i)) for i in local_ids]
-    remote = [i.step for i in outcomes if i.status == CheckpointStatus.COMMITTED and i.id not in set(local_ids)]
-    out["local_only_checkpoints"] = local_ids
-    # what the storage holds, as listed after the flush; unknown (None) when it could not be listed
-    out["last_remote_step"] = report.remote_newest if report.remote_listed else max(remote, default=None)
-    if local_only and (failed or last is None or local_only[-1].step >= last):  # the newest state is not there
-        out["no_commit_since_step"] = out["last_remote_step"] or 0
-        line = _local_only_line(saving, local_only, out["last_remote_step"], report.fenced_out)
-        if failed:  # after a lost lease, every later checkpoint fails
-            line += (f"; the {len(failed)} checkpoint(s) taken after them failed, the newest ({failed[-1].id}, step "
-                     f"{failed[-1].step}) with: {(failed[-1].error or 'no reason given')[:300]}")
-        out["commit_failure"] = line
-    return out
-
-
-def _local_only_line(saving: Checkpointer, local_only: List[Any], remote_step: Optional[int],
-                     fenced_out: Optional[str]) -> str:
-    """The final line for checkpoints committed only on the node-local tier (issue #25, item 8; an
-    older branch than the storage's newest, issue #38): ``remote_step``, the storage's newest step
-    (None: none, or unknown)."""
-    ids = ", ".join(f"{i.id} (step {i.step})" for i in local_only) if len(local_only) <= 3 else \
-        f"{len(local_only)} checkpoints, {local_only[0].id} (step {local_only[0].step}) to {local_only[-1].id} (step " \
-        f"{local_only[-1].step}),"
-    where = saving.options.local_dir
-    if fenced_out:
-        why = (f"they were not flushed because another job holds the storage's lease now ({fenced_out[:300]}); "
-               "nothing of theirs was written there")
-        todo = f"they stay in {where}; resuming from them would flush them into that job's location"
-    else:
-        why = ("they had not reached the storage when the job ended, after its bounded wait for the flush (it was "
-               "unreachable, or their flush failed: the warnings above say why)")
-        todo = (f"they stay in {where}: resume on this node with --resume and the same checkpoint.local_dir, and "
-                "the resumed job flushes them to the storage first")
-    since = remote_step or 0
-    if remote_step is None or local_only[-1].step > remote_step:
-        head = f"no checkpoint committed to the storage {saving.uri} since step {since}: {ids} committed only on the " \
-               "node-local tier"
-    else:  # the storage holds a newer step of another branch: this node's is not there
-        head = f"{ids} committed only on the node-local tier, not on the storage {saving.uri} (which holds step " \
-               f"{remote_step} of another branch)"
-    return f"{head}; {why}; {todo}"
-
-
 def _check_fresh_start(ckpt: Checkpointer) -> None:
     """A job without --resume, now under the lease: refused (before it trains) when its location
     holds committed checkpoints, unless --new-history. cnr.app.job checked before the ranks started,
@@ -380,7 +305,7 @@ def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Bound
           trace: Optional[SampleTrace], step: int, rank: int, world_size: int, device: torch.device,
           publisher: Optional[Publisher] = None) -> Tuple[int, float]:
     """Train from ``step`` to ``train.steps``; return the step reached and the seconds it took."""
-    bar = _progress(rank, config.train.steps, step)
+    bar = progress_bar("train", config.train.steps, "step", initial=step, wanted=rank == 0)
     start = time.perf_counter()
     interval = config.checkpoint.interval if at.ckpt is not None else None
     stop = step
@@ -405,11 +330,9 @@ def _loop(config: Config, sharded: ShardedModel, source: BatchSource, at: _Bound
                 maybe_crash("after_save", step, rank)  # bench chaos: the user's loop raising right after a save
         if publisher is not None and step % config.publish.interval == 0:
             publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # shown at the bar's next refresh
+    bar.close()
     return step, time.perf_counter() - start
 
 

@@ -147,8 +147,8 @@ class TrainedModel:
         result = ckpt.engine.last_result
         if result is None or result.status != WriteStatus.COMMITTED:
             raise RuntimeError(f"benchmark checkpoint did not commit: {result.error if result else 'no result'}")
-        return {"id": result.ckpt_id, "commit_s": result.extra["stored_at"] - snapshot_end, "snapshot_end": snapshot_end,
-                "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.extra["objects"]}
+        return {"id": result.ckpt_id, "commit_s": result.stored_at - snapshot_end, "snapshot_end": snapshot_end,
+                "background_s": result.seconds, "bytes": result.bytes_written, "objects": result.objects}
 
 
 def scan_entries(storage: Storage, seen: Dict[str, Entry]) -> None:

@@ -6,15 +6,22 @@ bytes/s shared by every thread would: a transfer starts when the link is free an
 ``bytes / rate`` seconds. The fetch, the checks and the decoding still run for real; metadata
 calls pass straight through, and so do writes unless an ``uplink`` carries them (``over_link``:
 a background writer's remote store behind one, cnr.bench.tier).
+
+A writer process opens its store from a StorageSpec (cnr.storage.spec), so the uplink travels as a
+storage scheme of the bench's own, ``LINK_SCHEME`` (``linked_spec``): unpickling the spec's
+options in the writer process imports this module, which registers the scheme there too.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from cnr.storage.base import Buffer, Storage
+from cnr.storage.registry import open_storage, register_scheme
+from cnr.storage.spec import StorageSpec, StorageTarget
 from cnr.storage.wrapper import WrapperStorage
 from cnr.types import ByteRange
 
@@ -73,6 +80,30 @@ class LinkedStorage(WrapperStorage):
 
 
 def over_link(rate: float, storage: Storage) -> Storage:
-    """``storage`` with its writes carried by a link of ``rate`` bytes/s of its own (a rank's
-    uplink); picklable through functools.partial, for a writer process (cnr.write.writer.Writer)."""
+    """``storage`` with its writes carried by a link of ``rate`` bytes/s of its own (a rank's uplink)."""
     return LinkedStorage(storage, None, uplink=Link(rate))
+
+
+LINK_SCHEME = "cnr-bench-uplink"
+
+
+@dataclass(frozen=True)
+class Uplink:
+    """The options of a ``LINK_SCHEME`` spec: the store ``inner`` behind an uplink of ``rate`` bytes/s."""
+
+    rate: float
+    inner: StorageSpec
+
+
+def linked_spec(uri: StorageTarget, rate: float) -> StorageSpec:
+    """The store at ``uri`` with its writes carried by an uplink of ``rate`` bytes/s, for a
+    background writer (cnr.write.writer.Writer): each client opened from it has a link of its own."""
+    inner = StorageSpec.parse(uri)
+    return StorageSpec(LINK_SCHEME, inner.uri, Uplink(rate, inner))
+
+
+def _open_linked(spec: StorageSpec) -> Storage:
+    return over_link(spec.options.rate, open_storage(spec.options.inner))
+
+
+register_scheme(LINK_SCHEME, _open_linked, replace=True)  # replace: a module re-imported (as in tests) registers again

@@ -133,7 +133,8 @@ def _run_cells(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any
         uri = os.path.join(arg["workdir"], cell)
         ckpt = CheckpointEngine(uri, options, rank, world_size, CellTracker(tracker, cell),
                                 writer=Writer(uri, options.for_writer(rows_per_rank)))
-        ckpt.buffers = buffers  # cells take turns: each waits for its write before the next one captures
+        # cells take turns, each waiting for its write before the next one captures: they share one set
+        ckpt.handoff.buffers = buffers
         ckpt.table_bits = table_bits
         ckpts[cell] = ckpt
     reader = make_reader(config, rank, world_size, None, split="train")

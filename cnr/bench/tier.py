@@ -11,15 +11,14 @@ against a restore from the backend alone, and over the link (the local tier is n
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Dict, List
 
 from cnr.bench.common import TrainedModel, ratio
-from cnr.bench.link import Link, LinkedStorage, over_link
+from cnr.bench.link import Link, LinkedStorage, linked_spec
 from cnr.format.catalog import newest_committed, resolve_chain
 from cnr.restore.chain import restore_chain
-from cnr.write.local_tier import local_tier_root
+from cnr.storage.checkpoint_store import local_tier_root
 from cnr.format.manifest import manifest_key
 from cnr.options import CheckpointOptions
 from cnr.storage import open_storage
@@ -49,8 +48,8 @@ def _commit_times(model: TrainedModel, uri: str, local_dir: str, repeats: int, l
     config = model.config.checkpoint
     options = CheckpointOptions.from_config(dataclasses.replace(config, policy="full", bits=32, optimizer_bits=32,
                                                                 local_dir=local_dir, local_keep_last=1))
-    wrap = functools.partial(over_link, link_rate) if link_rate > 0 else None
-    ckpt = model.checkpointer(uri, options, writer=Writer(uri, options, wrap_remote=wrap))
+    target = linked_spec(uri, link_rate) if link_rate > 0 else uri
+    ckpt = model.checkpointer(uri, options, writer=Writer(target, options))
     remote = open_storage(uri)
     rows = []
     try:

@@ -55,7 +55,7 @@ from cnr.storage import open_storage
 from cnr.storage.base import Storage
 from cnr.track.tracker import RowTracker
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus, Role
-from cnr.write.job import WriteJob
+from cnr.write.job import CodecPlan, WriteJob
 from cnr.write.lease import LeaseRef
 from cnr.write.writer import Writer
 
@@ -275,7 +275,7 @@ class Publisher:
 
         def make_job(host) -> WriteJob:
             return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
-                            bits=p.bits, method=p.quant_method, compression=(zstd_spec(),), lease=self.lease,
+                            CodecPlan(p.bits, p.quant_method, compression=(zstd_spec(),)), lease=self.lease,
                             lease_uri=self.lease_uri if self.lease is not None else "")
 
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank, self.world_size)

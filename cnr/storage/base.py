@@ -11,7 +11,7 @@ import hashlib
 import logging
 import re
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from cnr.errors import CheckpointError, InvalidKeyError, KeyNotFoundError, StorageError
 from cnr.types import ByteRange
@@ -195,6 +195,72 @@ class Storage(abc.ABC):
 
     def close(self) -> None:
         """Release clients and connections. The default holds none."""
+
+    def node_tier(self) -> Optional["NodeTier"]:
+        """This store as a node-local tier in front of a remote store (cnr.storage.tiered), or None:
+        a single store has no tier. Callers ask this instead of testing the store's type."""
+        return None
+
+
+Fence = Callable[[Storage], None]  # raises CheckpointError when this job may no longer write to the remote
+Requirement = Union[str, Tuple[str, ...]]  # a commit's requirement: a key, or keys any one of which will do
+
+
+class NodeTier(Storage):
+    """What the writer, the commit and the API ask of a store with a node-local tier: a Storage
+    whose writes are durable on ``local`` at once and reach ``remote`` later, in order
+    (cnr.storage.tiered.TieredStorage is the one implementation). Leases are the remote
+    store's; a checkpoint is durable on the storage once its commit reached ``remote``."""
+
+    local: Storage  # the node-local tier
+
+    @property
+    @abc.abstractmethod
+    def remote(self) -> Storage:
+        """The store behind the tier: the storage the lease and the durable checkpoints are on."""
+
+    @property
+    @abc.abstractmethod
+    def remote_down(self) -> bool:
+        """Whether the remote store was found unreachable and has not been reached since."""
+
+    @property
+    @abc.abstractmethod
+    def fenced_out(self) -> Optional[str]:
+        """Why nothing more is written to the remote store (a fence refused), else None."""
+
+    @abc.abstractmethod
+    def commit(self, key: str, data: Buffer, requires: Sequence[Requirement] = (),
+               fence: Optional[Fence] = None) -> None:
+        """Store the commit ``key`` locally now and on the remote once ``requires`` are there,
+        running ``fence`` on the remote store right before."""
+
+    @abc.abstractmethod
+    def put_local(self, key: str, data: Buffer) -> bool:
+        """Store ``key`` on the local tier only; False when it is not stored there."""
+
+    @abc.abstractmethod
+    def resend(self, key: str) -> None:
+        """Queue ``key``, already on the local tier, for the remote store."""
+
+    @abc.abstractmethod
+    def set_fence(self, fence: Fence) -> None:
+        """Run ``fence`` on the remote store before the first write after an outage."""
+
+    @abc.abstractmethod
+    def note_unreachable(self) -> None:
+        """A caller found the remote store not answering: hold the flush until it answers."""
+
+    @abc.abstractmethod
+    def unflushed_commits(self) -> List[str]:
+        """The commit keys queued so far that the remote store did not get, in queue order."""
+
+    @abc.abstractmethod
+    def pending_groups(self) -> Set[str]:
+        """Groups (checkpoint directories) with objects not yet on the remote store."""
+
+    def node_tier(self) -> Optional["NodeTier"]:
+        return self
 
 
 READS = 10

@@ -20,7 +20,8 @@ whole new one. A failed multipart upload is aborted (by s3transfer, and again by
 abort failed) so no parts linger.
 
 Error classification, credential redaction and the retry loop live in ``s3_errors``; puts (the
-upload reader, the transfer manager, multipart-upload tracking) and body reads in ``s3_transfer``.
+upload reader, the transfer manager, multipart-upload tracking) and body reads in ``s3_transfer``;
+one GET of a whole object or a range, its reply checked, in ``s3_reads``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ import time
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
-from cnr.errors import ConfigError, CorruptChunkError, InvalidKeyError, KeyNotFoundError, StorageError
-from cnr.storage.base import (Buffer, Storage, check_limit, check_range, probe_writable, validate_key,
-                              validate_prefix)
+from cnr.errors import ConfigError, CorruptChunkError, KeyNotFoundError, StorageError
+from cnr.storage.base import Buffer, Storage, check_range, probe_writable, validate_key, validate_prefix
 from cnr.types import ByteRange
 
 try:
@@ -57,7 +57,8 @@ from cnr.storage.s3_errors import (  # noqa: E402 - only once boto3 is known to 
     safe_endpoint,
     status,
 )
-from cnr.storage.s3_transfer import Puts, read_body  # noqa: E402
+from cnr.storage.s3_reads import get_range, get_whole  # noqa: E402
+from cnr.storage.s3_transfer import Puts  # noqa: E402
 from cnr.storage.s3_options import S3Options  # noqa: E402
 
 T = TypeVar("T")
@@ -67,7 +68,6 @@ _CONFLICT_ATTEMPTS = 5  # 409 ConditionalRequestConflict answers to one put_if_a
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 def validate_bucket(bucket: str) -> str:
@@ -237,8 +237,10 @@ class S3Storage(Storage):
             return b""
         try:
             if byte_range is None:
-                return self._retrying("read", key, lambda: self._get_whole(full, key, limit))
-            return self._retrying("read", key, lambda: self._get_range(full, key, byte_range))
+                return self._retrying("read", key, lambda: get_whole(self._client, self._bucket, full, key, limit,
+                                                                     self.options.checksum))
+            return self._retrying("read", key, lambda: get_range(self._client, self._bucket, full, key, byte_range,
+                                                                 self._where(key), lambda: self.size(key)))
         except StorageError as e:
             if not isinstance(e.__cause__, bexc.FlexibleChecksumError):
                 raise
@@ -246,67 +248,6 @@ class S3Storage(Storage):
             # is checked too): the object does not verify, which a verified read
             # (cnr.storage.base.from_sources) reads again before it calls the object damaged
             raise CorruptChunkError(f"{self._where(key)} does not match its stored checksum: {e}") from e
-
-    def _get_whole(self, full: str, key: str, limit: Optional[int]) -> bytes:
-        kwargs = {"ChecksumMode": "ENABLED"} if self.options.checksum else {}
-        response = self._client.get_object(Bucket=self._bucket, Key=full, **kwargs)
-        length = response.get("ContentLength")
-        if limit is not None and isinstance(length, int):
-            try:
-                check_limit(length, limit, key)  # from the reply's Content-Length, before reading the body
-            except InvalidKeyError:
-                response["Body"].close()
-                raise
-        data = read_body(response)
-        check_limit(len(data), limit, key)
-        return data
-
-    def _get_range(self, full: str, key: str, byte_range: ByteRange) -> bytes:
-        # One ranged GET, no HEAD: the reply's Content-Range carries the object's size, so a
-        # range that runs past the end is caught from it, and one that starts past the end gets
-        # a 416 whose error names the size. No more than the range is read: a reply whose
-        # Content-Length says more is refused, and of a whole object sent by a server that
-        # ignored the Range header only the bytes up to the range's end are read.
-        end = byte_range.start + byte_range.length - 1
-        try:
-            response = self._client.get_object(
-                Bucket=self._bucket, Key=full, Range=f"bytes={byte_range.start}-{end}"
-            )
-        except bexc.ClientError as e:
-            if error_code(e) != "InvalidRange" and status(e) != 416:
-                raise
-            actual = e.response.get("Error", {}).get("ActualObjectSize")
-            size = int(actual) if actual and actual.isdigit() else self.size(key)
-            check_range(byte_range, size, key)
-            raise StorageError(
-                f"cannot read {self._where(key)}: the server refused bytes {byte_range.start}-{end} "
-                f"of an object of {size} bytes"
-            ) from None
-        match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
-        length = response.get("ContentLength")
-        if response["ResponseMetadata"]["HTTPStatusCode"] == 206 and match:
-            if match.group(3) != "*":
-                check_range(byte_range, int(match.group(3)), key)
-            got_start = int(match.group(1))
-            if isinstance(length, int) and length > byte_range.length:
-                response["Body"].close()
-                raise StorageError(f"cannot read {self._where(key)}: asked for {byte_range.length} bytes at "
-                                   f"{byte_range.start}, the reply holds {length}")
-            data = read_body(response)
-        else:
-            # The server ignored the Range header and sends the whole object: read up to the end.
-            if isinstance(length, int):
-                check_range(byte_range, length, key)
-            data = read_body(response, end + 1)
-            check_range(byte_range, len(data), key)
-            data = data[byte_range.start : end + 1]
-            got_start = byte_range.start
-        if got_start != byte_range.start or len(data) != byte_range.length:
-            raise StorageError(
-                f"cannot read {self._where(key)}: asked for {byte_range.length} bytes at "
-                f"{byte_range.start}, got {len(data)} at {got_start}"
-            )
-        return data
 
     def size(self, key: str) -> int:
         full = self._full_key(key)

@@ -12,7 +12,8 @@ a test's fault injector) subclasses ``WrapperStorage`` and overrides only what i
 (cnr.storage.base.from_sources) goes through the wrapper's ``get``; an inner store with several
 sources (a tiered store) hands out its own, which the wrapper cannot stand in front of one by one.
 A wrapper passes the storage contract (cnr.testing.storage_contract) whenever its inner store does
-and it changes no answer.
+and it changes no answer. ``node_tier`` alone does not go to ``inner``: a wrapper is no node-local
+tier (None), even in front of one, since its writes go through the wrapper.
 """
 
 from __future__ import annotations

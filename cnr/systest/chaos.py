@@ -72,6 +72,7 @@ from cnr.systest.chaos_report import report, unrestorable
 from cnr.app.cli_args import ROOT
 from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
+from cnr.app.console import EXIT_FAILURE
 from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
 
@@ -203,7 +204,7 @@ class Chaos(NewEvents, MergeEvents):
     def _second_job(self) -> Dict[str, Any]:
         job = self._job(True, f"second-{len(self.fired)}").start()
         rc = job.wait(timeout=300)
-        refused = rc == 2 and "another job is writing checkpoints" in job.stderr()
+        refused = rc == EXIT_FAILURE and "another job is writing checkpoints" in job.stderr()
         self.second_jobs["refused" if refused else "not_refused"] += 1
         return {"second_job_rc": rc, "refused": refused}
 

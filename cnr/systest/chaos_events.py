@@ -6,7 +6,7 @@
   that commit (the retention of the resumed job must not have deleted what it restored from, or
   what it committed since). ``damage_target`` picks the link; ``await_commits`` times the crash.
 - ``fresh_race``: a second ``cnr train`` *without* ``--resume`` started on the job's location
-  while the job is finishing a checkpoint (one is in flight): it must be refused (exit 2) before
+  while the job is finishing a checkpoint (one is in flight): it must be refused (exit 2 or 1) before
   it trains a step, and it must write no checkpoint of its own history (``fresh_race``).
 - ``shared_local_dir``: two short jobs on two other locations, run at the same time with one
   ``checkpoint.local_dir``; each must train fresh (not be refused over the other's checkpoints),
@@ -32,11 +32,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from cnr.systest.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
-from cnr.write.local_tier import open_checkpoint_store
+from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.write.local_tier import tier_for
 from cnr.format.manifest import chain_links, id_order
 from cnr.options import CheckpointOptions
 from cnr.policy.retention import own_damage
 from cnr.storage.base import Storage
+from cnr.app.console import EXIT_FAILURE, EXIT_USAGE
 from cnr.app.trace import load_trace
 from cnr.types import CheckpointKind, CheckpointStatus
 
@@ -122,11 +124,12 @@ def lineages(infos: Sequence[Any]) -> Set[str]:
 
 def fresh_race_outcome(rc: int, stderr: str, trace_dir: str, before: Set[str], after: Set[str],
                        newest_before: Optional[Any], infos_after: Sequence[Any]) -> Dict[str, Any]:
-    """What a fresh job racing the running one did: ``refused`` (exit 2 with a refusal line),
+    """What a fresh job racing the running one did: ``refused`` (an error exit with a refusal line:
+    2 from the check before its ranks start, 1 from the lease or the check under it; cnr.app.console),
     ``trained_steps`` (steps in its own sample trace), ``new_lineages`` (histories that appeared
     in the store meanwhile: its own, had it written a checkpoint) and ``kept`` (the job's newest
     checkpoint from before the race is still committed, or a newer one of the same history is)."""
-    refused = rc == 2 and any(r in stderr for r in REFUSALS)
+    refused = rc in (EXIT_USAGE, EXIT_FAILURE) and any(r in stderr for r in REFUSALS)
     steps = len({step for step, _rank, _runs in load_trace(trace_dir)}) if os.path.isdir(trace_dir) else 0
     kept = True
     if newest_before is not None:
@@ -336,7 +339,8 @@ class NewEvents:
                 runs[name]["error"] = j.stderr()[-300:]
         stores: Dict[str, Sequence[Any]] = {}
         for name, uri in uris.items():
-            store = open_checkpoint_store(uri, CheckpointOptions(local_dir=local_dir))
+            options = CheckpointOptions(local_dir=local_dir)
+            store = open_checkpoint_store(uri, options.local_dir, tier=tier_for(options))
             try:
                 stores[name] = [info for info, _m in scan_checkpoints(store)]
             finally:

@@ -90,7 +90,7 @@ def finish(ckpt: Any, failed: Optional[bool] = None) -> None:
     settled = True
     try:
         if token is not None:
-            settled = _settle_alone(ckpt, token[0], token[1], abandon)
+            settled = _settle_alone(ckpt, token.ckpt_id, token.step, abandon)
     finally:
         # a writer abandoned, or still writing after the wait, gets STOP_S to exit; one done, Writer.close's bound
         ckpt._abort(stop_s=STOP_S if abandon or not settled else None, release_s=RELEASE_S)

@@ -31,7 +31,6 @@ from cnr.format.split import (
 from cnr.format.catalog import marker_error
 from cnr.storage.base import Storage, from_sources, read_document
 from cnr.storage.registry import open_storage
-from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind
 
 logger = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union
     """Store ``job``'s manifest, fenced by its lease (a job that lost its storage's lease commits
     nothing). Over a local tier (cnr.storage.tiered) whose remote store is unreachable, the
     manifest commits on the local tier without asking the remote store: the tier is this job's
-    (keyed by location, cnr.write.local_tier) and the remote commit runs the fence first, once the store
+    (keyed by location, cnr.storage.checkpoint_store) and the remote commit runs the fence first, once the store
     answers again, and stores nothing if another job took the lease meanwhile (issue #25, item 8)."""
     key = manifest_key(job.ckpt_id)
     if job.lease is None:
@@ -198,20 +197,21 @@ def _commit_under_lease(storage: Storage, job, blob: bytes, requires: List[Union
         storage.commit(key, blob, requires)
         return
     fence = functools.partial(check_held, ref=job.lease)
-    if not isinstance(storage, TieredStorage):
+    tier = storage.node_tier()
+    if tier is None:
         fence(storage)
         storage.commit(key, blob, requires)
         return
     try:
-        if storage.fenced_out is not None:
-            raise CheckpointError(storage.fenced_out)
-        if not storage.remote_down:
-            fence(storage.remote)
+        if tier.fenced_out is not None:
+            raise CheckpointError(tier.fenced_out)
+        if not tier.remote_down:
+            fence(tier.remote)
     except StorageError as e:
-        storage.note_unreachable()
+        tier.note_unreachable()
         logger.warning("cannot reach %s to check the lease (%s); committing %s on the local tier only: it is "
-                       "flushed there once the lease is confirmed", storage.remote.uri, e, job.ckpt_id)
-    storage.commit(key, blob, requires, fence=fence)
+                       "flushed there once the lease is confirmed", tier.remote.uri, e, job.ckpt_id)
+    tier.commit(key, blob, requires, fence=fence)
 
 
 def commit_checkpoint(storage: Storage, job, timeout_s: float, cancel=None, exchange=None,

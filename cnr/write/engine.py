@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.errors import NONFINITE
+from cnr.errors import NonFiniteStateError
 from cnr.track import agreement
-from cnr.write.handoff import HandOff, SettleMode
+from cnr.write.handoff import HandOff, SettleMode, Settled
 from cnr.format.manifest import make_id
 from cnr.options import CheckpointOptions
 from cnr.write.compact import Merger, MergeSettings
@@ -33,7 +33,8 @@ from cnr.track.tracker import Captured, RowTracker
 from cnr.types import (
     RNG_PREFIX, CheckpointInfo, CheckpointKind, CheckpointStatus, ExchangeAddress, LeaseRef, RetentionScope, Role,
 )
-from cnr.write.writer import WriteJob, WriteResult, Writer
+from cnr.write.job import CheckpointToken, CodecPlan, WriteJob, WriteResult
+from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class CheckpointEngine:
         self.tracker = tracker
         self.chain = chain or ChainState()
         self.bit_width = bits or fixed_bits(options.bits)
-        self.handoff = HandOff(writer or Writer(storage_uri, options), tracker, rank)
+        self.handoff: HandOff[CheckpointToken] = HandOff(writer or Writer(storage_uri, options), tracker, rank)
         self.stats = SaveStats()
         self.lease = lease
         self.merger = self._merger(storage_uri)
@@ -151,11 +152,8 @@ class CheckpointEngine:
 
     @property
     def buffers(self) -> HostBuffers:
+        """This rank's host buffers (the hand-off's)."""
         return self.handoff.buffers
-
-    @buffers.setter
-    def buffers(self, buffers: HostBuffers) -> None:
-        self.handoff.buffers = buffers  # engines that take turns may share one set (a benchmark's cells)
 
     def prepare(self, pieces: List[StatePiece]) -> None:
         """Allocate the host buffers of a full snapshot of ``pieces`` ahead, in the background, so
@@ -190,20 +188,18 @@ class CheckpointEngine:
             manifest_fields = {**(fields or {}), "chain_bytes": list(self.chain.chain_bytes),
                                "bit_width": self.bit_width.to_dict()}
         c, width = self.options, self.bit_width.bits
+        plan = CodecPlan(width, c.quant_method, stored_optimizer_bits(c.optimizer_bits, self.bit_width),
+                         c.compression_chain(), c.small_table_rows, c.small_table_bits,
+                         table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
 
         def make_job(host: List[HostPiece]) -> WriteJob:
             self.stats.snapshot_bytes.append(sum(p.data.numel() * p.data.element_size() for p in host))
-            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, bits=width,
-                            method=c.quant_method, app=dict(app or {}),
-                            optimizer_bits=stored_optimizer_bits(c.optimizer_bits, self.bit_width),
-                            lease=self.lease, compression=c.compression_chain(), exchange=self.exchange,
-                            retention=self.retention,
-                            small_table_rows=c.small_table_rows, small_table_bits=c.small_table_bits,
-                            table_bits=table_widths_in_force(self.table_bits, self.bit_width, c.table_plan_width))
+            return WriteJob(ckpt_id, step, kind, base, self.rank, self.world_size, host, manifest_fields, plan,
+                            app=dict(app or {}), lease=self.lease, exchange=self.exchange, retention=self.retention)
 
         chosen = pieces_to_write(pieces, self.rank, self.world_size) + [rng_piece(self.rank)]
         snap_seconds = self.handoff.submit(chosen, row_ids, captured,
-                                           make_job, (ckpt_id, step, kind, width, base))
+                                           make_job, CheckpointToken(ckpt_id, step, kind, width, base))
         self.stats.snapshot_seconds += snap_seconds
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.ids.append(ckpt_id)
@@ -271,24 +267,24 @@ class CheckpointEngine:
     def _settle(self, abandon: bool) -> None:
         """End the in-flight checkpoint (wait, or cancel if ``abandon``) and agree on its outcome."""
         settled = self.handoff.settle(SettleMode.ABANDON if abandon else SettleMode.WAIT)
-        if settled is None:
+        if not isinstance(settled, Settled):  # nothing was in flight
             return
-        ckpt_id, step, kind, bits, base = settled.token
-        result = settled.result
+        token, result = settled.token, settled.result
+        ckpt_id, kind, bits = token.ckpt_id, token.kind, token.bits
         if result is not None:
             self.last_result = result
             self.stats.bytes_written += result.bytes_written
             self.stats.full_fp32_bytes += result.full_fp32_bytes
             self.stats.background_seconds.append(result.seconds)
-            self.stats.search_kernels.append(result.extra.get("search", ""))
+            self.stats.search_kernels.append(result.search)
         error = None if settled.committed else settled.error
         status = CheckpointStatus.COMMITTED if settled.committed else CheckpointStatus.FAILED
-        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, step, kind, status, bits, settled.rows, settled.nbytes, base,
+        self.outcomes[ckpt_id] = CheckpointInfo(ckpt_id, token.step, kind, status, bits, settled.rows, settled.nbytes, token.base,
                                                 error, self.options.quant_method if bits < 32 else "")
         if not settled.committed:
             self.stats.failed += 1
             self.stats.errors[ckpt_id] = settled.error
-            if NONFINITE in settled.error:
+            if isinstance(settled.failure, NonFiniteStateError):
                 self.stats.nonfinite.append(ckpt_id)
             logger.error("checkpoint %s did not commit (%s); training continues, the last committed "
                          "checkpoint stays valid: %s", ckpt_id, settled.status.value, settled.error)
@@ -300,8 +296,8 @@ class CheckpointEngine:
             self.chain.increments = 0
         else:
             self.chain.increments += 1
-        if result is not None and "chain_bytes" in result.extra:  # rank 0: what the manifest recorded
-            self.chain.chain_bytes = list(result.extra["chain_bytes"])
+        if result is not None and result.chain_bytes is not None:  # rank 0: what the manifest recorded
+            self.chain.chain_bytes = list(result.chain_bytes)
         logger.info("checkpoint %s committed", ckpt_id)
         self._absorb_merges()
         self._maybe_merge(ckpt_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -20,12 +20,12 @@ from cnr.track import agreement
 from cnr.track.snapshot import HostBuffers, HostPiece
 from cnr.track.state import StatePiece
 from cnr.track.tracker import Captured, RowTracker
+from cnr.errors import CnrError
 from cnr.types import WriteStatus
-from cnr.write.job import STATUSES, WriteJob, WriteResult
+from cnr.write.job import Pending, WriteJob, WriteResult
 from cnr.write.writer import Writer
 
-_NONE = -1  # nothing was in flight
-_RUNNING = -2  # rank 0's writer is still busy (SettleMode.POLL only)
+T = TypeVar("T")  # the owner's token of a job in flight
 
 
 class SettleMode(enum.Enum):
@@ -39,12 +39,12 @@ class SettleMode(enum.Enum):
     """Rank 0 looks without waiting; while its writer runs nothing is settled (``RUNNING``)."""
 
 
-RUNNING = object()
+RUNNING = Pending.RUNNING
 """What ``settle(SettleMode.POLL)`` returns while rank 0's writer is still busy."""
 
 
 @dataclass(frozen=True)
-class Settled:
+class Settled(Generic[T]):
     """How the in-flight job ended, the same on every rank.
 
     ``status``: rank 0's writer's report. ``rows``/``nbytes``: the rows and stored bytes rank 0's
@@ -56,7 +56,7 @@ class Settled:
     rows: int
     nbytes: int
     result: Optional[WriteResult]
-    token: Any
+    token: T
 
     @property
     def committed(self) -> bool:
@@ -69,8 +69,13 @@ class Settled:
             return self.result.error
         return "another rank's writer failed"
 
+    @property
+    def failure(self) -> Optional[CnrError]:
+        """This rank's writer's error as an object (cnr.errors.portable), None when it had none."""
+        return self.result.failure if self.result is not None else None
 
-class HandOff:
+
+class HandOff(Generic[T]):
     """One rank's writer, host buffers and in-flight job (see the module docstring)."""
 
     def __init__(self, writer: Writer, tracker: Optional[RowTracker], rank: int, step: str = "commit",
@@ -83,15 +88,15 @@ class HandOff:
         self.step, self.what = step, what
         self.buffers = HostBuffers()
         self._captured: List[Captured] = []
-        self._token: Any = None
+        self._token: Optional[T] = None
 
     @property
-    def in_flight(self) -> Any:
+    def in_flight(self) -> Optional[T]:
         """The token of the job in flight, else None."""
         return self._token
 
     def submit(self, pieces: Sequence[StatePiece], row_ids: Optional[Dict[str, torch.Tensor]],
-               captured: List[Captured], make_job: Callable[[List[HostPiece]], WriteJob], token: Any) -> float:
+               captured: List[Captured], make_job: Callable[[List[HostPiece]], WriteJob], token: T) -> float:
         """The snapshot (copy ``pieces``, only ``row_ids`` of the tables when given, into host
         buffers) and the hand-off of ``make_job(host pieces)`` to the writer. ``captured``: the
         tracker bits this job took. Returns the snapshot's seconds."""
@@ -102,7 +107,7 @@ class HandOff:
         self._captured, self._token = list(captured), token
         return seconds
 
-    def settle(self, mode: SettleMode) -> Any:
+    def settle(self, mode: SettleMode) -> Union[Settled[T], Pending, None]:
         """End the in-flight job as ``mode`` says and agree on its outcome (collective).
 
         Returns a Settled, None when nothing was in flight, or RUNNING (POLL while rank 0's
@@ -110,32 +115,33 @@ class HandOff:
         """
         ended: List[Optional[WriteResult]] = [None]
 
-        def end() -> Tuple[int, int, int]:
-            """This rank's part: (code, rows, bytes) of its writer's report."""
+        def end() -> Tuple[Union[WriteStatus, Pending], int, int]:
+            """This rank's part: how its writer's job ended, and the rows and bytes rank 0 committed."""
             result: Optional[WriteResult] = None
             if mode == SettleMode.POLL:
                 if self.rank == 0 and self.writer.in_flight is not None:
                     result = self.writer.wait(timeout=0.0)
-                    code = STATUSES.index(result.status) if result is not None else _RUNNING
+                    state = result.status if result is not None else Pending.RUNNING
                 else:
-                    code = _NONE
+                    state = Pending.NOTHING
             else:
                 if self.writer.in_flight is not None:
                     result = self.writer.wait(timeout=0.0) if mode == SettleMode.ABANDON else None
                     if result is None:
                         result = self.writer.cancel() if mode == SettleMode.ABANDON else self.writer.wait()
-                code = STATUSES.index(result.status) if result is not None else _NONE
+                state = result.status if result is not None else Pending.NOTHING
             ended[0] = result
-            extra = result.extra if result is not None and self.rank == 0 else {}
-            return code, int(extra.get("rows", 0)), int(extra.get("bytes", 0))
+            if result is None or self.rank != 0:
+                return state, 0, 0
+            return state, result.rows, result.nbytes
 
         # rank 0's writer commits, so its report is the outcome
-        code, rows, nbytes = agreement.all_gather(f"{self.step}: how the in-flight {self.what} ended", end)[0]
-        if code == _RUNNING:
+        state, rows, nbytes = agreement.all_gather(f"{self.step}: how the in-flight {self.what} ended", end)[0]
+        if state is Pending.RUNNING:
             return RUNNING
-        if code == _NONE and self._token is None:
+        if state is Pending.NOTHING and self._token is None:
             return None
-        status = STATUSES[code] if code >= 0 else WriteStatus.FAILED
+        status = state if isinstance(state, WriteStatus) else WriteStatus.FAILED
         if mode == SettleMode.POLL and self.world_size > 1:
             def follow() -> None:
                 """Rank 0 has settled: this rank's part is stored already if it committed."""

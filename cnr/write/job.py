@@ -4,23 +4,41 @@ into chunks: shared by the writer process, the per-chunk plan (cnr.write.plan) a
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from cnr.errors import CnrError
 from cnr.track.snapshot import HostPiece
 from cnr.types import CheckpointKind, CodecSpec, ExchangeAddress, LeaseRef, RetentionScope, WriteStatus
+
+
+@dataclass(frozen=True)
+class CodecPlan:
+    """How a job's rows are stored, resolved by the trainer for this job (its bit-width decision
+    can change between jobs); the writer reads nothing else of the codecs' settings (cnr.write.plan).
+
+    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
+    store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stage (empty or
+    one, cnr.codec.zstd) of the chunks of compressible codecs, quantized and log8 ones (raw chunks
+    are stored as they are); ``small_table_rows``/``small_table_bits``: wider rows for tables of
+    at most that many rows; ``table_bits``: table id -> its rows' width, over both.
+    """
+
+    bits: int = 32
+    method: str = ""
+    optimizer_bits: int = 32
+    compression: Tuple[CodecSpec, ...] = ()
+    small_table_rows: int = 0
+    small_table_bits: int = 8
+    table_bits: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class WriteJob:
     """One rank's share of one checkpoint. ``manifest_fields`` is set on rank 0 only.
 
-    ``bits``/``method``: how embedding rows are stored (32: raw fp32); ``optimizer_bits``: 8 to
-    store fused optimizer state in 8 bits as well; ``compression``: the bytes->bytes stage (empty or
-    one, cnr.codec.zstd) of the chunks of compressible codecs, quantized and log8 ones (raw chunks
-    are stored as they are);
-    ``small_table_rows``/``small_table_bits``: wider rows for small tables (all as
-    cnr.write.plan decides per piece); ``table_bits``: table id -> its rows' width, over both.
+    ``plan``: how its rows are stored (CodecPlan).
     ``lease``: the job's lease on the storage (cnr.write.lease, held by rank 0), which rank 0 checks
     right before the commit, and every rank's local tier before it flushes to the remote store
     after an outage (cnr.storage.tiered); None when the job holds none (benchmarks). ``lease_uri``:
@@ -41,27 +59,53 @@ class WriteJob:
     world_size: int
     pieces: List[HostPiece]
     manifest_fields: Optional[Dict[str, Any]] = None
-    bits: int = 32
-    method: str = ""
-    optimizer_bits: int = 32
+    plan: CodecPlan = field(default_factory=CodecPlan)
     app: Dict[str, Any] = field(default_factory=dict)
     lease: Optional[LeaseRef] = None
     lease_uri: str = ""
-    compression: Tuple[CodecSpec, ...] = ()
-    small_table_rows: int = 0
-    small_table_bits: int = 8
-    table_bits: Dict[str, int] = field(default_factory=dict)
     exchange: Optional[ExchangeAddress] = None
     retention: Optional[RetentionScope] = None
 
 
-# What a writer reports, in the order the trainer broadcasts them by index (cnr.write.engine, cnr.publish.publisher).
-STATUSES: Tuple[WriteStatus, ...] = tuple(WriteStatus)
+class Control(enum.Enum):
+    """A message on a writer's job queue that is not a job (cnr.write.writer)."""
+
+    STOP = "stop"
+    """Finish (a local tier flushes first) and exit."""
+
+
+class Pending(enum.Enum):
+    """What ``HandOff.settle`` (cnr.write.handoff) agrees on when there is no outcome to settle."""
+
+    NOTHING = "nothing"
+    """No job was in flight on this rank."""
+    RUNNING = "running"
+    """Rank 0's writer is still busy (a poll): nothing is settled."""
+
+
+@dataclass(frozen=True)
+class CheckpointToken:
+    """What the engine (cnr.write.engine) remembers of its in-flight checkpoint until it settles."""
+
+    ckpt_id: str
+    step: int
+    kind: CheckpointKind
+    bits: int
+    base: Optional[str]
 
 
 @dataclass
 class WriteResult:
-    """What the writer reports for a job."""
+    """What the writer reports for a job; it crosses the process boundary, so every field pickles.
+
+    ``bytes_written``: stored bytes (rank 0's include the manifest); ``seconds``: the job's wall
+    time in the writer. ``error``: why it did not commit, the text users see (redacted); ``failure``:
+    the same as an object, the CnrError the writer raised (cnr.write.failure; None when it
+    committed). Rank 0's commit only: ``rows``/``nbytes``: the rows and stored bytes the
+    manifest records, ``chain_bytes``: the manifest's chain history (None elsewhere), ``stored_at``:
+    wall clock (time.time s) of the commit. ``objects``: the upload timeline, one tuple per object
+    (cnr.write.puts); ``search``: the range search kernel it ran (cnr.types.SearchKernel value).
+    """
 
     ckpt_id: str
     status: WriteStatus
@@ -69,7 +113,13 @@ class WriteResult:
     full_fp32_bytes: int = 0
     seconds: float = 0.0
     error: Optional[str] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+    failure: Optional[CnrError] = None
+    rows: int = 0
+    nbytes: int = 0
+    chain_bytes: Optional[Tuple[int, ...]] = None
+    stored_at: Optional[float] = None
+    objects: List[Tuple[Any, ...]] = field(default_factory=list)
+    search: str = ""
 
 
 def row_blocks(rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:

@@ -37,9 +37,8 @@ from cnr.format.manifest import (
     checkpoint_prefix, failed_key, id_order, manifest_key, merged_id, read_head, step_of, stored_rank_index_key,
 )
 from cnr.storage import open_storage
-from cnr.storage.base import Storage
+from cnr.storage.base import NodeTier, Storage
 from cnr.storage.spec import StorageTarget
-from cnr.storage.tiered import TieredStorage
 from cnr.types import CheckpointKind, ExchangeAddress, LeaseRef
 from cnr.write.commit import commit_requires
 from cnr.write.lease import check_held
@@ -59,7 +58,7 @@ def is_manifest(key: str) -> bool:
     return key.count("/") == 2 and key == manifest_key(key.split("/")[1])
 
 
-def record_flushed(tier: TieredStorage, key: str) -> None:
+def record_flushed(tier: NodeTier, key: str) -> None:
     """After a remote commit on rank 0's tier: record a manifest's flush (see the module
     docstring). A record that cannot be written is logged: the checkpoint may then be flushed
     once more by a later writer, which does no harm."""
@@ -75,7 +74,7 @@ def _remote_has(remote: Storage, ckpt_id: str) -> bool:
     return remote.exists(manifest_key(ckpt_id)) or remote.exists(manifest_key(merged_id(ckpt_id)))
 
 
-def node_only_branches(tier: TieredStorage) -> List[str]:
+def node_only_branches(tier: NodeTier) -> List[str]:
     """Rank 0: the checkpoints to commit on the storage, oldest first: every node-only one (see the
     module docstring) and the links of its chain that only the local tier holds committed. A
     node-only checkpoint whose chain reaches a link committed in neither tier is left out and named
@@ -114,7 +113,7 @@ def node_only_branches(tier: TieredStorage) -> List[str]:
     return [i for i in lacking if i in chosen]
 
 
-def resume_flush(tier: TieredStorage, rank: int, fence: Optional[Callable[[Storage], None]] = None) -> List[str]:
+def resume_flush(tier: NodeTier, rank: int, fence: Optional[Callable[[Storage], None]] = None) -> List[str]:
     """Queue for the storage what earlier writers left committed only on the node (see the module
     docstring): rank ``rank``'s objects and index, and on rank 0 the manifests, each fenced by
     ``fence`` (the job's lease). Returns the checkpoint ids queued, oldest first. StorageError when
@@ -148,7 +147,7 @@ def resume_flush(tier: TieredStorage, rank: int, fence: Optional[Callable[[Stora
     return chosen
 
 
-def _rank_objects_to_resend(tier: TieredStorage, rank: int) -> List[str]:
+def _rank_objects_to_resend(tier: NodeTier, rank: int) -> List[str]:
     """A rank other than 0: the checkpoints whose objects it resends, oldest first (see the module
     docstring); one its node never saw committed only when newer than the storage's newest."""
     remote_newest = id_order(next(iter(committed_ids(tier.remote)), ""))
@@ -173,7 +172,7 @@ class OpenTier:
     exchange: Optional[ExchangeAddress] = None
 
 
-def resume_flush_or_note(tier: TieredStorage, rank: int, lease: Optional[LeaseRef] = None) -> List[str]:
+def resume_flush_or_note(tier: NodeTier, rank: int, lease: Optional[LeaseRef] = None) -> List[str]:
     """``resume_flush`` for a starting writer, fenced by ``lease``: a writer starting in a remote
     outage (a restarted one) carries on without it and commits locally; any other error is
     logged, never raised (the local copies stay for the next writer)."""
@@ -208,7 +207,7 @@ class FlushReport:
     remote_listed: bool = False
 
 
-def flush_report(tier: TieredStorage, uri: StorageTarget) -> FlushReport:
+def flush_report(tier: NodeTier, uri: StorageTarget) -> FlushReport:
     """Rank 0's report on its closed ``tier`` (see ``FlushReport``); the storage at ``uri`` is
     listed with a client of its own (the tier's is closed)."""
     local_only = tuple(k.split("/")[1] for k in tier.unflushed_commits() if is_manifest(k) and tier.local.exists(k))

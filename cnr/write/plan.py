@@ -39,22 +39,23 @@ def resolve_table_bits(table_bits: Mapping[str, int], tables: Iterable[Tuple[str
 
 
 def quantized_bits(job: WriteJob, piece: HostPiece) -> int:
-    """Bit-width ``piece`` is stored at: table weights at ``job.table_bits[table]`` when the
-    table has an entry, else at ``job.bits``, or at least ``job.small_table_bits`` for a table
-    of at most ``job.small_table_rows`` rows; fused optimizer state (2-D row-wise quantized,
-    1-D row-wise on cnr.codec.log8's grid) at ``job.optimizer_bits``; everything else (dense
-    state) at 32."""
+    """Bit-width ``piece`` is stored at (``plan``: the job's CodecPlan): table weights at
+    ``plan.table_bits[table]`` when the table has an entry, else at ``plan.bits``, or at least
+    ``plan.small_table_bits`` for a table of at most ``plan.small_table_rows`` rows; fused
+    optimizer state (2-D row-wise quantized, 1-D row-wise on cnr.codec.log8's grid) at
+    ``plan.optimizer_bits``; everything else (dense state) at 32."""
+    plan = job.plan
     if piece.data.dtype != torch.float32 or piece.role not in TABLE_ROLES:
         return 32
     if piece.role == Role.TABLE_STATE and piece.data.dim() in (1, 2):
-        return job.optimizer_bits
+        return plan.optimizer_bits
     if piece.data.dim() != 2:
         return 32
-    if piece.table in job.table_bits:
-        return job.table_bits[piece.table]
-    if piece.global_shape[0] <= job.small_table_rows:
-        return max(job.bits, job.small_table_bits)
-    return job.bits
+    if piece.table in plan.table_bits:
+        return plan.table_bits[piece.table]
+    if piece.global_shape[0] <= plan.small_table_rows:
+        return max(plan.bits, plan.small_table_bits)
+    return plan.bits
 
 
 def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
@@ -72,7 +73,7 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
 
 
 def _target(job: WriteJob, piece: HostPiece, search: Optional[Any]) -> Target:
-    return Target(bits=quantized_bits(job, piece), job_bits=job.bits, method=job.method, search=search,
+    return Target(bits=quantized_bits(job, piece), job_bits=job.plan.bits, method=job.plan.method, search=search,
                   name=piece.name)
 
 
@@ -104,6 +105,6 @@ def encode_block(job: WriteJob, piece: HostPiece, key: str, lo: int, hi: int, ro
     for codec in plan_codecs():
         encoded = codec.encode(block, target)
         if encoded is not None:
-            compression = job.compression if codec.compressible else ()
+            compression = job.plan.compression if codec.compressible else ()
             return encode_chunk(key, piece.name, encoded, start, col0, row_ids=ids, compression=compression)
     raise ValueError(f"no codec stores the rows of {piece.name!r} at {target.bits} bits")
