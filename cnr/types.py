@@ -17,8 +17,7 @@ no coverage, not counted in a checkpoint's full fp32 size)."""
 
 
 STORED_QUANT_METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive")
-"""Row-wise quantization methods a stored chunk may use (cnr.codec.quant.quantize has "kmeans" too, which
-only the quantize benchmark runs: its codebooks have no chunk encoding)."""
+"""Row-wise quantization methods a stored chunk may use: every method of cnr.codec.quant.quantize."""
 
 
 class Choice(str, enum.Enum):

@@ -1,5 +1,4 @@
-"""``bench chaos``: its fault proxy against the real S3 backend, its event plan, the damage it
-does, and one short real run (a kill of the job and a damaged chunk, on moto through the proxy)."""
+"""``bench chaos``: its event plan, the damage it does, and one short real run (a kill of the job and a damaged chunk, on moto through the proxy)."""
 
 from __future__ import annotations
 
@@ -11,42 +10,8 @@ import random
 import pytest
 import torch
 
-from cnr.bench import chaos, chaos_events, chaos_job
-from cnr.bench.chaos_proxy import ChaosProxy
-from cnr.errors import StorageError
-from cnr.storage.s3 import S3Storage
+from cnr.systest import chaos, chaos_events, chaos_job, chaos_plan
 from cnr.types import CheckpointInfo, CheckpointKind, CheckpointStatus
-
-
-@pytest.fixture
-def proxied(moto, s3_bucket):
-    proxy = ChaosProxy(moto.endpoint, seed=3)
-    storage = S3Storage(s3_bucket, "job", endpoint_url=proxy.endpoint, request_attempts=1, op_attempts=8,
-                        backoff_base=0.01, backoff_max=0.02)
-    yield proxy, storage
-    storage.close()
-    proxy.close()
-
-
-def test_proxy_faults_are_injected_and_retried_through(proxied):
-    proxy, storage = proxied
-    proxy.fault_rate = 0.3
-    for i in range(20):
-        storage.put(f"k{i}", f"v{i}".encode())
-        assert storage.get(f"k{i}") == f"v{i}".encode()
-    injected = {k: v for k, v in proxy.counts.items() if k not in ("forwarded", "outage")}
-    assert all(v > 0 for v in injected.values()), proxy.counts
-
-
-def test_proxy_outage_fails_requests_until_it_ends(proxied):
-    proxy, storage = proxied
-    storage.put("k", b"v")
-    proxy.down(30)
-    with pytest.raises(StorageError):
-        storage.get("k")
-    assert proxy.counts["outage"] >= 8
-    proxy.up()
-    assert storage.get("k") == b"v"
 
 
 def test_plan_has_every_kind_once_then_random():
@@ -73,7 +38,7 @@ def _info(ckpt_id: str, step: int, base=None) -> CheckpointInfo:
 
 def test_newest_intact_skips_damaged_links():
     infos = [_info("a", 10), _info("b", 20, "a"), _info("c", 30, "b"), _info("d", 40)]
-    newest = chaos.StoreWatch.newest_intact
+    newest = chaos_events.StoreWatch.newest_intact
     assert newest(None, infos, set()).id == "d"
     assert newest(None, infos, {"d"}).id == "c"
     assert newest(None, infos, {"d", "b"}).id == "a"  # c's chain goes through b
@@ -288,7 +253,7 @@ def test_short_chaos_run_loses_nothing(tmp_path):
 
 
 def test_the_job_bound_scales_with_steps_and_can_be_given():
-    assert chaos.parse_args(["--steps", "1200"]).job_timeout_s == chaos.JOB_START_S + 1200 * chaos.JOB_STEP_S
+    assert chaos.parse_args(["--steps", "1200"]).job_timeout_s == chaos_plan.JOB_START_S + 1200 * chaos_plan.JOB_STEP_S
     assert chaos.parse_args(["--steps", "5000"]).job_timeout_s > chaos.parse_args(["--steps", "1200"]).job_timeout_s
     assert chaos.parse_args(["--job-timeout-s", "7.5"]).job_timeout_s == 7.5
 
@@ -309,7 +274,7 @@ def test_a_reference_run_past_its_bound_is_a_failed_result_not_a_traceback(tmp_p
     assert result["settings"]["job_timeout_s"] == 1.0 and result["reference_seconds"] < 60
 
 
-# ---- issue #38's events (cnr.bench.chaos_merge) ------------------------------------------------------
+# ---- issue #38's events (cnr.systest.chaos_merge) ------------------------------------------------------
 
 
 def test_new_events_are_drawn_and_end_their_attempt_where_they_stop_the_job():
@@ -322,7 +287,7 @@ def test_new_events_are_drawn_and_end_their_attempt_where_they_stop_the_job():
 def test_a_damaged_merged_baseline_is_passed_over_through_the_links_it_replaced():
     """a <- b <- c, and c's merged baseline: damaging c.merged must leave c restorable through
     b and a (the links retention keeps); were they deleted, one damaged object lost state c."""
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     store = _infos(("a", 10, None), ("b", 20, "a"), ("c", 30, "b"), ("c.merged", 30, None), ("d", 40, "c"))
     assert chaos_events.newest_intact(store, set()).id == "d"  # d's chain ends at c.merged
@@ -348,7 +313,7 @@ def test_restorable_check_goes_round_a_damaged_merged_baseline(monkeypatch):
 
 
 def test_merges_in_flight_are_merged_baselines_with_objects_and_no_manifest():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     keys = ["checkpoints/c/manifest.json", "checkpoints/c/rank-00000/chunk-000000.bin",
             "checkpoints/c.merged/rank-00000/chunk-000000.bin",  # being written
@@ -362,7 +327,7 @@ def test_merges_in_flight_are_merged_baselines_with_objects_and_no_manifest():
 
 
 def test_exception_step_is_a_checkpoint_two_to_four_intervals_ahead_before_the_last_interval():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     steps = {chaos_merge.exception_step(40, 20, 1200, random.Random(s)) for s in range(30)}
     assert steps == {80, 100, 120}
@@ -372,7 +337,7 @@ def test_exception_step_is_a_checkpoint_two_to_four_intervals_ahead_before_the_l
 
 
 def test_exception_outcome_needs_the_raise_a_prompt_nonzero_exit_and_the_lease_released():
-    from cnr.bench import chaos_merge
+    from cnr.systest import chaos_merge
 
     err = "Traceback ...\ncnr.write.faults.InjectedFault: injected failure at after_save of step 60\n"
     assert chaos_merge.exception_outcome(60, 1, err, 4.0, True)["ok"]

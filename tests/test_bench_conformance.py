@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cnr.bench import conformance
+from cnr.systest import conformance
 from cnr.app.cli import BENCHMARKS, main
 from cnr.errors import ConfigError
 

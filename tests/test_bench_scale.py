@@ -12,8 +12,9 @@ import time
 import pytest
 
 from cnr.bench import scale
-from cnr.bench.scale_state import ScaleShape, objects_of, rank_indexes, shard_tables, table_rows
-from cnr.bench.scale_store import MemoryStorage, SimulatedS3, prefix_of
+from cnr.testing.synthetic_state import ScaleShape, objects_of, rank_indexes, shard_tables, table_rows
+from cnr.bench.scale_store import SimulatedS3, prefix_of
+from cnr.testing.memory_storage import MemoryStorage
 from cnr.errors import ConfigError
 from cnr.testing.storage_contract import contract_for
 

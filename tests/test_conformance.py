@@ -14,7 +14,7 @@ import torch
 
 import cnr
 from cnr.app.launch import RankFailed, launch
-from cnr.bench.conformance_jobs import JobSpec, build, differing, gathered, train_step
+from cnr.testing.jobs import JobSpec, build, differing, gathered, train_step
 
 
 def _job(rank: int, world_size: int, arg: dict) -> dict:

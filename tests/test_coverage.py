@@ -13,7 +13,7 @@ import cnr
 from cnr.track.app_state import AppState
 from cnr.track.coverage import UnsupportedStateError, check_supported
 from cnr.app.launch import RankFailed, launch
-from cnr.bench.conformance_jobs import JobSpec, build
+from cnr.testing.jobs import JobSpec, build
 
 
 class _ExtraState(torch.nn.Module):

@@ -22,7 +22,7 @@ def _error_classes():
     """Every exception class defined in cnr (bench aside), by name."""
     out = {}
     for info in pkgutil.walk_packages(cnr.__path__, "cnr."):
-        if info.name.startswith(("cnr.bench", "cnr.testing")) or info.name.endswith("__main__"):
+        if info.name.startswith(("cnr.bench", "cnr.systest", "cnr.testing")) or info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
         for name, value in vars(module).items():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cnr
-from cnr.bench.conformance_jobs import differing, gathered
+from cnr.testing.jobs import differing, gathered
 from cnr.format.catalog import list_checkpoints, read_manifest
 from cnr.app.launch import launch
 from cnr.storage import open_storage

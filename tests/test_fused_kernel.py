@@ -127,7 +127,7 @@ def _kernel_values(dmp) -> dict:
 
 def _state(app, rank: int, out: str) -> None:
     """Every tensor of app unsharded, each kernel's values (collective): written by rank 0 to ``out``."""
-    from cnr.bench.conformance_jobs import gathered
+    from cnr.testing.jobs import gathered
 
     tensors, kernels = gathered(app), _kernel_values(app["model"])
     if rank == 0:

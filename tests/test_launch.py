@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cli_helpers import ROOT, TINY, committed_steps
-from cnr.bench.chaos_job import alive, descendants
+from cnr.testing.procs import alive, descendants
 
 
 def _cmdline(pid: int) -> bytes:

@@ -18,7 +18,7 @@ from cli_helpers import TINY, run_cnr, train
 from cnr.errors import CheckpointError, StorageError
 from cnr.write.lease import (PROBE_KEY, ConditionalWriteError, Lease, LeaseHeldError, LeaseRecord, UnknownLeaseError,
                        check_held, generations, holder, lease_key, machine_id)
-from s3_proxy import S3Proxy
+from cnr.testing.s3_proxy import FaultProxy
 
 
 def _record(**changes) -> LeaseRecord:
@@ -128,7 +128,7 @@ def test_store_ignoring_if_none_match_is_refused(moto, s3_bucket):
     refused at acquire, naming the store (before: racing jobs could both win)."""
     from cnr.storage.s3 import S3Storage
 
-    with S3Proxy(moto.endpoint, "ignore_if_none_match") as proxy:
+    with FaultProxy(moto.endpoint, mode="ignore_if_none_match") as proxy:
         stores = [S3Storage(s3_bucket, "job", endpoint_url=proxy.endpoint, backoff_base=0.01) for _ in range(4)]
 
         def attempt(store):
@@ -288,7 +288,7 @@ def test_second_train_job_on_one_location_is_refused(tmp_path):
 def test_train_on_a_store_ignoring_if_none_match_is_refused(tmp_path, moto, s3_bucket):
     """#25.7 through the CLI: exit 1 (the store fails), one error line naming the store, no checkpoint written."""
     uri = f"s3://{s3_bucket}/jobs/run-1"
-    with S3Proxy(moto.endpoint, "ignore_if_none_match") as proxy:
+    with FaultProxy(moto.endpoint, mode="ignore_if_none_match") as proxy:
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--set", "train.steps=20"], str(tmp_path),
                                env={"AWS_ENDPOINT_URL": proxy.endpoint})
     assert rc == 1, err[-3000:]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import cnr
 from cnr.track.app_state import AppState
-from cnr.bench.conformance_mc import DIM, ROWS, batch, build, hash_zch as _hash_zch, runtime as _runtime
+from cnr.testing.mc_jobs import DIM, ROWS, batch, build, hash_zch as _hash_zch, runtime as _runtime
 from cnr.app.launch import launch
 from cnr.track.state import gather_global
 from test_api import cnr_manifests as _manifests

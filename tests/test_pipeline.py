@@ -10,7 +10,7 @@ import torch
 
 import cnr
 from cnr.app.launch import launch
-from cnr.bench.conformance_jobs import JobSpec, batch, build, differing, gathered, schedule
+from cnr.testing.jobs import JobSpec, batch, build, differing, gathered, schedule
 
 SPEC = JobSpec(tables=("table_wise", "column_wise"), pipelined=True)
 

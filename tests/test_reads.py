@@ -22,7 +22,7 @@ from cnr.errors import CorruptChunkError, InvalidKeyError, KeyNotFoundError
 from cnr.storage import base
 from cnr.storage.local import LocalStorage
 from cnr.format.verify import verify_store
-from s3_proxy import CorruptingProxy
+from cnr.testing.s3_proxy import FaultProxy
 
 # ---- the local store reads only regular files inside its root (item 10) ----------------------
 
@@ -250,7 +250,7 @@ def test_s3_reads_damaged_in_transit_do_not_make_intact_checkpoints_damaged(ck, 
     ids = [i.id for i in list_checkpoints(direct)]
     direct.close()
     expected = _load_model(monkeypatch, LocalStorage(str(ck)))
-    with CorruptingProxy(moto.endpoint, rate=0.3, seed=7) as proxy:
+    with FaultProxy(moto.endpoint, corrupt_rate=0.3, seed=7) as proxy:
         flaky = S3Storage(bucket, "jobs/run-1", endpoint_url=proxy.endpoint, backoff_base=0.01, backoff_max=0.05)
         verified = verify_store(flaky)
         assert [(v.id, v.damage, v.restorable) for v in verified] == [(i, (), True) for i in ids]

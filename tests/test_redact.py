@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from cnr.bench.chaos_proxy import ChaosProxy
+from cnr.testing.s3_proxy import FaultProxy
 from cnr.app.cli import main
 from cnr.errors import CnrError, RedactingFilter, StorageError, redact
 from cnr.format.layout import failed_key
@@ -45,7 +45,7 @@ def test_redact(endpoint_env, text, expected):
 def test_s3_errors_name_the_endpoint_without_its_password(moto, s3_bucket, endpoint_env):
     from cnr.storage.s3 import S3Storage
 
-    proxy = ChaosProxy(moto.endpoint)
+    proxy = FaultProxy(moto.endpoint)
     proxy.down(60)
     storage = S3Storage(s3_bucket, "job", endpoint_url=proxy.endpoint.replace("http://", f"http://minio:{SECRET}@"),
                         request_attempts=1, op_attempts=1)

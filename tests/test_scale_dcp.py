@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cnr.bench.scale_dcp import DcpFigures, ShardsStandIn, SyntheticJob, dcp_figures, load_plan, read_metadata, save
-from cnr.bench.scale_state import (DENSE_COLS, DIM, ScaleShape, dense_name, shard_tables, state_name, table_name,
+from cnr.testing.synthetic_state import (DENSE_COLS, DIM, ScaleShape, dense_name, shard_tables, state_name, table_name,
                                    table_rows)
 from test_agreement import run_ranks
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cnr.bench.scale_state import ScaleShape, rank_indexes, table_name
-from cnr.bench.scale_store import MemoryStorage
+from cnr.testing.synthetic_state import ScaleShape, rank_indexes, table_name
+from cnr.testing.memory_storage import MemoryStorage
 from cnr.errors import CheckpointError, KeyNotFoundError
 from cnr.format.integrity import seal
 from cnr.format.documents import Manifest, TensorEntry, VERSION

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cli_helpers import MIXED_SHARDING, TINY, inspect, run_cnr, train
-from s3_proxy import S3Proxy
+from cnr.testing.s3_proxy import FaultProxy
 
 
 @pytest.mark.parametrize("nproc", [2])  # world size 1 resumes: the local-storage tests (same engine)
@@ -33,7 +33,7 @@ def test_bucket_failing_for_good_mid_run(tmp_path, moto, s3_bucket, baseline_ws1
     unaffected; the step-20 checkpoint stays committed and restorable. The job does not exit 0 as if
     fine: its summary and exit status 3 say that no checkpoint committed since step 20."""
     uri = f"s3://{s3_bucket}/jobs/run-1"
-    with S3Proxy(moto.endpoint, mode, grace_writes=10) as proxy:
+    with FaultProxy(moto.endpoint, mode=mode, grace_writes=10) as proxy:
         # small chunks, so step 40 has many left when the bucket fails: they must not all be tried
         rc, out, err = run_cnr(["train", "--config", TINY, "--storage", uri, "--set", "checkpoint.chunk_bytes=4096"],
                                str(tmp_path), env={"AWS_ENDPOINT_URL": proxy.endpoint})

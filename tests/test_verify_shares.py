@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from cnr.bench.scale_state import ScaleShape, rank_indexes
-from cnr.bench.scale_store import MemoryStorage
+from cnr.testing.synthetic_state import ScaleShape, rank_indexes
+from cnr.testing.memory_storage import MemoryStorage
 from cnr.errors import CheckpointError
 from cnr.format.documents import Manifest
 from cnr.format.layout import rank_index_key

@@ -21,8 +21,8 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cli_helpers import ROOT, TINY
-from cnr.bench.chaos_job import descendants
-from cnr.bench.nodes import free_port, kill_tree  # noqa: F401 - free_port re-exported for the tests
+from cnr.testing.procs import descendants
+from cnr.testing.nodes import free_port, kill_tree  # noqa: F401 - free_port re-exported for the tests
 
 TIMEOUT_S = 600
 

@@ -19,7 +19,8 @@ from cnr.app.console import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_NOT_COMMITTED,
 from cnr.errors import CnrError, redact, redact_logging
 
 BENCHMARKS = ("full_checkpoint", "snapshot", "tracking", "accuracy", "quantize", "policies", "reader", "upload",
-              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance", "scale")  # cnr/bench/<name>.py, each with run(argv) -> dict
+              "publish", "chaos", "codecs", "codebook", "delta", "tables", "restore", "conformance", "scale")  # each with run(argv) -> dict
+SYSTEM_TESTS = ("chaos", "conformance")  # cnr/systest/<name>.py, system tests with verdicts; the rest cnr/bench/<name>.py
 EXPORT_FORMATS = ("dcp",)  # cnr/app/export.py
 MAX_POLL_S = 86400.0  # subscribe --poll-s: a day between polls at most
 UNKNOWN = "?"  # inspect's text for what no readable manifest says (kind, bits, rows of an uncommitted checkpoint)
@@ -206,7 +207,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"cnr.bench.{args.name}")
+    package = "cnr.systest" if args.name in SYSTEM_TESTS else "cnr.bench"
+    module = importlib.import_module(f"{package}.{args.name}")
     result = module.run(args.args)
     print(json.dumps(result, sort_keys=True), flush=True)
     return 1 if result.get("ok") is False else 0  # a run that could not measure says why in its JSON

@@ -7,7 +7,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List
 
 import numpy as np
 import torch
@@ -20,23 +20,15 @@ from cnr.app.config import Config, load_config
 from cnr.app.data import make_reader, to_device
 from cnr.errors import ConfigError
 from cnr.app.launch import launch
+from cnr.app.cli_args import ROOT, argv_list, number_arg, workdir_arg  # noqa: F401  (bench modules take them from here)
 from cnr.format.layout import MERGED_SUFFIX, chain_links
-from cnr.options import CheckpointOptions, shown
+from cnr.options import CheckpointOptions
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.storage.base import Storage
-from cnr.write.local_paths import check_creatable_dir
 from cnr.track.state import StatePiece
 from cnr.types import WriteStatus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench.yaml")
-
-
-def workdir_arg(text: str) -> str:
-    """argparse ``type`` of ``--workdir``: a directory that exists or can be created, and can be
-    written; refused (ConfigError: ``error:`` and exit 2) before any work, creating nothing."""
-    check_creatable_dir(text, "--workdir")
-    return text
 
 
 def parse_factors(option: str, text: str) -> List[float]:
@@ -49,32 +41,6 @@ def parse_factors(option: str, text: str) -> List[float]:
         raise ConfigError(f"{option} {text!r} is not allowed; give comma-separated finite numbers > 0, e.g. "
                           "0.25,0.5,1.0 ('' for none)")
     return factors
-
-
-def number_arg(option: str, low: float = 0.0, high: float = math.inf, *, low_in: bool = False,
-               high_in: bool = True) -> Callable[[str], float]:
-    """argparse ``type`` of a float option of a benchmark: a finite number from ``low`` to ``high``
-    (each end allowed when ``low_in`` / ``high_in``; ``high`` inf: no upper end). Anything else
-    (nan, inf, out of range, not a number) is refused at parse time, before any work, with a
-    ConfigError (``error:`` and exit 2) naming ``option``, the value and what is allowed."""
-    if math.isinf(high):
-        allowed = f"a finite number {'>=' if low_in else '>'} {low:g}"
-    else:
-        allowed = f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value, shown_value = math.nan, shown(text)
-        else:
-            shown_value = repr(value)
-        inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
-        if not (math.isfinite(value) and inside):
-            raise ConfigError(f"{option} {shown_value} is not allowed; it must be {allowed}")
-        return value
-
-    return parse
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -108,10 +74,6 @@ def dir_bytes(path: str) -> int:
 
 def ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b else float("nan")
-
-
-def argv_list(argv: List[str]) -> List[str]:
-    return [a for a in argv if a != "--"]
 
 
 def table_rows(sharded: ShardedModel, table: str) -> torch.Tensor:

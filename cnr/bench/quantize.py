@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from cnr.codec.zstd import zstd_spec
 from cnr.codec.chunk_format import encode_quantized_chunk
 from cnr.errors import ConfigError
 from cnr.codec.quant.range_search import Fused, compiled_search
+from cnr.bench.kmeans import KMeansRows, kmeans_rows
 from cnr.types import STORED_QUANT_METHODS
 from cnr.codec.quant.quantize import (
     BITS,
@@ -46,6 +47,7 @@ from cnr.codec.quant.quantize import (
 
 logger = logging.getLogger(__name__)
 
+ALL_METHODS = METHODS + ("kmeans",)  # k-means: a loss reference (cnr.bench.kmeans), not storable
 TORCH_BITS = (2, 4)  # bit-widths torch's greedy prepack supports
 RATIO_SWEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 PARAM_DTYPES = {"s16b16": (torch.float16, torch.float16), "s16b32": (torch.float16, torch.float32),
@@ -65,7 +67,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both sides (default: as is)")
     parser.add_argument("--bits", type=int, nargs="+", default=list(BITS), choices=list(BITS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=list(ALL_METHODS))
     parser.add_argument("--ratio-sweep", action="store_true", help="also sweep the 4-bit ratio")
     parser.add_argument("--param-study", action="store_true", help="also compare fp16/fp32 scale and bias")
     parser.add_argument("--compiled", action="store_true",
@@ -133,22 +135,22 @@ def torch_greedy(x: torch.Tensor, bits: int, num_bins: int, ratio: float) -> Qua
                          scale=params[:, 0].contiguous(), bias=params[:, 1].contiguous())
 
 
-def _stored_bytes_per_row(q: QuantizedRows) -> Optional[float]:
+def _stored_bytes_per_row(q: Union[QuantizedRows, KMeansRows]) -> Optional[float]:
     """Bytes per row of ``q`` stored as one chunk through the default zstd stage (cnr.codec.chunk_format),
     header included; None for a method checkpoints cannot store."""
-    if q.method not in STORED_QUANT_METHODS:
+    if not isinstance(q, QuantizedRows) or q.method not in STORED_QUANT_METHODS:
         return None
     blob, _ = encode_quantized_chunk("k", "t", q, 0, 0, compression=(zstd_spec(),))
     return len(blob) / q.rows
 
 
-def _entry(set_name: str, method: str, bits: int, x: torch.Tensor, q: QuantizedRows, seconds: float,
+def _entry(set_name: str, method: str, bits: int, x: torch.Tensor, q: Union[QuantizedRows, KMeansRows], seconds: float,
            num_bins: Optional[int] = None, ratio: Optional[float] = None) -> Dict[str, object]:
     rows = x.shape[0]
     return {"set": set_name, "method": method, "bits": bits, "num_bins": num_bins, "ratio": ratio,
             "l2_mean": float(l2_per_row(x, q).mean()), "rows_per_s": rows / seconds,
             "bytes_per_row": q.nbytes / rows, "stored_bytes_per_row": _stored_bytes_per_row(q),
-            "bias": str(q.bias.dtype).replace("torch.", "") if q.bias is not None else None}
+            "bias": str(q.bias.dtype).replace("torch.", "") if isinstance(q, QuantizedRows) else None}
 
 
 def _compiled_entry(set_name: str, bits: int, x: torch.Tensor, eager: QuantizedRows, fused: Fused,
@@ -170,7 +172,10 @@ def _measure_set(set_name: str, x: torch.Tensor, args: argparse.Namespace,
     for bits in args.bits:
         for method in args.methods:
             repeat = args.repeat if method == "adaptive" else 1
-            q, secs = _timed(lambda: quantize_rows(x, bits, method, name=set_name), repeat)
+            if method == "kmeans":
+                q, secs = _timed(lambda: kmeans_rows(x, bits, name=set_name), repeat)
+            else:
+                q, secs = _timed(lambda: quantize_rows(x, bits, method, name=set_name), repeat)
             search = (DEFAULT_NUM_BINS[bits], DEFAULT_RATIO[bits]) if method == "adaptive" else (None, None)
             table.append(_entry(set_name, method, bits, x, q, secs, *search))
             logger.info("%s %s %d bits: %s", set_name, method, bits, table[-1])

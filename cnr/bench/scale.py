@@ -1,7 +1,7 @@
 """``python -m cnr bench scale``: cnr's control plane at N simulated ranks against S3's costs.
 
 No model and no tensor data: N threads act as N ranks' writers and write the rank indexes and
-object stubs of a production-shaped job (cnr.bench.scale_state), against a store that answers as
+object stubs of a production-shaped job (cnr.testing.synthetic_state), against a store that answers as
 S3 does (cnr.bench.scale_store: per-request latency, per-prefix request limits, ``SlowDown`` and
 cnr's retries). Everything else is cnr's own code, run as a job runs it:
 
@@ -43,10 +43,11 @@ import torch
 
 from cnr.bench.common import number_arg
 from cnr.bench.scale_dcp import dcp_figures
-from cnr.bench.scale_state import (
+from cnr.testing.synthetic_state import (
     DENSE_COLS, DIM, ScaleShape, dense_name, objects_of, rank_indexes, shard_tables, state_name, table_name, table_rows, table_specs,
 )
-from cnr.bench.scale_store import MemoryStorage, SimulatedS3
+from cnr.bench.scale_store import SimulatedS3
+from cnr.testing.memory_storage import MemoryStorage
 from cnr.errors import ConfigError
 from cnr.format.catalog import restore_ids
 from cnr.format.layout import make_id, rank_index_key

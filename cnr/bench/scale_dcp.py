@@ -1,9 +1,9 @@
 """The peer of ``bench scale``: torch.distributed.checkpoint's (DCP's) metadata and planning costs
-for the same synthetic state (cnr.bench.scale_state), at N simulated ranks in one process, with no
+for the same synthetic state (cnr.testing.synthetic_state), at N simulated ranks in one process, with no
 tables' data and no process group.
 
 Each rank's state_dict is what DCP would be handed for a torchrec DMP job (``{"model": ...,
-"optim": ...}``, names from scale_state split at ``/``): every table's weight on every rank (torchrec
+"optim": ...}``, names from synthetic_state split at ``/``): every table's weight on every rank (torchrec
 builds one ShardedTensor per table on each rank, with no local shard where the rank holds none),
 the row-wise optimizer state of the tables the rank holds, and the replicated dense tensors
 (one shared, uninitialized buffer per tensor: replicas are equal, and DCP reads no value to plan).
@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import _chunk_for_shard, _create_write_item_for_shard
 from torch.distributed.checkpoint.storage import WriteResult
 
-from cnr.bench.scale_state import (DENSE_COLS, DIM, ScaleShape, Shard, dense_name, shard_tables, state_name, table_name,
+from cnr.testing.synthetic_state import (DENSE_COLS, DIM, ScaleShape, Shard, dense_name, shard_tables, state_name, table_name,
                                    table_rows)
 
 _METADATA_FILE = ".metadata"  # FileSystemWriter's name for it
@@ -131,7 +131,7 @@ class SyntheticJob:
 
     def __init__(self, shape: ScaleShape, ranks: int) -> None:
         if not isinstance(shape, ScaleShape):
-            raise TypeError(f"shape {shape!r} is not allowed: give a cnr.bench.scale_state.ScaleShape")
+            raise TypeError(f"shape {shape!r} is not allowed: give a cnr.testing.synthetic_state.ScaleShape")
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks = {ranks!r} is not allowed: it must be an integer >= 1")
         self.shape, self.ranks = shape, ranks

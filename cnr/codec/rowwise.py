@@ -18,7 +18,8 @@ from cnr.codec.base import (
 )
 from cnr.codec.spec import make_spec, require_params
 from cnr.errors import CorruptChunkError
-from cnr.codec.quant.quantize import BITS, QuantizedRows, quantize_rows, stored_method
+from cnr.codec.quant.quantize import quantize_rows, stored_method
+from cnr.codec.quant.rows import BITS, QuantizedRows
 from cnr.types import STORED_QUANT_METHODS, CodecSpec, Encoding
 
 _PARAM_DTYPES = ("float16", "float32")

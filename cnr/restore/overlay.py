@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from cnr.codec.chunk_format import DecodedChunk
-from cnr.codec.quant.quantize import QuantizedRows
+from cnr.codec.quant.rows import QuantizedRows
 from cnr.errors import CheckpointError
 
 Span = Tuple[int, int, int, int]  # (row_lo, row_hi, col_lo, col_hi) of a piece; cols (0, 0): not column-split
@@ -72,8 +72,7 @@ def _stored_alike(a: Any, b: Any) -> bool:
     the same bits and dim (so the same packed codes) and one per-row formula (uniform methods
     all compute ``code * float32(scale) + float32(bias)``, so a float16 parameter read as float32
     is the same number: float16 and float32 parameters mix, see ``_overlaid``)."""
-    return (isinstance(a, QuantizedRows) and isinstance(b, QuantizedRows) and a.bits == b.bits and a.dim == b.dim
-            and (a.method == "kmeans") == (b.method == "kmeans"))
+    return isinstance(a, QuantizedRows) and isinstance(b, QuantizedRows) and a.bits == b.bits and a.dim == b.dim
 
 
 def merges_into(held: DecodedChunk, base: DecodedChunk) -> bool:
@@ -91,11 +90,10 @@ def _overlaid(block: QuantizedRows, parts: Sequence[Tuple[torch.Tensor, Quantize
     A float16 scale or bias that a part has as float32 is widened first, in a copy (dequantizing
     reads it as float32 either way, so the values do not change)."""
     fields: Dict[str, torch.Tensor] = {}
-    for name in ("codes", "scale", "bias", "codebook"):
+    for name in ("codes", "scale", "bias"):
         mine = getattr(block, name)
-        if mine is not None:
-            wide = mine.dtype == torch.float16 and any(getattr(rows, name).dtype == torch.float32 for _at, rows in parts)
-            fields[name] = mine.to(torch.float32) if wide else mine
+        wide = mine.dtype == torch.float16 and any(getattr(rows, name).dtype == torch.float32 for _at, rows in parts)
+        fields[name] = mine.to(torch.float32) if wide else mine
     out = dataclasses.replace(block, **fields)
     for at, rows in parts:
         for name, tensor in fields.items():

@@ -3,7 +3,7 @@
 Uniform methods compute ``code * float32(scale)``, then ``+ float32(bias)``: two rounded ops, no
 fused multiply-add, the order the quantizer's search measured its error in
 (cnr.codec.quant.quantize._fake_quant), so a restored value is the value the search chose.
-``kmeans`` rows read their codebook. Every op is per row: the values of some rows of a chunk are
+Every op is per row: the values of some rows of a chunk are
 bit-identical to the same rows of the whole chunk dequantized.
 
 ``dequantize_rows(q, out)`` writes into ``out`` (a float32 view of the model's rows, say) instead
@@ -19,7 +19,7 @@ import torch
 
 from cnr.codec.quant.bitpack import unpack
 
-QuantizedRows = Any  # cnr.codec.quant.quantize.QuantizedRows, which imports this module
+QuantizedRows = Any  # cnr.codec.quant.rows.QuantizedRows, which imports this module
 
 # fp16 scale 1.0 and bias 0.0, the tail of a row in fbgemm's fused n-bit layout
 _UNIT_SCALE_BIAS = torch.tensor([1.0, 0.0], dtype=torch.float16).view(torch.uint8)
@@ -56,9 +56,6 @@ def dequantize_rows(q: QuantizedRows, out: Optional[torch.Tensor] = None) -> tor
     """float32 ``[rows, dim]`` values of ``q``, computed from exactly its stored parameters;
     written into ``out`` when given (float32 ``[rows, dim]`` on the host, any strides) and
     returned. The values are the same either way, bit for bit."""
-    if q.method == "kmeans":
-        values = torch.gather(q.codebook, 1, unpack(q.codes, q.bits, q.dim).long())
-        return values if out is None else out.copy_(values)
     # Same op order as the search's _fake_quant (mul, then add): no fused multiply-add, so the
     # error the search measured is the error of this result.
     codes = codes_as_float(q)

@@ -6,7 +6,6 @@ Uniform methods store, per row, ``value = code * scale + bias`` with unsigned co
 * ``naive``: ``[xmin, xmax]`` is the row's ``[min, max]`` (the paper's "asymmetric").
 * ``symmetric``: ``[-a, a]`` with ``a = max |x|``; same storage, fixed zero point at mid-range.
 * ``adaptive``: the greedy range search of Guan et al. 2019 (paper §4.2.3), vectorised over rows.
-* ``kmeans``: per-row 1-D k-means with ``2**bits`` centroids; a loss reference, stores a codebook.
 
 Invariants: codes are computed from the stored (rounded) scale and bias, and dequantization
 uses exactly those stored values, so ``|x - deq| <= scale / 2`` (plus float rounding) for every
@@ -17,25 +16,22 @@ exactly with every method.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from cnr.codec.base import StoredRows
 from cnr.codec.quant.bitpack import pack, packed_bytes_per_row
-from cnr.codec.quant.dequantize import dequantize_rows
-from cnr.errors import ConfigError
+from cnr.codec.quant.dequantize import dequantize_rows  # noqa: F401  (callers take it from here)
 from cnr.codec.quant.range_search import Fused, greedy_range, rounded
+from cnr.codec.quant.rows import BITS, METHODS, QuantizedRows, check_bits, check_method  # noqa: F401
+from cnr.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BITS: Tuple[int, ...] = (2, 3, 4, 8)
-METHODS: Tuple[str, ...] = ("naive", "symmetric", "adaptive", "kmeans")
 
 # Greedy search defaults: 2/3/4-bit bins and 2/3-bit ratios are the paper's (§4.2.3); 8-bit
 # adaptive (only when asked for; 8-bit's default method is naive) uses torch's reference 200/0.16.
@@ -97,12 +93,11 @@ BLOCK_VALUES = 4096 * 64
 # checkpoint of 3.0M rows x 64 through write_rank_data, one core: 5.2-5.3 s at 16k-row blocks,
 # 4.4 s at 64k, 4.5 s at 256k (eager: 11.3 s). A 16 MiB chunk of 64-dim rows is one 64k block.
 COMPILED_BLOCK_VALUES = 65536 * 64
-KMEANS_ITERS = 15  # Lloyd iterations, as in the paper's per-vector k-means reference
 
 
 def default_method(bits: int) -> str:
     """The paper's method for a bit-width: naive asymmetric at 8 bits, adaptive below."""
-    _check_bits(bits)
+    check_bits(bits)
     return "naive" if bits == 8 else "adaptive"
 
 
@@ -111,99 +106,6 @@ def stored_method(width: int, bits: int, method: str) -> str:
     with ``method`` ("" for the default): ``method`` applies at ``bits`` only, every other width
     (a table plan's, a small table's) takes its default."""
     return (method if width == bits and method else "") or default_method(width)
-
-
-@dataclass(frozen=True)
-class QuantizedRows(StoredRows):
-    """``rows`` quantized rows of ``dim`` values each.
-
-    ``codes``: uint8 ``[rows, packed_bytes_per_row(dim, bits)]``, bit-packed per row (cnr.codec.quant.bitpack).
-    Uniform methods: ``scale`` and ``bias`` are 1-D ``[rows]`` float16 or float32 and
-    ``value = code * scale + bias``. ``kmeans``: ``codebook`` float32 ``[rows, 2**bits]`` and
-    ``value = codebook[row, code]``; ``scale`` and ``bias`` are None.
-    """
-
-    bits: int
-    method: str
-    rows: int
-    dim: int
-    codes: torch.Tensor
-    scale: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    codebook: Optional[torch.Tensor] = None
-
-    def __post_init__(self) -> None:
-        _check_bits(self.bits)
-        _check_method(self.method)
-        for label, value in (("rows", self.rows), ("dim", self.dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"QuantizedRows {label}={value!r} is not allowed; it must be an int >= 0")
-        _check_tensor("codes", self.codes, (torch.uint8,), (self.rows, packed_bytes_per_row(self.dim, self.bits)))
-        if self.method == "kmeans":
-            _check_tensor("codebook", self.codebook, (torch.float32,), (self.rows, 1 << self.bits))
-            if self.scale is not None or self.bias is not None:
-                raise ConfigError("QuantizedRows with method 'kmeans' takes a codebook, not scale/bias")
-        else:
-            _check_tensor("scale", self.scale, (torch.float16, torch.float32), (self.rows,))
-            _check_tensor("bias", self.bias, (torch.float16, torch.float32), (self.rows,))
-            if self.codebook is not None:
-                raise ConfigError(f"QuantizedRows with method {self.method!r} takes scale/bias, not a codebook")
-
-    @property
-    def nbytes(self) -> int:
-        """Exact encoded size in bytes: packed codes plus per-row scale/bias or codebook."""
-        total = self.codes.numel()
-        for t in (self.scale, self.bias, self.codebook):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
-
-    def select(self, at: Union[slice, torch.Tensor]) -> "QuantizedRows":
-        """These rows at ``at``: a slice (views) or int64 local row indexes (copies). With
-        ``values`` this is the stored form a rowwise chunk decodes to (cnr.codec.base.StoredRows):
-        dequantizing the selected rows is bit-identical to the same rows of the whole (per-row ops)."""
-        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if t is None:
-                return None
-            return t[at] if isinstance(at, slice) else t.index_select(0, at)
-
-        codes = pick(self.codes)
-        # rows of checked rows are well formed: built without __post_init__'s checks (a restore
-        # selects a block or an increment's run some thousand times)
-        picked = {"rows": codes.shape[0], "codes": codes, "scale": pick(self.scale), "bias": pick(self.bias),
-                  "codebook": pick(self.codebook)}
-        rows = object.__new__(QuantizedRows)
-        for f in dataclasses.fields(self):
-            object.__setattr__(rows, f.name, picked.get(f.name, getattr(self, f.name)))
-        return rows
-
-    def values(self) -> torch.Tensor:
-        """float32 ``[rows, dim]``: the rows dequantized (dequantize_rows)."""
-        return dequantize_rows(self)
-
-    def values_into(self, out: torch.Tensor) -> torch.Tensor:
-        """``values()`` written into ``out`` (``[rows, dim]``), bit for bit: computed there when it
-        is float32 on the host, else computed and copied (converted, or to its device)."""
-        if out.dtype != torch.float32 or out.device.type != "cpu":
-            return super().values_into(out)
-        return dequantize_rows(self, out=out)
-
-
-def _check_tensor(label: str, t: object, dtypes: Tuple[torch.dtype, ...], shape: Tuple[int, ...]) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        allowed = " or ".join(str(d) for d in dtypes)
-        raise ConfigError(f"QuantizedRows {label} is {got}; it must be {allowed} with shape {shape}")
-
-
-def _check_bits(bits: object) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ConfigError(f"bits={bits!r} is not allowed; allowed: {', '.join(map(str, BITS))}")
-
-
-def _check_method(method: object) -> None:
-    if method not in METHODS:
-        raise ConfigError(f"method={method!r} is not allowed; allowed: {', '.join(METHODS)}")
 
 
 def _resolve_search(bits: int, method: str, num_bins: object, ratio: object) -> Tuple[int, float]:
@@ -226,7 +128,7 @@ def _resolve_search(bits: int, method: str, num_bins: object, ratio: object) -> 
     return num_bins, float(ratio)
 
 
-def _check_input(x: object, name: object) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def checked_input(x: object, name: object) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``x`` contiguous, row min, row max) after checking type, dtype, shape and finiteness."""
     if not isinstance(name, str):
         raise ConfigError(f"name={name!r} is not allowed; it must be a str")
@@ -380,30 +282,6 @@ def _block_params(x: torch.Tensor, bounds: Tuple[torch.Tensor, torch.Tensor], bi
     return _params(torch.where(const, xmin, -a), torch.where(const, xmax, a), qmax, *dtypes)
 
 
-def _kmeans_block(x: torch.Tensor, bits: int, iters: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-row 1-D k-means of block ``x [B, D]``: (codes uint8 [B, D], codebook float32 [B, 2**bits]).
-
-    Centroids start at the row's (k + 0.5) / K quantiles, so they are sorted; Lloyd updates keep
-    them sorted in 1-D (a cluster is an interval; an empty one keeps its old centroid, which lies
-    between its neighbours'), which lets nearest-centroid assignment be a batched searchsorted on
-    the midpoints.
-    """
-    k = 1 << bits
-    rows, dim = x.shape
-    pos = ((torch.arange(k, dtype=torch.float64) + 0.5) * dim / k).long().clamp_(max=dim - 1)
-    cent = x.sort(1).values[:, pos].contiguous()
-    ones = torch.ones_like(x)
-    for _ in range(iters):
-        assign = torch.searchsorted((cent[:, 1:] + cent[:, :-1]) * 0.5, x)
-        sums = torch.zeros_like(cent).scatter_add_(1, assign, x)
-        counts = torch.zeros_like(cent).scatter_add_(1, assign, ones)
-        cent = torch.where(counts > 0, sums / counts.clamp(min=1.0), cent)
-    # A cluster mean of equal values can be off by rounding; constant rows must be exact.
-    cent = torch.where((x.amin(1) == x.amax(1)).unsqueeze(1), x[:, :1], cent)
-    assign = torch.searchsorted((cent[:, 1:] + cent[:, :-1]) * 0.5, x)
-    return assign.to(torch.uint8), cent
-
-
 def quantize_rows_with_dtypes(
     x: torch.Tensor, bits: int, method: str = "adaptive", num_bins: Optional[int] = None,
     ratio: Optional[float] = None, *, name: str = "tensor", scale_dtype: Optional[torch.dtype] = None,
@@ -415,13 +293,13 @@ def quantize_rows_with_dtypes(
     fits float16, the adaptive search scores candidates with torch's float16 scale and bias
     (see _adaptive_params); otherwise with the parameters rounded to these dtypes.
     """
-    _check_bits(bits)
-    _check_method(method)
+    check_bits(bits)
+    check_method(method)
     num_bins, ratio = _resolve_search(bits, method, num_bins, ratio)
     for label, dtype in (("scale_dtype", scale_dtype), ("bias_dtype", bias_dtype)):
         if dtype not in (None, torch.float16, torch.float32):
             raise ConfigError(f"{label}={dtype!r} is not allowed; allowed: torch.float16, torch.float32")
-    x, xmin, xmax = _check_input(x, name)
+    x, xmin, xmax = checked_input(x, name)
     scale_dtype = scale_dtype or _scale_dtype(bits, xmin, xmax)
     bias_dtype = bias_dtype or _bias_dtype(bits, xmin, xmax)
     # torch's fp16 scoring only where its fp16 scale and bias are meaningful for every row.
@@ -430,29 +308,21 @@ def quantize_rows_with_dtypes(
     rows, dim = x.shape
     started = time.perf_counter()
     codes = torch.empty((rows, packed_bytes_per_row(dim, bits)), dtype=torch.uint8)
-    if method == "kmeans":
-        codebook = torch.empty((rows, 1 << bits), dtype=torch.float32)
-    else:
-        scale = torch.empty(rows, dtype=scale_dtype)
-        bias = torch.empty(rows, dtype=bias_dtype)
+    scale = torch.empty(rows, dtype=scale_dtype)
+    bias = torch.empty(rows, dtype=bias_dtype)
     qmax = float((1 << bits) - 1)
     block_rows = max(1, (BLOCK_VALUES if search is None else COMPILED_BLOCK_VALUES) // dim)
     for start in range(0, rows, block_rows):
         block = x[start:start + block_rows]
         end = start + block.shape[0]
-        if method == "kmeans":
-            block_codes, codebook[start:end] = _kmeans_block(block, bits, KMEANS_ITERS)
-        else:
-            s, b, inv = _block_params(block, (xmin[start:end], xmax[start:end]), bits, method, num_bins, ratio,
-                                      (scale_dtype, bias_dtype), torch_scoring, search)
-            block_codes = torch.sub(block, b.unsqueeze(1)).mul_(inv.unsqueeze(1)).round_()
-            block_codes = block_codes.clamp_(0.0, qmax).to(torch.uint8)
-            scale[start:end], bias[start:end] = s, b
+        s, b, inv = _block_params(block, (xmin[start:end], xmax[start:end]), bits, method, num_bins, ratio,
+                                  (scale_dtype, bias_dtype), torch_scoring, search)
+        block_codes = torch.sub(block, b.unsqueeze(1)).mul_(inv.unsqueeze(1)).round_()
+        block_codes = block_codes.clamp_(0.0, qmax).to(torch.uint8)
+        scale[start:end], bias[start:end] = s, b
         codes[start:end] = pack(block_codes, bits)
     logger.debug("%s: quantized %d rows x %d with %s at %d bits in %.3f s", name, rows, dim, method,
                  bits, time.perf_counter() - started)
-    if method == "kmeans":
-        return QuantizedRows(bits, method, rows, dim, codes, codebook=codebook)
     return QuantizedRows(bits, method, rows, dim, codes, scale=scale, bias=bias)
 
 
@@ -472,7 +342,8 @@ def quantize_rows(
     return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name, search=search)
 
 
-def l2_per_row(x: torch.Tensor, q: QuantizedRows) -> torch.Tensor:
-    """float64 ``[rows]``: ``||x_i - dequantize(q)_i||_2`` per row, accumulated in float64."""
-    err = x.double() - dequantize_rows(q).double()
+def l2_per_row(x: torch.Tensor, q: StoredRows) -> torch.Tensor:
+    """float64 ``[rows]``: ``||x_i - q.values()_i||_2`` per row, accumulated in float64 (any stored
+    rows: the bench's k-means rows too)."""
+    err = x.double() - q.values().double()
     return torch.linalg.vector_norm(err, dim=1)

@@ -25,9 +25,9 @@ import signal
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.bench import chaos_job
-from cnr.bench.chaos_events import committed, newest_intact
-from cnr.bench.chaos_job import Job, corrupt_chunk
+from cnr.testing import procs
+from cnr.systest.chaos_events import committed, newest_intact
+from cnr.systest.chaos_job import Job, corrupt_chunk
 from cnr.format.layout import MERGED_SUFFIX, ROOT, manifest_key, state_id, step_of
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
@@ -127,7 +127,7 @@ def _last_write(directory: str) -> Optional[float]:
 
 
 class MergeEvents:
-    """``fire`` of the events above, mixed into cnr.bench.chaos.Chaos (``storage``: the bench's
+    """``fire`` of the events above, mixed into cnr.systest.chaos.Chaos (``storage``: the bench's
     own client, past the proxy; ``watch``, ``damaged``, ``rng``, ``lost``, ``trace_dir``,
     ``fired``, ``restorable``, ``args``, ``start``, ``pending_crash``). A ``user_exception_s3`` is
     read from the environment at a job's start: drawn first for an attempt, that attempt starts
@@ -209,7 +209,7 @@ class MergeEvents:
         while job.running() and time.monotonic() < deadline:
             fresh = sorted(merges_in_flight(self.storage.list(ROOT + "/")) - stale)
             if fresh:
-                pids = chaos_job.named(job.proc.pid, MERGER)
+                pids = procs.named(job.proc.pid, MERGER)
                 for pid in pids:
                     try:
                         os.kill(pid, signal.SIGKILL)

@@ -2,7 +2,7 @@
 
 The job trains ``configs/tiny.yaml`` (fp32, consecutive increments, two reader processes per
 rank, a sample trace) on S3: a moto server on 127.0.0.1 in its own process, reached through a
-fault proxy (cnr.bench.chaos_proxy). At seeded random moments while it trains, one event of
+fault proxy (cnr.testing.s3_proxy). At seeded random moments while it trains, one event of
 ``EVENTS`` happens; after each attempt that ended early, the job is started again (``--resume``
 once anything committed), until it reaches its last step:
 
@@ -17,12 +17,12 @@ once anything committed), until it reaches its last step:
   committed checkpoint is flipped before the restart;
 - ``second_job``: a second ``cnr train --resume`` on the same location, which must be refused;
 - ``damage_resume_crash``, ``fresh_race``, ``shared_local_dir``: issue #25's events
-  (cnr.bench.chaos_events): a damaged baseline or middle link, then a resume that falls back and
+  (cnr.systest.chaos_events): a damaged baseline or middle link, then a resume that falls back and
   is killed after its second commit; a job without ``--resume`` started while the job finishes a
   checkpoint (refused, nothing of the job's lost); two jobs on other locations sharing one
   ``checkpoint.local_dir`` (neither sees the other's checkpoints);
 - ``damage_merged``, ``kill_merge``, ``user_exception_s3``: issue #38's events
-  (cnr.bench.chaos_merge), with the job's compaction on (the consecutive policy's default): a
+  (cnr.systest.chaos_merge), with the job's compaction on (the consecutive policy's default): a
   byte of the newest committed merged baseline flipped while the job is down (the resume must
   restore the same state through the links it replaced); a SIGKILL of the merge worker while a
   merge runs (the job goes on and merges again); ``cnr train``'s loop raising right after a save
@@ -52,8 +52,6 @@ reported as the result (``ok`` false, ``failed``, ``error``), never raised.
 from __future__ import annotations
 
 import argparse
-import logging
-import math
 import os
 import random
 import shutil
@@ -61,155 +59,25 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
-from cnr.bench import chaos_job, nodes
-from cnr.bench.chaos_events import RESTORED, NewEvents, RestorableCheck, newest_intact
-from cnr.bench.chaos_job import Job
-from cnr.bench.chaos_merge import FAULT_SPEC, MergeEvents
-from cnr.bench.chaos_proxy import ChaosProxy
-from cnr.bench.chaos_report import report, unrestorable
-from cnr.bench.common import ROOT, argv_list, number_arg, workdir_arg
-from cnr.format.catalog import scan_checkpoints
+from cnr.systest import chaos_job
+from cnr.testing import procs
+from cnr.systest.chaos_events import RESTORED, NewEvents, RestorableCheck, StoreWatch
+from cnr.systest.chaos_job import Job
+from cnr.systest.chaos_merge import FAULT_SPEC, MergeEvents
+from cnr.systest.chaos_plan import EVENTS, EXIT_NOT_COMMITTED, FATAL, launcher, parse_args, plan_events, train_args
+from cnr.testing.s3_proxy import FaultProxy
+from cnr.systest.chaos_report import report, unrestorable
+from cnr.app.cli_args import ROOT
 from cnr.testing.moto_server import MotoS3, endpoint_env
 from cnr.storage.s3 import S3Storage
 from cnr.app.console import EXIT_FAILURE
 from cnr.app.trace import load_trace
 from cnr.types import CheckpointStatus
 
-EVENTS = ("kill_trainer", "kill_writer", "kill_reader", "s3_faults", "s3_outage", "corrupt_chunk", "corrupt_manifest",
-          "second_job", "damage_resume_crash", "fresh_race", "shared_local_dir", "damage_merged", "kill_merge",
-          "user_exception_s3")
-# the attempt ends with the event (user_exception_s3 drawn while a job runs: that job is killed, the next raises)
-FATAL = ("kill_trainer", "corrupt_chunk", "corrupt_manifest", "damage_resume_crash", "damage_merged",
-         "user_exception_s3")
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-EXIT_NOT_COMMITTED = 3  # cnr train: trained to its end, but no checkpoint committed since step N (cnr.app.cli)
-# How long one run of the job may take before it is killed and reported (default of --job-timeout-s): a
-# start-up allowance plus a bound per training step, so a longer --steps gets a longer bound (a fixed
-# 600 s killed the default 1200 steps on a slow machine). Generous: a hang is what it catches.
-JOB_START_S = 300.0
-JOB_STEP_S = 2.0
-MAX_JOB_TIMEOUT_S = 7 * 86400.0
-
-
-def job_timeout_s(steps: int) -> float:
-    """The default bound in seconds on one run of a ``steps``-step job (JOB_START_S + JOB_STEP_S per step)."""
-    return JOB_START_S + JOB_STEP_S * steps
-
-
-def parse_args(argv: List[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cnr bench chaos", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=TINY, help="YAML config (default configs/tiny.yaml)")
-    p.add_argument("--steps", type=int, default=1200, help="training steps of the job")
-    p.add_argument("--interval", type=int, default=20, help="checkpoint interval in steps")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the job (with --nodes: ranks per node)")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="torchrun agents of the job, each a node of --nproc ranks (cnr.bench.nodes); 1: cnr train "
-                   "--nproc spawns the ranks")
-    p.add_argument("--events", type=int, default=16,
-                   help=f"events to inject (each kind at least once when >= {len(EVENTS)})")
-    p.add_argument("--kinds", default=",".join(EVENTS), help="comma-separated event kinds to draw from")
-    p.add_argument("--seed", type=int, default=0, help="seed of the events' kinds, moments and targets")
-    p.add_argument("--delay-s", default="2,6", help="LO,HI: seconds of training before each event, drawn uniformly")
-    p.add_argument("--fault-rate", type=float, default=0.25, help="share of failed requests in an s3_faults window")
-    p.add_argument("--budget-s", type=number_arg("--budget-s", 0.0), default=540.0,
-                   help="no new event after this many seconds (a finite number > 0)")
-    p.add_argument("--job-timeout-s", type=number_arg("--job-timeout-s", 0.0, MAX_JOB_TIMEOUT_S), default=None,
-                   help=f"seconds one run of the job (the reference, or an attempt) may take before it is killed "
-                   f"(default {JOB_START_S:.0f} + {JOB_STEP_S:.0f} per step); a reference run past it is reported "
-                   "as a failed result")
-    p.add_argument("--workdir", default=None, type=workdir_arg, help="where to write (default: a temporary directory)")
-    args = p.parse_args(argv_list(argv))
-    for name in ("steps", "interval", "nproc", "nodes", "events"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed; it must be >= 1")
-    if args.job_timeout_s is None:
-        args.job_timeout_s = job_timeout_s(args.steps)
-    args.kinds = tuple(k for k in args.kinds.split(",") if k)
-    bad = [k for k in args.kinds if k not in EVENTS]
-    if bad or not args.kinds:
-        p.error(f"--kinds {','.join(bad) or '(none)'} is not allowed; choose from {', '.join(EVENTS)}")
-    try:
-        args.delay_s = tuple(float(x) for x in args.delay_s.split(","))
-    except ValueError:
-        args.delay_s = ()
-    if len(args.delay_s) != 2 or not 0 < args.delay_s[0] <= args.delay_s[1] < math.inf:
-        p.error("--delay-s is not allowed as given; give LO,HI seconds with 0 < LO <= HI")
-    if not 0.0 <= args.fault_rate < 1.0:
-        p.error(f"--fault-rate {args.fault_rate} is not allowed; it must be in [0, 1)")
-    return args
-
-
 class ChaosError(RuntimeError):
     """The chaos run could not bring the job to its last step (reported as a failed result)."""
-
-
-def plan_events(count: int, rng: random.Random, kinds: Sequence[str] = EVENTS) -> List[str]:
-    """``count`` events of ``kinds``: each kind once (as far as ``count`` allows), then random
-    ones, shuffled."""
-    plan = list(kinds)[:count] + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
-    rng.shuffle(plan)
-    return plan
-
-
-def launcher(args: argparse.Namespace) -> List[str]:
-    """The argv (after the interpreter) that runs ``python -m cnr`` as the job: on ``--nodes`` agents when > 1."""
-    return nodes.command(args.nodes, args.nproc) if args.nodes > 1 else ["-m", "cnr"]
-
-
-def train_args(args: argparse.Namespace, storage: str, trace_dir: str, resume: bool) -> List[str]:
-    sets = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", "checkpoint.policy=consecutive",
-            "checkpoint.keep_last=3", "checkpoint.bits=32", "checkpoint.commit_timeout_s=60",
-            "checkpoint.lease_ttl_s=30", "data.reader_processes=2", f"data.trace_dir={trace_dir}",
-            "train.eval_interval=0"]
-    out = ["train", "--config", args.config, "--storage", storage]
-    if args.nodes == 1:  # under torchrun the agents set the ranks (and torchrun's parser takes --nproc for its own)
-        out += ["--nproc", str(args.nproc)]
-    for s in sets:
-        out += ["--set", s]
-    return out + (["--resume"] if resume else [])
-
-
-class StoreWatch:
-    """Polls the store (directly, not through the proxy) and remembers every checkpoint seen."""
-
-    def __init__(self, storage: S3Storage) -> None:
-        self.storage = storage
-        self.status: Dict[str, CheckpointStatus] = {}
-        self.steps: Dict[str, int] = {}
-        self.bases: Dict[str, Optional[str]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="chaos-watch", daemon=True)
-        self._thread.start()
-
-    def scan(self) -> List[Any]:
-        logging.getLogger("cnr.format.manifest").setLevel(logging.ERROR)  # damage is ours; the job reports it
-        infos = [info for info, _m in scan_checkpoints(self.storage)]
-        with self._lock:
-            for info in infos:
-                if self.status.get(info.id) != CheckpointStatus.COMMITTED:  # once committed, stays counted so
-                    self.status[info.id] = info.status
-                self.steps[info.id] = info.step
-                if info.status == CheckpointStatus.COMMITTED:
-                    self.bases[info.id] = info.base
-        return infos
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.scan()
-            except Exception:  # noqa: BLE001 - a scan racing retention's deletes; the next one sees it
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def newest_intact(self, infos: List[Any], damaged: Set[str]) -> Optional[Any]:
-        """The newest committed checkpoint of ``infos`` whose chain has no damaged link."""
-        return newest_intact(infos, damaged)
 
 
 def _reference(args: argparse.Namespace, workdir: str, env: Dict[str, str], uri: str) -> Dict[str, Any]:
@@ -259,7 +127,7 @@ class Chaos(NewEvents, MergeEvents):
     the environment of a job that reaches the store directly, past the proxy (the events' other
     jobs); ``new_bucket``: a fresh bucket on that store."""
 
-    def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: ChaosProxy,
+    def __init__(self, args: argparse.Namespace, workdir: str, env: Dict[str, str], proxy: FaultProxy,
                  storage: S3Storage, uri: str, side_env: Optional[Dict[str, str]] = None,
                  new_bucket: Optional[Callable[[], str]] = None) -> None:
         self.args, self.workdir, self.env, self.proxy, self.storage, self.uri = args, workdir, env, proxy, storage, uri
@@ -288,7 +156,7 @@ class Chaos(NewEvents, MergeEvents):
         False when it ended first."""
         deadline = time.monotonic() + timeout
         while job.running() and time.monotonic() < deadline:
-            if _modified_since(self.trace_dir, started_unix) and chaos_job.named(job.proc.pid, chaos_job.WRITER_NAME):
+            if _modified_since(self.trace_dir, started_unix) and procs.named(job.proc.pid, chaos_job.WRITER_NAME):
                 return True
             time.sleep(0.2)
         return job.running()
@@ -348,7 +216,7 @@ class Chaos(NewEvents, MergeEvents):
             return {}
         if kind in ("kill_writer", "kill_reader"):
             name = chaos_job.WRITER_NAME if kind == "kill_writer" else chaos_job.READER_NAME
-            return {"pid": chaos_job.kill_one(job.proc.pid, name, self.rng)}
+            return {"pid": procs.kill_one(job.proc.pid, name, self.rng)}
         if kind == "s3_faults":
             seconds = self.rng.uniform(3.0, 8.0)
             self.proxy.fault_rate = self.args.fault_rate
@@ -460,7 +328,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         with MotoS3(in_process=False) as moto:
-            proxy = ChaosProxy(moto.endpoint, seed=args.seed)
+            proxy = FaultProxy(moto.endpoint, seed=args.seed)
             proxied = dict(env, **endpoint_env(proxy.endpoint))
             reference = _reference(args, workdir, proxied, f"s3://{moto.new_bucket()}/job")
             if "error" in reference:

@@ -1,5 +1,5 @@
-"""A managed-collision job (torchrec's MC-EC and MC-EBC with MCHManagedCollisionModule) for bench
-conformance and tests/test_managed_collision.py.
+"""A managed-collision job (torchrec's MC-EC and MC-EBC with MCHManagedCollisionModule) for the
+conformance system test and tests/test_managed_collision.py.
 
 Small tables (24 slots) under a skewed stream of 400 raw ids evict every 2 steps. On CPU fbgemm
 1.8 has no ADAM, and an MCH eviction under EXACT_ROWWISE_ADAGRAD calls fbgemm's
@@ -125,7 +125,7 @@ def runtime(dmp: torch.nn.Module) -> Dict[str, Any]:
 
 
 def runtime_tensors(per_rank: list) -> Dict[str, torch.Tensor]:
-    """Every rank's ``runtime`` as named tensors (for conformance_jobs.differing)."""
+    """Every rank's ``runtime`` as named tensors (for cnr.testing.jobs.differing)."""
     out: Dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
         for table, s in state.items():

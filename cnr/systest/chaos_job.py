@@ -1,7 +1,7 @@
 """What ``bench chaos`` does to a running ``cnr train`` job and to its store.
 
 - ``Job``: one attempt, a ``cnr train`` launcher in its own session, its output in files; a kill
-  SIGKILLs its process group and every process below it (torchrun's workers, cnr.bench.nodes,
+  SIGKILLs its process group and every process below it (torchrun's workers, cnr.testing.nodes,
   run in sessions of their own): a machine failure of the whole job;
 - process lookup by name (cnr.write.proc names the writers and readers) below the launcher;
 - damage to stored objects: a flipped byte in a chunk object, a flipped bit in a manifest,
@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 from cnr.format.layout import checkpoint_prefix, manifest_key
 from cnr.write.proc import READER, WRITER
 from cnr.storage.base import Storage
+from cnr.testing.procs import descendants
 
 
 @dataclass
@@ -88,62 +89,6 @@ class Job:
             return json.loads(lines[-1]) if lines else None
         except ValueError:
             return None
-
-
-def _stat(pid: int) -> Optional[List[str]]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie waiting for its parent does not)."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def descendants(root: int) -> List[int]:
-    """Every live process below ``root`` (zombies left out)."""
-    parents: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None and stat[0] != "Z":
-                parents.setdefault(int(stat[1]), []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        children = parents.get(frontier.pop(), [])
-        found += children
-        frontier += children
-    return found
-
-
-def named(root: int, name: str) -> List[int]:
-    """The processes below ``root`` named ``name`` (cnr.write.proc: WRITER, READER)."""
-    return [pid for pid in descendants(root) if _comm(pid) == name]
-
-
-def kill_one(root: int, name: str, rng: random.Random) -> Optional[int]:
-    """SIGKILL one process named ``name`` below ``root``; its pid, or None when there is none."""
-    pids = named(root, name)
-    if not pids:
-        return None
-    pid = rng.choice(sorted(pids))
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return None
-    return pid
 
 
 WRITER_NAME, READER_NAME = WRITER, READER

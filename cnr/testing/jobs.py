@@ -1,4 +1,4 @@
-"""Torchrec jobs as a user writes them, built from a small spec (bench conformance and its tests).
+"""Torchrec jobs as a user writes them, built from a small spec (the conformance system test and cnr's tests).
 
 A job is an EmbeddingBagCollection (``ebc``), optionally with a weighted one (``webc``) and an
 EmbeddingCollection of sequence features (``ec``), whose tables are each pinned to one sharding

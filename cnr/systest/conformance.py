@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from cnr.app.launch import spawn
-from cnr.bench.common import argv_list, number_arg, workdir_arg
+from cnr.app.cli_args import argv_list, number_arg, workdir_arg
 from cnr.errors import ConfigError
 
 MODELS = ("ebc-family", "managed-collision")
@@ -65,7 +65,7 @@ def _rotated(kinds: Tuple[str, ...]) -> Tuple[str, ...]:
 def _make(job: Dict[str, Any], world_size: int, plan: str, rank: int):
     """(dmp, dense optimizer, train(step)) of ``job`` under plan "main" or "other"."""
     if job["model"] == "ebc-family":
-        from cnr.bench import conformance_jobs as cj
+        from cnr.testing import jobs as cj
 
         kinds = (cj.ALL_KINDS, cj.ALL_KINDS, cj.EC_KINDS)
         if plan == "other":
@@ -73,7 +73,7 @@ def _make(job: Dict[str, Any], world_size: int, plan: str, rank: int):
         spec = cj.JobSpec(tables=kinds[0], weighted=kinds[1], sequence=kinds[2], fused=job["fused"], dense=job["dense"])
         dmp, opt = cj.build(spec, world_size)
         return dmp, opt, lambda step: cj.train_step(spec, dmp, opt, step, rank)
-    from cnr.bench import conformance_mc as mc
+    from cnr.testing import mc_jobs as mc
 
     dmp, opt = mc.build(world_size, fused=job["fused"], dense=job["dense"],
                         sharding="row_wise" if plan == "main" else "table_wise")
@@ -82,11 +82,11 @@ def _make(job: Dict[str, Any], world_size: int, plan: str, rank: int):
 
 def _state(app_state: Dict[str, Any], job: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """Every tensor unsharded on rank 0 with the lrs (collective); MCH runtime state as ``runtime/...``."""
-    from cnr.bench.conformance_jobs import gathered
+    from cnr.testing.jobs import gathered
 
     out = gathered(app_state)
     if job["model"] == "managed-collision":
-        from cnr.bench import conformance_mc as mc
+        from cnr.testing import mc_jobs as mc
 
         per_rank: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mc.runtime(app_state["model"]))
@@ -95,7 +95,7 @@ def _state(app_state: Dict[str, Any], job: Dict[str, Any]) -> Dict[str, torch.Te
 
 
 def _compare(label: str, ref_path: str, got: Dict[str, torch.Tensor], runtime: bool) -> List[str]:
-    from cnr.bench.conformance_jobs import differing
+    from cnr.testing.jobs import differing
 
     try:
         ref = torch.load(ref_path)

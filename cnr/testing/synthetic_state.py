@@ -1,4 +1,4 @@
-"""The synthetic state of ``bench scale``: a production-shaped job's tables, sharding and chunks.
+"""The synthetic state of a production-shaped job (``bench scale`` and tests): its tables, sharding and chunks.
 
 No tensor is allocated: the state is described by shards (which rank holds which rows of which
 table) and by the rank indexes cnr's writers would store for it, built from cnr's own types

@@ -1,5 +1,5 @@
 """One job of several torchrun agents on this machine, each standing in for a node, run as one
-command: ``python -m cnr.bench.nodes --nodes K --nproc-per-node P -- ARGS`` runs ``python -m cnr
+command: ``python -m cnr.testing.nodes --nodes K --nproc-per-node P -- ARGS`` runs ``python -m cnr
 ARGS`` on K x P ranks (``--nnodes K``, rendezvous on 127.0.0.1, gloo on the loopback interface).
 
 ``cnr train --nproc`` spawns at most twice the cores as ranks; benches that need more ranks
@@ -18,7 +18,7 @@ command behaves as a launcher of the whole job:
   node failed; their workers would otherwise wait in a collective for the lost ranks.
 
 Torchrun starts its workers in sessions of their own: a SIGKILL of this launcher's process group
-leaves them running, so whoever kills the job kills the process tree (cnr.bench.chaos_job.Job.kill).
+leaves them running, so whoever kills the job kills the process tree (cnr.systest.chaos_job.Job.kill; the tree: cnr.testing.procs).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ POLL_S = 0.2
 
 def command(nodes: int, nproc_per_node: int) -> List[str]:
     """The argv prefix (after the interpreter) that runs ``python -m cnr ARGS`` on ``nodes`` agents."""
-    return ["-m", "cnr.bench.nodes", "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node), "--"]
+    return ["-m", "cnr.testing.nodes", "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node), "--"]
 
 
 def free_port() -> int:
@@ -72,7 +72,7 @@ def _agent(argv: Sequence[str]) -> int:
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to ``root`` and every process below it (found first, before any is re-parented)."""
-    from cnr.bench.chaos_job import descendants
+    from cnr.testing.procs import descendants
 
     for pid in [root, *descendants(root)]:
         try:
@@ -104,7 +104,7 @@ def launch(nodes: int, nproc_per_node: int, args: Sequence[str]) -> int:
     agents: List[subprocess.Popen] = []
     for node in range(nodes):
         agents.append(subprocess.Popen(
-            [sys.executable, "-m", "cnr.bench.nodes", "--agent", "--", "--nnodes", str(nodes),
+            [sys.executable, "-m", "cnr.testing.nodes", "--agent", "--", "--nnodes", str(nodes),
              "--nproc-per-node", str(nproc_per_node), "--node-rank", str(node), "--master-addr", "127.0.0.1",
              "--master-port", str(port), "-m", "cnr", *args], env=env))
     failed: Optional[int] = None
@@ -126,7 +126,7 @@ def launch(nodes: int, nproc_per_node: int, args: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cnr.bench.nodes", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cnr.testing.nodes", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents (nodes) of the job")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per agent")
     p.add_argument("--agent", action="store_true", help="(internal) run one agent: torchrun's arguments follow --")

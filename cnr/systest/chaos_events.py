@@ -25,10 +25,11 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from cnr.bench.chaos_job import Job, corrupt_chunk
+from cnr.systest.chaos_job import Job, corrupt_chunk
 from cnr.format.catalog import checkpoint_ids, scan_checkpoints
 from cnr.errors import CnrError
 from cnr.storage.checkpoint_store import open_checkpoint_store
@@ -226,7 +227,7 @@ class RestorableCheck:
 
 
 class NewEvents:
-    """``fire`` of the events above, mixed into cnr.bench.chaos.Chaos, which provides ``args``,
+    """``fire`` of the events above, mixed into cnr.systest.chaos.Chaos, which provides ``args``,
     ``workdir``, ``rng``, ``watch``, ``damaged``, ``storage``, ``fired``, ``side_env`` (the
     environment of a client that reaches the store directly, past the fault proxy),
     ``new_bucket`` and ``_job``."""
@@ -347,3 +348,44 @@ class NewEvents:
         out = shared_outcome(runs, stores)
         out["runs"] = runs
         return out
+
+
+class StoreWatch:
+    """Polls the store (directly, not through the proxy) and remembers every checkpoint seen (bench chaos)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.status: Dict[str, CheckpointStatus] = {}
+        self.steps: Dict[str, int] = {}
+        self.bases: Dict[str, Optional[str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-watch", daemon=True)
+        self._thread.start()
+
+    def scan(self) -> List[Any]:
+        logging.getLogger("cnr.format.manifest").setLevel(logging.ERROR)  # damage is ours; the job reports it
+        infos = [info for info, _m in scan_checkpoints(self.storage)]
+        with self._lock:
+            for info in infos:
+                if self.status.get(info.id) != CheckpointStatus.COMMITTED:  # once committed, stays counted so
+                    self.status[info.id] = info.status
+                self.steps[info.id] = info.step
+                if info.status == CheckpointStatus.COMMITTED:
+                    self.bases[info.id] = info.base
+        return infos
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - a scan racing retention's deletes; the next one sees it
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def newest_intact(self, infos: List[Any], damaged: Set[str]) -> Optional[Any]:
+        """The newest committed checkpoint of ``infos`` whose chain has no damaged link."""
+        return newest_intact(infos, damaged)

@@ -1,4 +1,4 @@
-"""What ``bench chaos`` reports (cnr.bench.chaos's module docstring lists the figures): the
+"""What ``bench chaos`` reports (cnr.systest.chaos's module docstring lists the figures): the
 result of one chaos run against its uninterrupted reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any, Dict, List, Set
 
 from cnr.app.trace import load_trace
-from cnr.bench.chaos_merge import merge_report
+from cnr.systest.chaos_merge import merge_report
 from cnr.format.verify import verify_store
 from cnr.storage.base import Storage
 from cnr.types import CheckpointStatus
