@@ -22,15 +22,14 @@ encodes and stores the chunks, and rank 0's commits the manifest once every rank
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from cnr.restore.into_app import RestoredChain, table_placement
-from cnr.track.app_state import AppState, TableRef, whole_tables
+from cnr.restore.into_app import RestoredChain, table_spec
+from cnr.track.app_state import AppState, whole_tables
 from cnr.policy.bit_width import BitWidthPlanner
 from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
@@ -38,23 +37,26 @@ from cnr.track.pipeline import check_lookahead, check_loaders
 from cnr.errors import CheckpointError
 from cnr.restore.newest import Skipped, restore_checkpoint, restore_newest
 from cnr.track import agreement
+from cnr.format.catalog import committed_info
 from cnr.format.documents import Manifest
 from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
+from cnr.options.checkpoint import as_library_options
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
 from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.policy.kinds import BitDecision, failure_rate
 from cnr.write.local_tier import tier_for
 from cnr.write.peer_exchange import host_exchange
 from cnr.storage.checkpoint_store import open_checkpoint_store
-from cnr.track.tracker import DEFAULT_VIEWS, RowTracker
+from cnr.track.tracker import DEFAULT_VIEWS, RowTracker, checked_row_ids
 from cnr.track.state import StatePiece
-from cnr.types import CheckpointInfo, CheckpointStatus, Policy, TableSpec
+from cnr.types import CheckpointInfo, CheckpointStatus, Policy
 from cnr.write.job_location import JobLocation
-from cnr.write.writer import FlushReport, Writer
+from cnr.write.local_flush import FlushReport
+from cnr.write.shutdown import Parts, abort_parts, stop_parts
+from cnr.write.writer import Writer
 import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
-from cnr.write.proc import sigterm_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -64,31 +66,6 @@ def _rank_and_world() -> tuple:
         raise RuntimeError("cnr.Checkpointer needs torch.distributed's default process group "
                            "(dist.init_process_group), as torchrec's DistributedModelParallel does")
     return dist.get_rank(), dist.get_world_size()
-
-
-def _table_spec(table: TableRef) -> TableSpec:
-    value = table.module.state_dict()[table.local_key]
-    rows, dim = tuple(value.size())[:2]
-    features = tuple(table.module._table_name_to_config[table.name].feature_names)
-    return TableSpec(table.id, int(rows), int(dim), features, table_placement(table) or "data_parallel")
-
-
-def _as_library_options(value: Any, cls: type, name: str) -> Any:
-    """``value`` as exactly ``cls``, checked on construction. An object with settings of its own (an
-    application's config section: ``enabled``, ``interval``, ...) is refused: the Checkpointer would
-    ignore them without a word. A subclass of ``cls`` (whose checks may be off) is rebuilt as ``cls``."""
-    if type(value) is cls:
-        return value
-    takes = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "SETTINGS", ()))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        own = sorted({f.name for f in dataclasses.fields(value)} - takes)
-        if own:
-            raise TypeError(f"{name} must be a cnr.{cls.__name__}, got a {type(value).__name__} with settings the "
-                            f"Checkpointer does not take ({', '.join(own)}); pass the library's options it holds "
-                            "(e.g. its .options(...))")
-    if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a cnr.{cls.__name__}, got {type(value).__name__}")
-    return cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(cls)})
 
 
 class PendingCheckpoint:
@@ -132,10 +109,10 @@ class Checkpointer:
         check_main_guard()  # before anything is opened: spawn would re-run an unguarded script in the writer
         # an application's section, or a subclass whose __post_init__ skips the checks, is refused
         # or rebuilt as the library's own type: every value is checked here, before anything starts
-        self.options = _as_library_options(options if options is not None else CheckpointOptions(),
+        self.options = as_library_options(options if options is not None else CheckpointOptions(),
                                            CheckpointOptions, "options")
         if publish is not None:
-            publish = _as_library_options(publish, PublishOptions, "publish")
+            publish = as_library_options(publish, PublishOptions, "publish")
         if publish is not None and PUBLISH_VIEW not in views:
             views = tuple(views) + (PUBLISH_VIEW,)
         self.rank, self.world_size = _rank_and_world()
@@ -154,7 +131,7 @@ class Checkpointer:
         self.storage = open_checkpoint_store(uri, self.options.local_dir, tier=tier_for(self.options))
         self.uri = self.storage.uri
         self.storage.check_writable()
-        self.tables = [_table_spec(t) for t in self.app.tables]
+        self.tables = [table_spec(t) for t in self.app.tables]
         try:  # the lease is the remote store's: it decides which job owns the location
             tier = self.storage.node_tier()
             lease_store = tier.remote if tier is not None else self.storage
@@ -252,7 +229,7 @@ class Checkpointer:
         self.location.restored_into(restored.manifest, self.skipped_on_restore, by_id=bool(checkpoint))
         self._resume_from(restored)
         self._start_background()  # during the first interval's training
-        return _info(restored.manifest)
+        return committed_info(restored.manifest)
 
     def _resume_from(self, restored: RestoredChain) -> None:
         """This Checkpointer continues from ``restored`` (the location has recorded it: ``JobLocation.restored_into``)."""
@@ -320,14 +297,7 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("mark_rows() after close()")
         (table_id,) = resolve_table_bits({table: 0}, [(t.id, t.name) for t in self.app.tables], "mark_rows table")
-        ids = torch.as_tensor(rows)
-        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ValueError(f"rows must be a 1-D sequence of integer row ids, got {ids.dtype} of shape {tuple(ids.shape)}")
-        ids = ids.to(torch.int64).cpu()
-        size = next(t.rows for t in self.tables if t.name == table_id)
-        bad = ids[(ids < 0) | (ids >= size)]
-        if bad.numel():
-            raise ValueError(f"row {int(bad[0])} of table {table!r} is not allowed; its rows are 0..{size - 1}")
+        ids = checked_row_ids(rows, next(t.rows for t in self.tables if t.name == table_id), table)
         if self.tracker is not None:  # none: every checkpoint is full and holds every row
             self.tracker.mark(table_id, ids)
 
@@ -377,22 +347,13 @@ class Checkpointer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the in-flight checkpoint and publish, stop the writers (collective). Idempotent."""
+        """Wait for the in-flight checkpoint and publish, stop the writers (collective). Idempotent.
+        The order: cnr.write.shutdown."""
         if self._closed:
             return
         self._closed = True
         at_exit.unregister(self)
-        try:
-            if self.publisher is not None:
-                self.publisher.close()
-        finally:
-            try:
-                self.engine.finish()
-            finally:
-                self._untrack()
-                self._release_lease()
-                self.storage.close()
-        self._warn_local_only()
+        stop_parts(self._parts())
 
     @property
     def stats(self) -> SaveStats:
@@ -428,47 +389,20 @@ class Checkpointer:
         report = self.flush_report
         return list(report.local_only) if report is not None else []
 
-    def _warn_local_only(self) -> None:
-        report = self.flush_report
-        if report is None or not report.local_only:
-            return
-        why = (f"another job holds the lease on {self.uri} now: {report.fenced_out}" if report.fenced_out else
-               f"{self.uri} was still unreachable when the job ended")
-        logger.warning("checkpoints %s exist ONLY on the node-local tier %s, not in %s (%s); resume on this node "
-                       "with the same local_dir to continue from them", list(report.local_only),
-                       self.options.local_dir, self.uri, why)
-
     def abort(self) -> None:
         """Stop the writers without collectives (on an error path, other ranks may be gone)."""
         self._abort()
 
     def _abort(self, stop_s: Optional[float] = None, release_s: Optional[float] = None) -> None:
-        """``abort()``, bounded for interpreter exit (cnr.write.at_exit): ``stop_s``, seconds each writer
-        process gets to exit before it is killed (None: Writer.close's default); ``release_s``, seconds
-        the lease's release and the store's close get on a thread of their own (None: on this one)."""
+        """``abort()``, bounded for interpreter exit (cnr.write.at_exit; the seconds: cnr.write.shutdown)."""
         if not self._closed:
             self._closed = True
             at_exit.unregister(self)
-            self._untrack()
-            with sigterm_deferred():  # a launcher's SIGTERM waits for the lease's release
-                if self.publisher is not None:
-                    self.publisher.abort(stop_s)
-                self.engine.writer.close(stop_s)
-                at_exit.within(release_s, f"release the lease on {self.uri} and close it", self._let_go)
+            abort_parts(self._parts(), stop_s, release_s)
 
-    def _let_go(self) -> None:
-        try:
-            self._release_lease()
-        finally:
-            self.storage.close()
-
-    def _untrack(self) -> None:
-        """Take the tracker out of torchrec's hook slots (another Checkpointer may go on tracking)."""
-        if self.tracker is not None:
-            self.tracker.uninstall()
-
-    def _release_lease(self) -> None:
-        self.location.release()
+    def _parts(self) -> Parts:
+        return Parts(self.publisher, self.engine, self.tracker, self.location, self.storage, self.uri,
+                     self.options.local_dir)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -478,11 +412,4 @@ class Checkpointer:
             self.close()
         else:
             self.abort()
-
-
-def _info(m: Manifest) -> CheckpointInfo:
-    return CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                          method=m.method, lineage=m.lineage)
-
-
 

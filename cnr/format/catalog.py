@@ -71,9 +71,14 @@ def scan_checkpoints(storage: Storage) -> List[Tuple[CheckpointInfo, Optional[Ma
             found.append((CheckpointInfo(ckpt_id, step, None, CheckpointStatus.DAMAGED, None, None,
                                          _stored_bytes(storage, ckpt_id), error=str(e)), None))
             continue
-        found.append((CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
-                                     method=m.method, lineage=m.lineage), m))
+        found.append((committed_info(m), m))
     return found
+
+
+def committed_info(m: Manifest) -> CheckpointInfo:
+    """The CheckpointInfo of the committed checkpoint whose manifest is ``m``."""
+    return CheckpointInfo(m.id, m.step, m.kind, CheckpointStatus.COMMITTED, m.bits, m.rows, m.bytes, m.base,
+                          method=m.method, lineage=m.lineage)
 
 
 def _stored_bytes(storage: Storage, ckpt_id: str) -> int:

@@ -159,6 +159,26 @@ def flat_settings() -> List[Tuple[str, Any, Any]]:
     return out
 
 
+def as_library_options(value: Any, cls: type, name: str) -> Any:
+    """``value`` as exactly ``cls`` (CheckpointOptions or PublishOptions), checked on construction.
+    An object with settings of its own (an application's config section: ``enabled``,
+    ``interval``, ...) is refused: the Checkpointer would ignore them without a word. A subclass of
+    ``cls``, or a dataclass holding only ``cls``'s settings, is rebuilt as ``cls``. ``name``: the
+    argument, for the TypeError's message."""
+    if type(value) is cls:
+        return value
+    takes = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "SETTINGS", ()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        own = sorted({f.name for f in dataclasses.fields(value)} - takes)
+        if own:
+            raise TypeError(f"{name} must be a cnr.{cls.__name__}, got a {type(value).__name__} with settings the "
+                            f"Checkpointer does not take ({', '.join(own)}); pass the library's options it holds "
+                            "(e.g. its .options(...))")
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a cnr.{cls.__name__}, got {type(value).__name__}")
+    return cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(cls)})
+
+
 def check_checkpoint_settings(section: Any, names: Naming, skip: Tuple[str, ...] = ()) -> None:
     """CheckpointOptions' check of ``section``, any object holding its settings flat (an
     application's config section), naming them by ``names``: every setting's type but those in

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from cnr.track.app_state import OPTIMIZER, STATEFUL, AppState
+from cnr.track.app_state import OPTIMIZER, STATEFUL, AppState, TableRef
 from cnr.names import TensorName, stateful_name
 from cnr.codec.chunk_format import DTYPES
 from cnr.errors import CheckpointError
@@ -47,7 +47,7 @@ from cnr.restore.pieces import check_no_extra_tensors, check_shapes, restore_rng
 from cnr.track.state import StatePiece, whole_piece
 from cnr.track import agreement
 from cnr.storage.base import Storage
-from cnr.types import Role
+from cnr.types import Role, TableSpec
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,15 @@ def check_placements(manifest: Manifest, app: AppState) -> None:
                 f"state ({'fused table state' if had_fused else 'dense optimizer state'}) cannot move to the other "
                 "placement's optimizer. Give the table the same placement as when it was saved, e.g. torchrec "
                 f"ParameterConstraints(sharding_types=['{before}']) for it in the planner")
+
+
+def table_spec(table: TableRef) -> TableSpec:
+    """The TableSpec a manifest records of ``table``: its id, this rank's view of its size (rows,
+    dim), its features and its placement ("data_parallel" when its module has no plan for it)."""
+    value = table.module.state_dict()[table.local_key]
+    rows, dim = tuple(value.size())[:2]
+    features = tuple(table.module._table_name_to_config[table.name].feature_names)
+    return TableSpec(table.id, int(rows), int(dim), features, table_placement(table) or "data_parallel")
 
 
 def table_placement(table) -> str:

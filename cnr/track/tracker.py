@@ -132,6 +132,19 @@ def set_bits_torch(bits: torch.Tensor, ids: torch.Tensor) -> None:
         byte, val = byte[missing], val[missing]
 
 
+def checked_row_ids(rows: Union[torch.Tensor, Sequence[int]], size: int, table: str) -> torch.Tensor:
+    """``rows`` (global row ids of ``table``, which has ``size`` rows) as a 1-D int64 CPU tensor;
+    ValueError names a value that is no row id (not 1-D integers, or outside 0..size-1)."""
+    ids = torch.as_tensor(rows)
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise ValueError(f"rows must be a 1-D sequence of integer row ids, got {ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64).cpu()
+    bad = ids[(ids < 0) | (ids >= size)]
+    if bad.numel():
+        raise ValueError(f"row {int(bad[0])} of table {table!r} is not allowed; its rows are 0..{size - 1}")
+    return ids
+
+
 def _rows_of(bits: np.ndarray, table: TrackedTable) -> torch.Tensor:
     """Global row ids (int64, ascending) whose bit is set for ``table``."""
     start = table.bit_start // 8

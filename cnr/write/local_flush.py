@@ -208,6 +208,17 @@ class FlushReport:
     remote_listed: bool = False
 
 
+def warn_local_only(report: Optional[FlushReport], uri: str, local_dir: str) -> None:
+    """Log a warning naming the checkpoints ``report`` says exist only on the node-local tier in
+    ``local_dir`` (none: nothing), and why they did not reach the storage at ``uri``."""
+    if report is None or not report.local_only:
+        return
+    why = (f"another job holds the lease on {uri} now: {report.fenced_out}" if report.fenced_out else
+           f"{uri} was still unreachable when the job ended")
+    logger.warning("checkpoints %s exist ONLY on the node-local tier %s, not in %s (%s); resume on this node "
+                   "with the same local_dir to continue from them", list(report.local_only), local_dir, uri, why)
+
+
 def flush_report(tier: NodeTier, uri: StorageTarget) -> FlushReport:
     """Rank 0's report on its closed ``tier`` (see ``FlushReport``); the storage at ``uri`` is
     listed with a client of its own (the tier's is closed)."""
