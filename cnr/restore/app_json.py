@@ -13,8 +13,10 @@ import torch
 
 from cnr.errors import CheckpointError
 from cnr.format.documents import Manifest
-from cnr.track.app_state import (MODULE, OPTIMIZER, STATEFUL, AppState, decode_tree, dense_groups, fused_group_tables,
-                                 fused_table_optimizers, group_classes, group_values, sharded_modules)
+from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, sharded_modules
+from cnr.track.fused_kernel import fused_table_optimizers
+from cnr.track.json_tree import decode_tree
+from cnr.track.optimizer_groups import dense_groups, fused_group_tables, group_classes, group_values
 from cnr.track.dense_kernel import saved_values
 from cnr.track.state import StatePiece
 

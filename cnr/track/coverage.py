@@ -19,7 +19,8 @@ import torch
 
 from cnr.errors import CnrError
 from cnr.codec.base import DTYPE_NAMES, DTYPES
-from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, is_sharded, sharded_modules
+from cnr.track.app_state import MODULE, OPTIMIZER, STATEFUL, AppState, sharded_modules
+from cnr.track.json_tree import is_sharded
 from cnr.track.state import StatePiece
 from cnr.types import Role
 
