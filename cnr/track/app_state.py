@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from cnr.track.dense_kernel import check_optimizer, split_state, table_params
-from cnr.track.fused_kernel import fused_table_kernels, leaf_optimizers
+from cnr.track.fused_kernel import fused_table_kernels, fused_table_optimizers, leaf_optimizers
 from cnr.track.json_tree import encode_tree, is_sharded
 from cnr.track.optimizer_groups import dense_groups, fused_table_groups, group_classes, group_values_json
 from cnr.track.managed_collision import RUNTIME_SUFFIX, adapt
