@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from cnr.policy.kinds import BitDecision, failure_rate
 from cnr.write.local_tier import tier_for
 from cnr.write.peer_exchange import host_exchange
 from cnr.storage.checkpoint_store import open_checkpoint_store
+from cnr.storage.wrapper import CountingStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker, checked_row_ids
 from cnr.track.state import StatePiece
 from cnr.types import CheckpointInfo, CheckpointStatus, Policy
@@ -198,7 +199,8 @@ class Checkpointer:
 
     # ---- restore -------------------------------------------------------------------------
 
-    def restore(self, checkpoint: Optional[str] = None, partial: bool = False) -> Optional[CheckpointInfo]:
+    def restore(self, checkpoint: Optional[str] = None, partial: bool = False,
+                on_bytes: Optional[Callable[[int], None]] = None) -> Optional[CheckpointInfo]:
         """Restore the newest committed checkpoint (or ``checkpoint``, an id) into app_state.
 
         Collective; call before the first ``save``. Returns None when nothing is committed.
@@ -212,15 +214,18 @@ class Checkpointer:
         the application that differs). ``partial=True`` restores the keys both hold, logs a
         warning, and sets ``fresh_on_restore`` (app_state keys left at their fresh values) and
         ``unused_on_restore`` (saved keys not restored); the next checkpoint is then a full one.
+        ``on_bytes(n)``: called with the size of each object the restore reads, from its worker
+        threads (a progress bar's update: thread-safe and quick; cnr.storage.wrapper.CountingStorage).
         """
         if self.engine.stats.ids:
             raise RuntimeError("restore() must come before the first save()")
+        storage = self.storage if on_bytes is None else CountingStorage(self.storage, on_bytes)
         if checkpoint:
-            restored = restore_checkpoint(self.storage, checkpoint, self.app, self.rank, self.world_size,
+            restored = restore_checkpoint(storage, checkpoint, self.app, self.rank, self.world_size,
                                           self.options.restore_threads, partial)
             self.skipped_on_restore = []
         else:
-            restored, self.skipped_on_restore = restore_newest(self.storage, self.app, self.rank, self.world_size,
+            restored, self.skipped_on_restore = restore_newest(storage, self.app, self.rank, self.world_size,
                                                                self.options.restore_threads, self.options.on_damage,
                                                                partial)
             if restored is None:

@@ -52,8 +52,10 @@ def _run(rank, world_size, arg):
     options = cnr.CheckpointOptions(policy=arg["policy"], keep_last=0, max_chain_ratio=arg.get("max_chain_ratio", 0.0),
                                     compact_at_chain_ratio=0)
     result = {}
+    read = []  # sizes of the objects the restore read (on_bytes)
     with cnr.Checkpointer(arg["uri"], app_state, options) as ckpt:
-        info = ckpt.restore()
+        info = ckpt.restore(on_bytes=read.append if arg.get("count_bytes") else None)
+        result["restore_read"] = sum(read)
         start = info.step if info is not None else 0
         if arg.get("snapshot_restored"):
             state = _gathered(app_state)
@@ -169,6 +171,21 @@ def test_kill_and_resume_at_world_size_1_then_restore_at_2(tmp_path, policy):
     assert set(one.pop("fused_lr").tolist()) == set(two.pop("fused_lr").tolist()) == {torch.tensor(0.1 / 4).item()}
     _assert_same(one, two)
     assert torch.load(tmp_path / "c.pt")["loader"].tolist() == [4, 4]
+
+
+def test_restore_reports_the_bytes_it_reads_and_restores_the_same_state(tmp_path):
+    """``restore(on_bytes=...)`` (cnr train's restore bar) sees every stored object the restore reads,
+    and counting changes nothing restored."""
+    uri = str(tmp_path / "ck")
+    launch(_run, 1, {"uri": uri, "policy": "full", "steps": 2, "saves": [2], "out": str(tmp_path / "x.pt")})
+    (m,) = cnr_manifests(uri)
+    plain = launch(_run, 1, {"uri": uri, "policy": "full", "steps": 2, "saves": [], "out": str(tmp_path / "a.pt"),
+                             "snapshot_restored": str(tmp_path / "plain.pt")})
+    counted = launch(_run, 1, {"uri": uri, "policy": "full", "steps": 2, "saves": [], "out": str(tmp_path / "b.pt"),
+                               "snapshot_restored": str(tmp_path / "counted.pt"), "count_bytes": True})
+    assert plain["restore_read"] == 0  # no callback given: nothing counted
+    assert counted["restore_read"] >= m.bytes > 0  # every chunk, plus the manifest and index
+    _assert_same(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "counted.pt"))
 
 
 def test_a_chain_cap_takes_new_baselines_and_restores(tmp_path):

@@ -22,7 +22,7 @@ from cnr.storage.base import Fence, Storage
 from cnr.storage.checkpoint_store import local_tier_root
 from cnr.storage.local import LocalStorage
 from cnr.storage.tiered import TieredStorage
-from cnr.storage.wrapper import WrapperStorage
+from cnr.storage.wrapper import CountingStorage, WrapperStorage
 from cnr.types import CheckpointInfo, CheckpointStatus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +85,10 @@ def test_a_plain_store_has_no_tier_and_a_tiered_store_is_its_own(tmp_path):
         tiered.close()
     # a wrapper in front of a tier is no tier itself: its writes go through the wrapper
     assert WrapperStorage(TieredStorage(LocalStorage(str(tmp_path / "l")), plain)).node_tier() is None
+    # ... but a counting one (a progress bar's) changes no answer: the tier stays a tier behind it
+    behind = TieredStorage(LocalStorage(str(tmp_path / "l2")), plain)
+    assert CountingStorage(behind, lambda n: None).node_tier() is behind
+    assert CountingStorage(plain, lambda n: None).node_tier() is None
     with pytest.raises(TypeError):
         NodeTier()  # the protocol is abstract: an implementation provides every member
 

@@ -14,6 +14,7 @@ from cnr.app.launch import RankConfigError, RankFailed, rank_failed
 from cnr.errors import CheckpointError, ConfigError, StorageError
 from cnr.options import OptionsError
 from cnr.storage.local import LocalStorage
+from cnr.storage.wrapper import CountingStorage
 
 
 class FakeTerminal(io.StringIO):
@@ -87,27 +88,9 @@ def test_moving_counts_the_bytes_read_and_written_on_a_terminal_and_wraps_nothin
         assert moved is store
     monkeypatch.setattr(sys, "stderr", FakeTerminal())
     with console.moving(store, "report") as moved:
-        assert isinstance(moved, console.ProgressStorage) and moved.uri == store.uri
+        assert isinstance(moved, CountingStorage) and moved.uri == store.uri
         moved.put("a/b", b"x" * 1000)
         assert moved.put_if_absent("a/c", b"y" * 24) and not moved.put_if_absent("a/c", b"z" * 500)
         assert moved.get("a/b") == b"x" * 1000
-        assert moved.bar.n == 2024  # 1000 + 24 written (the refused put moved nothing), 1000 read
+        assert moved.on_bytes.__self__.n == 2024  # the bar: 1000 + 24 written (the refused put moved nothing), 1000 read
     assert "report" in sys.stderr.getvalue() and store.get("a/c") == b"y" * 24  # the store stays open
-
-
-def test_a_phase_redraws_its_elapsed_time_while_it_runs_and_shows_nothing_elsewhere(monkeypatch):
-    import time
-
-    monkeypatch.setattr(sys, "stderr", FakeTerminal())
-    with console.phase("restore x", tick_s=0.02):
-        time.sleep(0.3)
-    assert sys.stderr.getvalue().count("restore x:") >= 5  # redrawn by its ticker, not only at start and end
-    monkeypatch.setattr(sys, "stderr", FakeTerminal())
-    with pytest.raises(RuntimeError):
-        with console.phase("restore y", tick_s=0.02):
-            raise RuntimeError("the restore failed")
-    assert "1/1" not in sys.stderr.getvalue()  # it did not end
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
-    with console.phase("restore z"):
-        pass
-    assert sys.stderr.getvalue() == ""

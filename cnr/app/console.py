@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 from cnr.errors import ConfigError
-from cnr.storage.base import Buffer, Storage
-from cnr.storage.wrapper import WrapperStorage
-from cnr.types import ByteRange
+from cnr.storage.base import Storage
+from cnr.storage.wrapper import CountingStorage
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # argparse exits with it too
@@ -66,59 +64,8 @@ def progress_bar(desc: str, total: Optional[float] = None, unit: str = "it", ini
 
 
 @contextmanager
-def phase(desc: str, wanted: bool = True, tick_s: float = 0.5) -> Iterator[None]:
-    """A bar of one step of unknown progress (0/1, then 1/1 when it ends without an error) whose
-    elapsed time is redrawn every ``tick_s`` seconds: a library call that reports no progress."""
-    with progress_bar(desc, total=1, unit="step", wanted=wanted) as bar:
-        if bar.disable:
-            yield
-            return
-        done = threading.Event()
-
-        def tick() -> None:  # tqdm redraws only on update: without one, the elapsed time would stand still
-            while not done.wait(tick_s):
-                bar.refresh()
-
-        ticker = threading.Thread(target=tick, name="cnr-bar", daemon=True)
-        ticker.start()
-        try:
-            yield
-            bar.update(1)
-        finally:
-            done.set()
-            ticker.join()
-
-
-class ProgressStorage(WrapperStorage):
-    """``inner``, moving ``bar`` on by the bytes of every object read or written (a bar in bytes,
-    no total: what a command moves is not known before it has listed and parsed the manifests)."""
-
-    def __init__(self, inner: Storage, bar: Any) -> None:
-        super().__init__(inner)
-        self.bar = bar
-
-    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
-        data = self.inner.get(key, byte_range, limit=limit)
-        self.bar.update(len(data))
-        return data
-
-    def put(self, key: str, data: Buffer) -> None:
-        self.inner.put(key, data)
-        self.bar.update(memoryview(data).nbytes)
-
-    def put_if_absent(self, key: str, data: Buffer) -> bool:
-        stored = self.inner.put_if_absent(key, data)
-        self.bar.update(memoryview(data).nbytes if stored else 0)
-        return stored
-
-    def commit(self, key: str, data: Buffer, requires: Sequence[str] = ()) -> None:
-        self.inner.commit(key, data, requires)
-        self.bar.update(memoryview(data).nbytes)
-
-
-@contextmanager
 def moving(storage: Storage, desc: str) -> Iterator[Storage]:
-    """``storage`` behind a bar of the bytes moved (ProgressStorage) where bars show, else itself;
-    the bar closes on leaving (``storage`` stays open)."""
+    """``storage`` behind a bar of the bytes moved (cnr.storage.wrapper.CountingStorage) where bars
+    show, else itself; the bar closes on leaving (``storage`` stays open)."""
     with progress_bar(desc, in_bytes=True) as bar:
-        yield storage if bar.disable else ProgressStorage(storage, bar)
+        yield storage if bar.disable else CountingStorage(storage, bar.update)

@@ -29,7 +29,6 @@ from cnr.app.heap import HeapFreeze
 from cnr.write.faults import maybe_crash
 from cnr.app.launch import rank_device
 from cnr.format.documents import Manifest
-from cnr.format.layout import step_of
 from cnr.format.manifest import read_head
 from cnr.format.split import load_ranks
 from cnr.format.catalog import newest_committed
@@ -42,7 +41,7 @@ from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.write.local_tier import tier_for
 from cnr.app.trace import SampleTrace, reset_trace
 from cnr.app.commit_status import commit_status
-from cnr.app.console import LEVELS, VERBOSE, phase, progress_bar, set_verbosity
+from cnr.app.console import LEVELS, VERBOSE, progress_bar, set_verbosity
 from cnr.write.writer import Writer
 
 logger = logging.getLogger(__name__)
@@ -209,8 +208,9 @@ def _train_rank(rank: int, world_size: int, job: TrainJob, manifest: Optional[Ma
             if manifest is None and config.checkpoint.enabled:
                 _check_fresh_start(ckpt)
             if manifest is not None:
-                with phase(f"restore {manifest.id}", wanted=rank == 0):  # the library reports no progress inside
-                    info = ckpt.restore()  # the newest that verifies: it may be older than ``manifest``
+                with progress_bar(f"restore {manifest.id}", in_bytes=True, wanted=rank == 0) as bar:
+                    # the newest that verifies: it may be older than ``manifest``
+                    info = ckpt.restore(on_bytes=None if bar.disable else bar.update)
                 if info is None:
                     raise CheckpointError(f"--resume: no committed checkpoint in {job.storage_uri}")
                 if ckpt.restored_manifest.id != manifest.id:  # a fallback: prepare_job checked the newest only

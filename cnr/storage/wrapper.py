@@ -18,7 +18,7 @@ tier (None), even in front of one, since its writes go through the wrapper.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from cnr.storage.base import Buffer, Storage
 from cnr.types import ByteRange
@@ -70,3 +70,36 @@ class WrapperStorage(Storage):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
+
+
+class CountingStorage(WrapperStorage):
+    """``inner``, calling ``on_bytes(n)`` with the size of every object (or range) read or written
+    through it: a progress bar's update. It changes no answer, so unlike other wrappers it passes
+    ``node_tier`` on. Reads that ``inner`` hands to sources of its own (a tiered store's verified
+    reads, see ``read_sources``) are not counted. ``on_bytes`` runs on the caller's thread (a
+    restore's several workers at once): it must be thread-safe and quick."""
+
+    def __init__(self, inner: Storage, on_bytes: Callable[[int], None]) -> None:
+        super().__init__(inner)
+        self.on_bytes = on_bytes
+
+    def get(self, key: str, byte_range: Optional[ByteRange] = None, *, limit: Optional[int] = None) -> bytes:
+        data = self.inner.get(key, byte_range, limit=limit)
+        self.on_bytes(len(data))
+        return data
+
+    def put(self, key: str, data: Buffer) -> None:
+        self.inner.put(key, data)
+        self.on_bytes(memoryview(data).nbytes)
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        stored = self.inner.put_if_absent(key, data)
+        self.on_bytes(memoryview(data).nbytes if stored else 0)
+        return stored
+
+    def commit(self, key: str, data: Buffer, requires: Sequence[str] = ()) -> None:
+        self.inner.commit(key, data, requires)
+        self.on_bytes(memoryview(data).nbytes)
+
+    def node_tier(self):  # type: ignore[no-untyped-def]
+        return self.inner.node_tier()
