@@ -49,7 +49,7 @@ def test_a_dead_writer_is_noticed_through_its_sentinel_without_polling(tmp_path,
     try:
         writer.submit(_job(1))
         time.sleep(1.5)
-        # asleep on the process's sentinel: woken by the start and the submit, not every 0.2 s
+        # asleep on the process's sentinel: woken by the start, not every 0.2 s (nor by the submit)
         assert 1 <= len(waits.calls) <= 3, waits.calls
         assert writer._process.sentinel in waits.calls[-1]
         killed = time.monotonic()
@@ -61,6 +61,44 @@ def test_a_dead_writer_is_noticed_through_its_sentinel_without_polling(tmp_path,
         result = writer.wait()
         assert result.status == WriteStatus.FAILED and "writer process died (exit code -9)" in result.error
         assert type(result.failure) is CheckpointError and str(result.failure) == result.error
+    finally:
+        writer.close()
+
+
+def test_a_submit_to_a_live_writer_does_not_wake_the_watcher(tmp_path, monkeypatch):
+    """The wake is a GIL hand-off to the watcher inside the trainer's stall: a live process needs none."""
+    writer = Writer(str(tmp_path), CheckpointOptions(keep_last=0))
+    try:
+        writer.start()
+        wakes = []
+        monkeypatch.setattr(writer, "_wake", lambda: wakes.append(1))
+        writer.submit(_job(1))
+        assert wakes == []
+        assert writer.wait().status == WriteStatus.COMMITTED
+    finally:
+        writer.close()
+
+
+def test_a_writer_that_died_just_before_the_submit_has_its_job_marked(tmp_path, monkeypatch):
+    """The race the conditional wake covers: the process dies after submit looked at it and before
+    the job was in flight, so its sentinel fired while the watcher had no job to mark."""
+    writer = Writer(str(tmp_path), CheckpointOptions(keep_last=0))
+    try:
+        writer.start()
+        process = writer._process
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
+        time.sleep(0.2)  # the watcher saw the death with nothing in flight and waits on its pipe alone
+        monkeypatch.setattr(process, "is_alive", lambda: True)  # submit's look came before the death
+        submitted = time.monotonic()
+        writer.submit(_job(1))
+        storage = LocalStorage(str(tmp_path))
+        while not storage.exists(failed_key(_job(1).ckpt_id)) and time.monotonic() - submitted < 10:
+            time.sleep(0.01)
+        assert time.monotonic() - submitted < 2.0, "the job submitted to a dead writer was not marked failed"
+        monkeypatch.undo()
+        result = writer.wait()
+        assert result.status == WriteStatus.FAILED and "exit code -9" in result.error
     finally:
         writer.close()
 

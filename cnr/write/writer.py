@@ -205,7 +205,12 @@ class Writer:
         self._cancel.clear()
         self.in_flight = job
         self._jobs.put(job)
-        self._wake()  # a process that died before the job: the watcher marks it now
+        # Only a process that died between the check above and ``in_flight`` needs the watcher
+        # woken (its sentinel fired while no job was in flight); a live one wakes it by dying.
+        # An unconditional wake costs the trainer a GIL hand-off to the watcher inside the stall
+        # (+7% on a full snapshot's stall, +13% on an increment's, bench snapshot on 2 cores).
+        if self._process.exitcode is not None:
+            self._wake()
 
     def _check_deaths(self) -> None:
         if self.deaths >= MAX_WRITER_DEATHS:
