@@ -44,7 +44,7 @@ class ServingTarget(ModuleTarget):
         self.tables: Dict[str, ServingTable] = {f"{key}/{name}": table for name, table in found.items()}
         # a quantized module's own floating buffers (its fp16 scale and bias views) are no published tensors
         inside = tuple(f"{key}/{path}." if path else f"{key}/" for path in paths)
-        self.tensors = {name: t for name, t in self.tensors.items() if not (inside and name.startswith(inside))}
+        self.tensors = {name: t for name, t in self.tensors.items() if not name.startswith(inside)}
         self.dequantize = not self.tables
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import DataType
@@ -107,8 +107,10 @@ class ServingTable:
 
     def copy(self, chunk: DecodedChunk) -> None:
         """Write a chunk ``takes_as_stored`` into its rows: codes, scale and bias as stored."""
-        q = chunk.quantized
-        self._write(chunk_rows(chunk), q.codes, q.scale.unsqueeze(1), q.bias.unsqueeze(1))
+        q, ref = chunk.quantized, chunk.ref
+        # a range (a base's chunks) is written as a slice: a copy, not an index_put
+        at = chunk.row_ids if chunk.row_ids is not None else slice(ref.row_start, ref.row_start + ref.rows)
+        self._write(at, q.codes, q.scale.unsqueeze(1), q.bias.unsqueeze(1))
 
     def convert(self, chunks: Iterable[DecodedChunk]) -> None:
         """Write ``chunks`` (values of any width, whole rows or column slices) by quantizing
@@ -152,7 +154,8 @@ class ServingTable:
         self.scale.copy_(state["scale"])
         self.bias.copy_(state["bias"])
 
-    def _write(self, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
+    def _write(self, ids: Union[torch.Tensor, slice], codes: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor) -> None:
         self.codes[ids] = codes
         self.scale[ids] = scale
         self.bias[ids] = bias
