@@ -22,7 +22,7 @@ from cnr.format.catalog import read_manifest
 from cnr.format.chunks import fetch_chunk
 from cnr.publish.module_target import ModuleTarget
 from cnr.publish.serving import ServingTarget
-from cnr.publish.serving_tables import quantize_tables
+from cnr.publish.serving_tables import ServingTable, quantize_tables
 from cnr.publish.subscriber import Subscriber, committed_publishes
 from cnr.storage.local import LocalStorage
 from cnr.testing.jobs import JobSpec, Model, batch, build, train_step
@@ -104,11 +104,15 @@ def _assert_parts_equal(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("setting", ["b8", "b4"])
-def test_publishes_at_the_serving_width_are_copied_as_stored(stores, setting):
+def test_publishes_at_the_serving_width_are_copied_as_stored(stores, setting, monkeypatch):
     """After every publish the table rows it holds are its stored codes, scale and bias, bit for bit:
-    a path that dequantized and re-quantized would store fbgemm's own scales instead."""
+    a path that dequantized and re-quantized would store fbgemm's own scales instead (at 4 bits
+    they differ; at 8 bits they are the same rows, so there the conversion is watched too)."""
     bits = SETTINGS[setting]["bits"]
     storage = LocalStorage(stores[setting] + "/publish")
+    converted = []
+    convert = ServingTable.convert
+    monkeypatch.setattr(ServingTable, "convert", lambda self, chunks: (converted.append(self.name), convert(self, chunks)))
     target = _serving(bits)
     sub = Subscriber(storage, target)
     split_pieces = 0
@@ -127,6 +131,7 @@ def test_publishes_at_the_serving_width_are_copied_as_stored(stores, setting):
         split_pieces += sum(ref.cols < 16 for ref in manifest.tensors[SPLIT].chunks) if SPLIT in manifest.tensors else 0
     assert split_pieces, "the column_wise table was published whole: the conversion path went untested"
     assert sub.applied.seq == STEPS
+    assert set(converted) == {SPLIT[len("model/"):]}, converted  # only the column-split table converts
 
 
 def _error(trainer: torch.Tensor, served: torch.Tensor) -> float:
@@ -250,3 +255,16 @@ def test_published_tables_must_match_the_served_shapes(stores):
     sub = Subscriber(stores["b8"] + "/publish", target)
     assert sorted(sub.model.published_names()) == sorted(set(target.tables) | set(target.tensors))
     assert "model/over.weight" in target.tensors and not any(":" in n or "qscale" in n for n in target.tensors)
+
+
+def test_values_float16_cannot_hold_are_converted_with_a_warning(caplog):
+    from cnr.codec.chunk_format import decode_chunk, encode_raw_chunk
+
+    target = _serving(8)
+    name = WHOLE[0]
+    values = torch.randn(3, 16)
+    values[1, 2] = -1e6  # beyond float16's -65504: fbgemm's bias for the row is -inf
+    blob, ref = encode_raw_chunk("k", name, values, 5, 0)
+    target.apply([decode_chunk(blob, ref)])
+    assert "table ebc.embedding_bags.t_1.weight: 1 rows hold values beyond float16's range" in caplog.text
+    assert torch.equal(_parts(target, name)["codes"][5:8], _fbgemm(values, 8)["codes"])

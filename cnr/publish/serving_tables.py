@@ -12,6 +12,7 @@ three parts (``split_embedding_weights_with_scale_bias``): writing into them is 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple, Union
 
@@ -23,6 +24,8 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddi
 
 from cnr.codec.chunk_format import DecodedChunk
 from cnr.codec.quant.bitpack import unpack
+
+logger = logging.getLogger(__name__)
 
 SERVING_BITS: Dict[int, DataType] = {8: DataType.INT8, 4: DataType.INT4}
 """Row widths a serving table may have, and torchrec's data type of each (qint8, quint4x2)."""
@@ -81,10 +84,11 @@ def chunk_values(chunk: DecodedChunk) -> torch.Tensor:
 
 @dataclass
 class ServingTable:
-    """One int8 or int4 table of a quantized inference module: ``rows`` x ``dim`` values of
-    ``bits`` bits. ``codes`` (uint8 ``[rows, width]``), ``scale`` and ``bias`` (fp16 ``[rows, 1]``)
-    are views into the TBE's rows."""
+    """One int8 or int4 table of a quantized inference module (``name``: its state_dict key):
+    ``rows`` x ``dim`` values of ``bits`` bits. ``codes`` (uint8 ``[rows, width]``), ``scale`` and
+    ``bias`` (fp16 ``[rows, 1]``) are views into the TBE's rows."""
 
+    name: str
     bits: int
     rows: int
     dim: int
@@ -129,6 +133,10 @@ class ServingTable:
         fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(staged, self.bits)
         width = self.codes.shape[1]
         params = fused[:, width:width + _PARAM_BYTES].contiguous().view(torch.float16)
+        bad = int((~torch.isfinite(params)).any(dim=1).sum())
+        if bad:  # fbgemm's fp16 parameters cannot hold them either; say so rather than serve them silently
+            logger.warning("table %s: %d rows hold values beyond float16's range; their served scale or bias is "
+                           "not finite", self.name, bad)
         self._write(ids, fused[:, :width], params[:, :1], params[:, 1:])
 
     def values(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,6 +188,7 @@ def serving_tables(module: torch.nn.Module) -> Tuple[Dict[str, ServingTable], Li
                 if config.data_type not in _BITS_OF:
                     raise ValueError(f"table {prefix}.{config.name} is {config.data_type.name}; a serving target "
                                      "takes int8 and int4 tables")
-                tables[f"{prefix}.{config.name}.weight"] = ServingTable(
-                    _BITS_OF[config.data_type], config.num_embeddings, config.embedding_dim, codes, scale, bias)
+                name = f"{prefix}.{config.name}.weight"
+                tables[name] = ServingTable(name, _BITS_OF[config.data_type], config.num_embeddings,
+                                            config.embedding_dim, codes, scale, bias)
     return tables, paths
