@@ -1,7 +1,7 @@
 """Serving publishes from torchrec's quantized inference modules (cnr.publish.serving, serving_tables).
 
 One small sharded job (cnr.testing.jobs: an EBC with a column-split, a table-wise and a row-wise
-table, and an EmbeddingCollection) is trained once per publish setting, identically (the same
+table, a weighted EBC and an EmbeddingCollection) is trained once per publish setting, identically (the same
 seeds and batches), publishing at every step through cnr.Checkpointer (bases at seq 1 and 4,
 increments between) and saving an fp32 checkpoint of the final state, the trainer's rows.
 Settings: 8 and 4 bits with serving parameters (the default), 32 bits, and 8 bits without
@@ -27,12 +27,13 @@ from cnr.publish.subscriber import Subscriber, committed_publishes
 from cnr.storage.local import LocalStorage
 from cnr.testing.jobs import JobSpec, Model, batch, build, train_step
 
-SPEC = JobSpec(tables=("column_wise", "table_wise", "row_wise"), sequence=("table_wise", "row_wise"))
+SPEC = JobSpec(tables=("column_wise", "table_wise", "row_wise"), weighted=("table_wise",),
+               sequence=("table_wise", "row_wise"))
 STEPS = 5
 SETTINGS = {"b8": {"bits": 8}, "b4": {"bits": 4}, "b32": {"bits": 32}, "b8_fp32_params": {"bits": 8, "serving_params": False}}
 SPLIT = "model/ebc.embedding_bags.t_0.weight"  # column_wise: its pieces carry their own scales
 WHOLE = ["model/ebc.embedding_bags.t_1.weight", "model/ebc.embedding_bags.t_2.weight",
-         "model/ec.embeddings.s_0.weight", "model/ec.embeddings.s_1.weight"]
+         "model/webc.embedding_bags.w_0.weight", "model/ec.embeddings.s_0.weight", "model/ec.embeddings.s_1.weight"]
 
 
 def _train(rank: int, world_size: int, arg: Dict) -> Dict:
@@ -64,7 +65,7 @@ def _serving(bits: int) -> ServingTarget:
 
 def _fp32() -> ModuleTarget:
     model = Model(SPEC)
-    for module in (model.ebc, model.ec):
+    for module in (model.ebc, model.webc, model.ec):
         module.to_empty(device=torch.device("cpu"))
     return ModuleTarget(model)
 
@@ -171,15 +172,16 @@ def test_other_widths_params_and_column_splits_are_converted_once_by_fbgemm(stor
 
 
 def _feature(table: str) -> str:
-    """The feature of a table of SPEC's model (t_i serves f_i, s_i serves h_i)."""
+    """The feature of a table of SPEC's model (t_i serves f_i, w_i g_i, s_i h_i)."""
     name = table.split(".")[-2]
-    return ("f_" if name.startswith("t_") else "h_") + name[2:]
+    return {"t": "f_", "w": "g_", "s": "h_"}[name[0]] + name[2:]
 
 
 def _lookups(module: torch.nn.Module, step: int) -> Dict[str, torch.Tensor]:
-    """Pooled EBC rows and EC sequence rows of step ``step``'s batch, per feature."""
-    kjt, _weighted, sequence = batch(SPEC, step, 0)
+    """Pooled EBC rows (weighted ones too) and EC sequence rows of step ``step``'s batch, per feature."""
+    kjt, weighted, sequence = batch(SPEC, step, 0)
     out = dict(module.ebc(kjt).to_dict())
+    out.update(module.webc(weighted).to_dict())
     out.update({f: jt.values() for f, jt in module.ec(sequence).items()})
     return out
 
