@@ -202,6 +202,10 @@ class PublishOptions:
       as in CheckpointOptions.
     - ``keep_bases``: after each commit keep the newest N bases and the publishes after the
       oldest of them (0: keep all).
+    - ``serving_params``: quantized table rows carry a float16 scale and bias at every width,
+      as fbgemm's fused rows do, so a serving subscriber (cnr.publish.serving) copies them into
+      torchrec's quantized inference tables as stored; False: the quantizer's own precision
+      (float32 at 8 bits), which such a subscriber converts.
     """
 
     uri: str = ""
@@ -210,6 +214,7 @@ class PublishOptions:
     bits: int = 8
     quant_method: QuantMethod = QuantMethod.DEFAULT
     keep_bases: int = 2
+    serving_params: bool = True
 
     def __post_init__(self) -> None:
         check_record(self, PUBLISH_OPTIONS, cls=PublishOptions)
