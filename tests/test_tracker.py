@@ -176,6 +176,28 @@ def test_seed_sets_the_bits_of_the_global_rows_in_this_ranks_ranges():
     assert tracker.row_ids(tracker.views["baseline"], "b").tolist() == [5, 19]
 
 
+def test_ids_take_their_own_features_table_when_as_many_ids_as_slots_arrive_unevenly():
+    """Two features, two samples each (4 slots), 4 ids with lengths [1, 2, 0, 1]: the first
+    three ids belong to the first feature's table, the last to the second's. A shortcut that took
+    as many ids as slots for one id per slot put the third id in the second table."""
+    import numpy as np
+
+    from cnr.track.tracker import TrackedTable, _Scratch
+
+    tracker = object.__new__(RowTracker)  # only the bitmap: no model needed
+    tracker.tables = {"a": TrackedTable("a", 0, 16, 0, False), "b": TrackedTable("b", 0, 16, 16, False)}
+    tracker.current = np.zeros(4, dtype=np.uint8)
+    tracker._scratch = _Scratch()
+    base = np.array([0, 0, 16, 16], dtype=np.int64)  # each slot's table start bit, feature-major
+    tracker._apply(torch.tensor([3, 15, 9, 7]), torch.tensor([1, 2, 0, 1]), base)
+    assert tracker.row_ids(tracker.current, "a").tolist() == [3, 9, 15]
+    assert tracker.row_ids(tracker.current, "b").tolist() == [7]
+    tracker.current[:] = 0
+    tracker._apply(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1]), base)  # one per slot
+    assert tracker.row_ids(tracker.current, "a").tolist() == [1, 2]
+    assert tracker.row_ids(tracker.current, "b").tolist() == [3, 4]
+
+
 def test_set_bits_in_many_selection_blocks_against_a_python_set():
     import numpy as np
 

@@ -255,7 +255,11 @@ class RowTracker:
 
     def _apply(self, values: torch.Tensor, lengths: torch.Tensor, base: np.ndarray) -> None:
         n = values.numel()
-        offsets = base if lengths.numel() == n else np.repeat(base, lengths.numpy())
+        # One id per (feature, sample) slot needs no repeat: as many ids as slots is not enough
+        # (lengths 0 and 2 add up the same), so the slots must all hold 1, which, with that
+        # total, is max == 1.
+        one_each = lengths.numel() == n and int(lengths.max()) == 1
+        offsets = base if one_each else np.repeat(base, lengths.numpy())
         ids = self._scratch.ensure(n).ids[:n]
         np.add(values.numpy(), offsets, out=ids)
         set_bits(self.current, ids, self._scratch)
