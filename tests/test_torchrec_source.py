@@ -192,7 +192,29 @@ def _refusals(rank: int, world_size: int, arg: dict) -> dict:
     refused("slot_taken", {"model": dmp, "optim": opt})  # the first Checkpointer's hook holds the slots
     first.close()
     out["no_tracker_left"] = dmp.get_delta_tracker() is None
+    refused("same_table_name", {"model": _two_modules_one_table_name(dense=True)})
+    refused("no_dense", {"model": _two_modules_one_table_name(dense=False)})
     return out
+
+
+def _two_modules_one_table_name(dense: bool):
+    """Two EBCs, each with a table named "t" (cnr keys tables by their stored name; torchrec by
+    name), and with ``dense`` a linear layer (DistributedModelParallel wraps only dense parameters in DDP)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, feature in (("one", "a"), ("two", "b")):
+                setattr(self, name, EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                    name="t", embedding_dim=4, num_embeddings=10, feature_names=[feature])], device=torch.device("meta")))
+            self.head = torch.nn.Linear(4, 1) if dense else None
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return self.one(kjt).values().sum() + self.two(kjt).values().sum()
+
+    return DistributedModelParallel(Two(), device=torch.device("cpu"))
 
 
 def test_unsupported_uses_are_refused_by_name_before_any_step(tmp_path):
@@ -201,6 +223,9 @@ def test_unsupported_uses_are_refused_by_name_before_any_step(tmp_path):
     assert "consumers ['other']" in out["no_consumer"] and "consumers=[..., 'cnr']" in out["no_consumer"]
     assert "already holds cnr.track.hook_slot.LookupHooks" in out["slot_taken"] and "tracker='cnr'" in out["slot_taken"]
     assert out["no_tracker_left"]
+    assert ("table model/one.embedding_bags.t.weight exactly: it keys rows by table name, and "
+            "model/two.embedding_bags.t.weight is named 't' too") in out["same_table_name"], out["same_table_name"]
+    assert "this model has none" in out["no_dense"] and "tracker='cnr'" in out["no_dense"]
 
 
 def test_a_torchrec_without_the_delta_tracker_is_refused_naming_its_version(monkeypatch):

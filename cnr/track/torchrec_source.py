@@ -74,12 +74,8 @@ class TorchrecSource:
 
     def __init__(self, key: str, dmp: torch.nn.Module, delta: Any, tables: Dict[str, TrackedTable],
                  modules: Dict[str, torch.nn.Module], created: bool) -> None:
-        self.key = key
-        self.dmp = dmp
-        self.delta = delta
-        self.tables = tables
-        self.modules = modules
-        self.created = created
+        self.key, self.dmp, self.delta = key, dmp, delta
+        self.tables, self.modules, self.created = tables, modules, created
         self._lost: Optional[str] = None  # sticky: rows were missed once another hook took a slot
 
     def check_slots(self) -> None:
@@ -192,8 +188,13 @@ def _source(key: str, dmp: torch.nn.Module, refs: List[TableRef], tracker: RowTr
                 raise ConfigError(f"tracker='torchrec': the post-lookup hook slot of the sharded module {key}/{name} "
                                   f"already holds {describe(occupant(module))}; torchrec's delta tracker needs that "
                                   "slot (one per module). Remove that hook, or use tracker='cnr'")
-        delta = dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY,
-                                                                   consumers=[CONSUMER]))
+        try:
+            delta = dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY,
+                                                                       consumers=[CONSUMER]))
+        except AttributeError as e:  # torchrec 1.8 logs ``model.module``: only a DDP-wrapped model has one
+            raise ConfigError(f"tracker='torchrec': torchrec's ModelDeltaTracker cannot be built on app_state[{key!r}] "
+                              f"({e}): it reads the DistributedDataParallel wrapper that DistributedModelParallel puts "
+                              "around dense parameters, and this model has none. Use tracker='cnr'") from None
     source = TorchrecSource(key, dmp, delta, {}, modules, created)
     try:
         _check_existing(key, delta, TrackingMode.ID_ONLY)
@@ -229,18 +230,21 @@ def _table_fqns(delta: Any, refs: List[TableRef], tracker: RowTracker) -> Dict[s
     every table gets a key of its own and every feature of it goes to that key. ConfigError for a
     table whose module it does not track (``fqns_to_skip``) or whose key or feature it shares."""
     tracked = {id(m) for m in delta.tracked_modules.values()}
+    named: Dict[str, List[str]] = {}
+    for ref in refs:
+        named.setdefault(ref.name, []).append(ref.id)
     owner: Dict[str, str] = {}  # key -> the table id it stands for
     out: Dict[str, TrackedTable] = {}
     for ref in refs:
         fqn = delta.table_to_fqn.get(ref.name)
         features = ref.module._table_name_to_config[ref.name].feature_names
         others = [f for f in features if delta.feature_to_fqn.get(f) != fqn]
+        twin = [t for t in named[ref.name] if t != ref.id]
         why = ("it does not track the module holding it (fqns_to_skip?)" if id(ref.module) not in tracked else
-               f"it keys rows by table name and {owner[fqn]} has the name {ref.name!r} too" if fqn in owner else
+               f"it keys rows by table name, and {twin[0]} is named {ref.name!r} too" if twin else
+               f"it has no key for table {ref.name!r}" if fqn is None or fqn in owner else
                f"it gives feature {others[0]!r} to {delta.feature_to_fqn.get(others[0])!r}: another table reads a "
                "feature of that name" if others else None)
-        if fqn is None and why is None:
-            why = f"it has no key for table {ref.name!r}"
         if why is not None:
             raise ConfigError(f"tracker='torchrec': torchrec's delta tracker cannot report the rows of table {ref.id} "
                               f"exactly: {why}. Use tracker='cnr'")
