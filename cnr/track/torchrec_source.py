@@ -13,7 +13,11 @@ consumer "cnr") and takes it out again at ``close``. Refused when the Checkpoint
 (ConfigError naming the module or table and why): a torchrec without ``model_tracker``; tables
 in a module that is not a DistributedModelParallel; an existing tracker not in ID_ONLY mode or
 without the consumer "cnr"; a hook slot another hook holds; tables or features the tracker cannot
-tell apart (it keys rows by table FQN and features by name across the whole model), or skips.
+tell apart (it keys rows by table FQN and features by name across the whole model), or skips; a
+model without dense parameters (torchrec 1.8's tracker reads the DDP wrapper DMP puts around them).
+Covered row for row (tests/test_torchrec_source.py): EBC, weighted EBC, EC, every sharding type
+torchrec runs on CPU, data-parallel tables, MC-EC/MC-EBC (their lookups and evictions reach the
+slot through cnr.track.managed_collision's patch), TrainPipelineSparseDist, FP-EBC.
 """
 
 from __future__ import annotations
