@@ -140,6 +140,8 @@ class Checkpointer:
         except BaseException:
             if writer is not None:
                 writer.close()
+            if self.tracker is not None:  # tracker='torchrec': the delta tracker cnr built leaves the model
+                self.tracker.uninstall()
             self.storage.close()
             raise
         if self.tracker is not None:

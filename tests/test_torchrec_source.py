@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import cnr
+from cnr import api as cnr_api
 from cnr.app.launch import RankFailed, launch
 from cnr.errors import ConfigError
 from cnr.testing.jobs import ALL_KINDS, EC_KINDS, JobSpec, batch, build, differing, gathered, schedule, train_step
@@ -192,6 +193,19 @@ def _refusals(rank: int, world_size: int, arg: dict) -> dict:
     refused("slot_taken", {"model": dmp, "optim": opt})  # the first Checkpointer's hook holds the slots
     first.close()
     out["no_tracker_left"] = dmp.get_delta_tracker() is None
+    dmp, opt = build(JobSpec(), world_size)
+    opened = cnr_api.JobLocation.open
+
+    def held(*_args, **_kwargs):
+        raise ConfigError("the lease is held")
+
+    cnr_api.JobLocation.open = held  # the location cannot be opened after the delta tracker was built
+    try:
+        refused("lease_held", {"model": dmp, "optim": opt})
+    finally:
+        cnr_api.JobLocation.open = opened
+    out["no_tracker_left_after_open_failed"] = dmp.get_delta_tracker() is None and all(
+        m.post_lookup_tracker_fn is None for m in (dmp.module.ebc,))
     refused("same_table_name", {"model": _two_modules_one_table_name(dense=True)})
     refused("no_dense", {"model": _two_modules_one_table_name(dense=False)})
     return out
@@ -223,6 +237,7 @@ def test_unsupported_uses_are_refused_by_name_before_any_step(tmp_path):
     assert "consumers ['other']" in out["no_consumer"] and "consumers=[..., 'cnr']" in out["no_consumer"]
     assert "already holds cnr.track.hook_slot.LookupHooks" in out["slot_taken"] and "tracker='cnr'" in out["slot_taken"]
     assert out["no_tracker_left"]
+    assert out["lease_held"] == "the lease is held" and out["no_tracker_left_after_open_failed"]
     assert ("table model/one.embedding_bags.t.weight exactly: it keys rows by table name, and "
             "model/two.embedding_bags.t.weight is named 't' too") in out["same_table_name"], out["same_table_name"]
     assert "this model has none" in out["no_dense"] and "tracker='cnr'" in out["no_dense"]
