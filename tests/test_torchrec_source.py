@@ -28,6 +28,7 @@ from cnr.types import TrackerSource
 
 STEPS, SAVES = 6, (2, 4, 6)
 FAMILY = JobSpec(tables=ALL_KINDS, weighted=ALL_KINDS, sequence=EC_KINDS)
+SMALL = JobSpec(tables=("row_wise", "table_wise"))
 PIPELINED = JobSpec(tables=("table_wise", "column_wise", "row_wise", "data_parallel"), pipelined=True)
 
 
@@ -60,6 +61,17 @@ def _equal_worker(rank: int, world_size: int, arg: dict) -> dict:
             pipeline = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
             batches = iter([batch(PIPELINED, s, rank) for s in range(1, STEPS + 3)])
             return lambda s: (schedule(dmp, s), pipeline.progress(batches))
+    elif arg["model"] == "no-dmp-forward":  # the model run past DMP.forward, which advances torchrec's batch index
+        make = lambda: build(SMALL, world_size)  # noqa: E731
+
+        def step_of(dmp, opt):
+            def step(s: int) -> None:
+                schedule(dmp, s)
+                loss = dmp.module(batch(SMALL, s, rank))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            return step
     elif arg["model"] == "feature-processed":  # position-weighted FP-EBC: the hook is the wrapped EBC's
         from test_feature_processed import batch as fp_batch, build as fp_build
 
@@ -104,7 +116,7 @@ def _equal_worker(rank: int, world_size: int, arg: dict) -> dict:
     return everyone
 
 
-@pytest.fixture(scope="module", params=["ebc-family", "managed-collision", "pipelined", "feature-processed"])
+@pytest.fixture(scope="module", params=["ebc-family", "managed-collision", "pipelined", "feature-processed", "no-dmp-forward"])
 def equal_run(request):
     return request.param, launch(_equal_worker, 2, {"model": request.param})
 
@@ -278,3 +290,32 @@ def _not_dmp(rank: int, world_size: int, arg: dict) -> None:
     dmp, opt = build(JobSpec(), world_size)
     cnr.Checkpointer(arg["uri"], {"model": dmp.module, "optim": opt},
                      cnr.CheckpointOptions(policy="consecutive", tracker="torchrec"))
+
+
+def _idle_table(rank: int, world_size: int, arg: dict) -> dict:
+    """Tables looked up in one interval, then in none (a save and a publish at one step both fold),
+    then one table in the next (its feature has no ids)."""
+    from torchrec import KeyedJaggedTensor
+
+    dmp, opt = build(SMALL, world_size)
+    tracker = open_row_tracker(AppState({"model": dmp}, rank), TrackerSource.TORCHREC, DEFAULT_VIEWS)
+    captured = []
+    for lengths in ([1, 1, 1, 1], None, [1, 1, 0, 0]):
+        if lengths is not None:
+            kjt = KeyedJaggedTensor(keys=["f_0", "f_1"], values=torch.tensor([3, 5, 7, 9][:sum(lengths)]),
+                                    lengths=torch.tensor(lengths, dtype=torch.int32))
+            loss = dmp(kjt)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        tracker.fold()
+        cap = tracker.capture("checkpoint", clear=True)
+        captured.append({t.split(".")[-2]: tracker.row_ids(cap.bitmap, t).tolist() for t in tracker.tables})
+        tracker.release([cap], committed=True)
+    tracker.uninstall()
+    return {"captured": captured}
+
+
+def test_an_interval_without_lookups_reads_as_no_rows():
+    out = launch(_idle_table, 1, None)
+    assert out["captured"] == [{"t_0": [3, 5], "t_1": [7, 9]}, {"t_0": [], "t_1": []}, {"t_0": [3, 5], "t_1": []}]

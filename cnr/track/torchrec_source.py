@@ -100,6 +100,11 @@ class TorchrecSource:
     def collect(self, current: np.ndarray) -> None:
         """Set the bits of every id consumer "cnr" has not read yet (shard-local ids + the table's bit_start)."""
         self.check_slots()
+        # torchrec 1.8's read concatenates each table's lookups inside the window and fails on a
+        # table with none there (looked up before, not since): an empty one keeps every table's list non-empty
+        store = self.delta.store
+        for fqn in list(store.per_fqn_lookups):
+            store.append(batch_idx=self.delta.curr_batch_idx, fqn=fqn, ids=torch.empty(0, dtype=torch.int64))
         unique = self.delta.get_unique_ids(consumer=CONSUMER)
         # lookups after this read land in the next window even where nothing calls DMP.forward
         # (which advances the batch index): a lookup recorded at the index just read would be lost
