@@ -18,7 +18,8 @@ _EXPORTS = {
     "load_state_dict": "cnr.restore.load", "CheckpointOptions": "cnr.options", "PublishOptions": "cnr.options",
     "FailureBudget": "cnr.options", "OnDamage": "cnr.types", "OnOverlap": "cnr.types", "BitPolicy": "cnr.types",
     "Compression": "cnr.types", "SearchKernel": "cnr.types", "Policy": "cnr.types", "Compaction": "cnr.types",
-    "QuantMethod": "cnr.types", "ScheduleOptions": "cnr.options", "EncodingOptions": "cnr.options",
+    "QuantMethod": "cnr.types", "TrackerSource": "cnr.types", "ScheduleOptions": "cnr.options",
+    "EncodingOptions": "cnr.options",
     "WriterOptions": "cnr.options", "TierOptions": "cnr.options", "RetentionOptions": "cnr.options",
     "LeaseOptions": "cnr.options",
     "Subscriber": "cnr.publish.subscriber", "CheckpointInfo": "cnr.types", "CheckpointKind": "cnr.types",
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from cnr.publish.serving_tables import quantize_tables  # noqa: F401
     from cnr.types import (  # noqa: F401
         BitPolicy, CheckpointInfo, CheckpointKind, Compaction, Compression, OnDamage, OnOverlap, Policy, QuantMethod,
-        SearchKernel,
+        SearchKernel, TrackerSource,
     )
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cnr.restore.into_app import RestoredChain, table_spec
-from cnr.track.app_state import AppState, whole_tables
+from cnr.track.app_state import AppState
 from cnr.policy.bit_width import BitWidthPlanner
 from cnr.write.engine import ChainState, CheckpointEngine, SaveStats
 from cnr.track.coverage import check_supported
@@ -51,6 +51,7 @@ from cnr.storage.checkpoint_store import open_checkpoint_store
 from cnr.storage.wrapper import CountingStorage
 from cnr.track.tracker import DEFAULT_VIEWS, RowTracker, checked_row_ids
 from cnr.track.state import StatePiece
+from cnr.track.torchrec_source import open_row_tracker
 from cnr.types import CheckpointInfo, CheckpointStatus, Policy
 from cnr.write.job_location import JobLocation
 from cnr.write.local_flush import FlushReport
@@ -126,8 +127,7 @@ class Checkpointer:
             raise OptionsError(f"CheckpointOptions.{e}") from None
         self.tracker: Optional[RowTracker] = None
         if self.options.policy != Policy.FULL or views:  # a slot held by a foreign hook is refused before anything opens
-            self.tracker = RowTracker(self.app.objects, views=DEFAULT_VIEWS + tuple(views), whole=whole_tables(self.app))
-            agreement.barrier("open: torchrec's hook slots are free for the row tracker", self.tracker.check_slots)
+            self.tracker = open_row_tracker(self.app, self.options.tracker, DEFAULT_VIEWS + tuple(views))
         self.metadata = dict(metadata or {})
         self.storage = open_checkpoint_store(uri, self.options.local_dir, tier=tier_for(self.options))
         self.uri = self.storage.uri
@@ -140,6 +140,8 @@ class Checkpointer:
         except BaseException:
             if writer is not None:
                 writer.close()
+            if self.tracker is not None:  # tracker='torchrec': the delta tracker cnr built leaves the model
+                self.tracker.uninstall()
             self.storage.close()
             raise
         if self.tracker is not None:

@@ -181,6 +181,15 @@ class Compression(Choice):
     """Payloads are stored as encoded."""
 
 
+class TrackerSource(Choice):
+    """Where the rows each step touched come from (``CheckpointOptions.tracker``)."""
+
+    CNR = "cnr"
+    """cnr's own bit vectors, set by its hook in torchrec's post-lookup slot (cnr.track.tracker)."""
+    TORCHREC = "torchrec"
+    """torchrec's ModelDeltaTracker (ID_ONLY, consumer "cnr"), read at each snapshot (cnr.track.torchrec_source)."""
+
+
 class WriteStatus(str, enum.Enum):
     """How a background writer ended one job (a checkpoint or a publish) on its rank."""
 

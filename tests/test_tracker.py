@@ -182,12 +182,13 @@ def test_ids_take_their_own_features_table_when_as_many_ids_as_slots_arrive_unev
     as many ids as slots for one id per slot put the third id in the second table."""
     import numpy as np
 
-    from cnr.track.tracker import TrackedTable, _Scratch
+    from cnr.track.bits import Scratch
+    from cnr.track.tracker import TrackedTable
 
     tracker = object.__new__(RowTracker)  # only the bitmap: no model needed
     tracker.tables = {"a": TrackedTable("a", 0, 16, 0, False), "b": TrackedTable("b", 0, 16, 16, False)}
     tracker.current = np.zeros(4, dtype=np.uint8)
-    tracker._scratch = _Scratch()
+    tracker._scratch = Scratch()
     base = np.array([0, 0, 16, 16], dtype=np.int64)  # each slot's table start bit, feature-major
     tracker._apply(torch.tensor([3, 15, 9, 7]), torch.tensor([1, 2, 0, 1]), base)
     assert tracker.row_ids(tracker.current, "a").tolist() == [3, 9, 15]

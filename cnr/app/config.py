@@ -111,13 +111,16 @@ PUBLISH_KEYS = Naming("publish.", config_keys=True, error=ConfigError)
 CheckpointConfig = dataclasses.make_dataclass(
     "CheckpointConfig", [*flat_settings(), ("enabled", bool, True), ("interval", int, 50)], frozen=True,
     namespace={
-        "__module__": __name__, "NOT_KEYS": ("expected_steps",), "__post_init__": _checkpoint_post_init,
+        "__module__": __name__, "NOT_KEYS": ("expected_steps",), "RECORDED_IF_SET": ("tracker",),
+        "__post_init__": _checkpoint_post_init,
         "options": _checkpoint_options,
         "__doc__": """The ``checkpoint`` section: every setting of cnr.options.CheckpointOptions, flat,
     under its own name (meaning, default and rules are written there; ``checkpoint.failures`` is its
     FailureBudget), but ``expected_steps``, which is ``train.steps``; plus what only ``cnr train``
     has: ``enabled`` (false: no checkpoint is written) and ``interval``, the steps between
-    checkpoints. Checked on construction by the library's own path
+    checkpoints. Keys in RECORDED_IF_SET (settings added after stores were written) are recorded
+    only when they differ from their default, so a job at the defaults stores the same bytes as before.
+    Checked on construction by the library's own path
     (cnr.options.check_checkpoint_settings), naming config keys; the table names of ``table_bits``
     with the whole config (cnr.app.config_checks.validate).
     """})
@@ -135,7 +138,7 @@ class PublishConfig(PublishOptions):
     NOT_KEYS: ClassVar[Tuple[str, ...]] = ("uri",)
     # keys newer than the configs checkpoints record: recorded only when set away from their
     # default, so a job that leaves them alone writes the manifests it wrote before they existed
-    RECORDED_WHEN_SET: ClassVar[Tuple[str, ...]] = ("serving_params",)
+    RECORDED_IF_SET: ClassVar[Tuple[str, ...]] = ("serving_params",)
 
     enabled: bool = False
     storage: str = ""
@@ -172,8 +175,8 @@ class Config:
         return [(f, t.rows) for t in self.model.tables for f in t.features]
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain nested dict (JSON/YAML-serialisable) of every value, keyed as the YAML is (a
-        section's RECORDED_WHEN_SET keys only when they differ from their defaults)."""
+        """Plain nested dict (JSON/YAML-serialisable) of every value, keyed as the YAML is (a section's
+        RECORDED_IF_SET keys only where not at their default)."""
         return _keys_only(self)
 
 
@@ -182,11 +185,16 @@ def config_keys(cls: type) -> List[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name not in getattr(cls, "NOT_KEYS", ())]
 
 
+def _default_of(cls: type, name: str) -> Any:
+    """Dataclass ``cls``'s default of field ``name`` (a plain default: RECORDED_IF_SET fields have one)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
 def _keys_only(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        defaults = {f.name: f.default for f in dataclasses.fields(value)}
-        quiet = {k for k in getattr(type(value), "RECORDED_WHEN_SET", ()) if getattr(value, k) == defaults[k]}
-        return {k: _keys_only(getattr(value, k)) for k in config_keys(type(value)) if k not in quiet}
+        quiet = getattr(type(value), "RECORDED_IF_SET", ())
+        return {k: _keys_only(getattr(value, k)) for k in config_keys(type(value))
+                if k not in quiet or getattr(value, k) != _default_of(type(value), k)}
     if isinstance(value, (list, tuple)):
         return [_keys_only(v) for v in value]
     if isinstance(value, dict):

@@ -1,11 +1,13 @@
 """``python -m cnr bench tracking``: what touched-row tracking costs a training step.
 
 On configs/bench.yaml (world size 1), the same model alternates blocks of steps with no hook,
-with cnr's RowTracker, and with torchrec's ModelDeltaTracker (ID_ONLY), so machine drift hits
-all three alike. Reports the step-time overheads, the time spent inside cnr's hook itself (a
-lower-noise measure of the same cost), that hook time again over ``--continuous`` steps tracked
-back to back (as in training, where no untracked steps precede a tracked one), and the tracker's
-memory per row.
+with cnr's RowTracker, and with torchrec's ModelDeltaTracker (ID_ONLY, the DMP's own, read as
+``CheckpointOptions(tracker="torchrec")`` reads it: cnr.track.torchrec_source), so machine drift
+hits all three alike. Reports the step-time overheads, the time spent inside each source's hook
+(a lower-noise measure of the same cost), those hook times again over ``--continuous`` steps
+tracked back to back (as in training, where no untracked steps precede a tracked one) with the
+torchrec source's read at every checkpoint interval, and each source's memory per row: cnr's
+bitmap, and the delta tracker's stored id tensors at their largest, just before a read.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
+
+import numpy as np
 
 import torch
 
@@ -25,20 +29,21 @@ from cnr.app.data import make_reader
 from cnr.app.launch import launch
 from cnr.app.parallel import ShardedModel, build_sharded_model, train_step
 from cnr.readers import SyntheticReader, TsvReader
+from cnr.track.torchrec_source import TorchrecSource, torchrec_sources
 from cnr.track.tracker import RowTracker
 from cnr.write.writer import Writer
 
 
-class _TimedTracker:
-    """Wraps RowTracker.record to add up the seconds spent in the hook."""
+class _Timed:
+    """Wraps a hook (RowTracker.record, the delta tracker's record_lookup) to add up its seconds."""
 
-    def __init__(self, tracker: RowTracker) -> None:
-        self.tracker = tracker
+    def __init__(self, hook: Callable[..., None]) -> None:
+        self.hook = hook
         self.seconds = 0.0
 
     def __call__(self, *args) -> None:
         start = time.perf_counter()
-        self.tracker.record(*args)
+        self.hook(*args)
         self.seconds += time.perf_counter() - start
 
 
@@ -51,7 +56,7 @@ def _continuous_hook_seconds(sharded: ShardedModel, reader: Union[SyntheticReade
                              modules: List[torch.nn.Module], steps: int, interval: int) -> float:
     """Seconds per step inside cnr's hook when it tracks every step, as in training: the bitmap
     is folded and cleared every ``interval`` steps, as a checkpoint does."""
-    timed = _TimedTracker(tracker)
+    timed = _Timed(tracker.record)
     _set_hook(modules, timed)
     for step in range(1, steps + 1):
         train_step(sharded, reader.next_batch())
@@ -61,9 +66,33 @@ def _continuous_hook_seconds(sharded: ShardedModel, reader: Union[SyntheticReade
     return timed.seconds / max(1, steps)
 
 
+def _continuous_torchrec(sharded: ShardedModel, reader: Union[SyntheticReader, TsvReader], source: TorchrecSource,
+                         modules: List[torch.nn.Module], steps: int, interval: int,
+                         bits: np.ndarray) -> Tuple[float, float, int, int]:
+    """The torchrec source tracking every step, read into ``bits`` every ``interval`` steps as a
+    checkpoint's fold reads it: (hook seconds per step, read seconds per step, the store's
+    largest bytes just before a read, rows that read set)."""
+    timed = _Timed(source.delta.record_lookup)
+    _set_hook(modules, timed)
+    source.delta.record_lookup = timed  # the slot check at a read compares with this attribute
+    read_s, peak, rows = 0.0, 0, 0
+    for step in range(1, steps + 1):
+        train_step(sharded, reader.next_batch())
+        if step % interval == 0 or step == steps:
+            nbytes = source.store_nbytes
+            bits.fill(0)
+            start = time.perf_counter()
+            source.collect(bits)
+            read_s += time.perf_counter() - start
+            if nbytes > peak:
+                peak, rows = nbytes, int(np.unpackbits(bits).sum())
+    del source.delta.record_lookup
+    _set_hook(modules, None)
+    return timed.seconds / max(1, steps), read_s / max(1, steps), peak, rows
+
+
 def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
-    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
-    from torchrec.distributed.model_tracker.types import TrackingMode
+    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
     config = arg["config"]
     options = cnr.CheckpointOptions(policy="consecutive")
@@ -76,39 +105,46 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     ckpt = cnr.Checkpointer(arg["workdir"], {"model": sharded.model, "optim": sharded.dense_optimizer}, options,
                             writer=writer)
     tracker = ckpt.tracker
-    timed = _TimedTracker(tracker)
-    mdt = ModelDeltaTrackerTrec(sharded.model, mode=TrackingMode.ID_ONLY)
+    timed = _Timed(tracker.record)
     # Each sharded module has one post-lookup hook slot, where the Checkpointer installed cnr's
     # dispatcher (RowTracker.install). The bench takes the tracker out (its fold would refuse a
     # slot taken from it) and sets that slot directly for each block: the timing wrapper around
-    # that same tracker.record, torchrec's tracker, or nothing.
+    # that same tracker.record, the delta tracker's record_lookup, or nothing.
     tracker.uninstall()
     modules = list(tracker._modules.values())
+    source = None
+    if arg["mdt"]:  # the DMP's delta tracker, read as tracker="torchrec" reads it (its slot check included)
+        sharded.model.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY,
+                                                                     consumers=["cnr"]))
+        source, = torchrec_sources({"model": sharded.model}, tracker)
     # "control" is a second no-hook block per round: its gap to "none" is the noise floor
-    modes = {"none": None, "cnr": timed, "control": None, "mdt": mdt.record_lookup}
-    if not arg["mdt"]:
+    modes = {"none": None, "cnr": timed, "control": None, "mdt": _Timed(source.delta.record_lookup) if source else None}
+    if source is None:
         del modes["mdt"]
+    scratch = np.zeros_like(tracker.current)
     for _ in range(arg["warmup"]):
         train_step(sharded, reader.next_batch())
     times: Dict[str, List[float]] = {m: [] for m in modes}
-    cnr_steps = 0
+    cnr_steps = mdt_steps = 0
     for _round in range(arg["rounds"]):
         for mode, fn in modes.items():
             _set_hook(modules, fn)
             for _ in range(arg["block"]):
                 batch = reader.next_batch()
                 start = time.perf_counter()
-                train_step(sharded, batch)
+                train_step(sharded, batch)  # DMP.forward advances the delta tracker's batch index
                 times[mode].append(time.perf_counter() - start)
-                if mode == "mdt":
-                    mdt.step()
                 cnr_steps += mode == "cnr"
+                mdt_steps += mode == "mdt"
+            if mode == "mdt":  # read outside the timed steps: the store does not grow over the rounds
+                _set_hook(modules, source.delta.record_lookup)
+                source.collect(scratch)
     _set_hook(modules, None)
     med = {m: statistics.median(v) for m, v in times.items()}
     tracker.fold()
-    continuous = _continuous_hook_seconds(sharded, reader, tracker, modules, arg["continuous"], config.checkpoint.interval)
-    ckpt.close()
-    return {
+    interval = config.checkpoint.interval
+    continuous = _continuous_hook_seconds(sharded, reader, tracker, modules, arg["continuous"], interval)
+    result = {
         "step_s_none": round(med["none"], 5), "step_s_cnr": round(med["cnr"], 5), "step_s_mdt": round(med["mdt"], 5) if "mdt" in med else None,
         "tracking_overhead_pct": round(100 * (med["cnr"] / med["none"] - 1), 3),
         "modeldeltatracker_overhead_pct": round(100 * (med["mdt"] / med["none"] - 1), 3) if "mdt" in med else None,
@@ -125,7 +161,33 @@ def _bench(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
         "tracker_fraction_of_model": round(tracker.nbytes / (tracker.local_rows * config.model.embedding_dim * 4), 7),
         "rows_tracked": tracker.count(tracker.views["checkpoint"]), "rows": tracker.local_rows,
         "steps_per_mode": len(times["none"]),
+        **_torchrec_figures(source, modes.get("mdt"), mdt_steps, med["none"]),
     }
+    if source is not None:
+        hook_s, read_s, peak, rows = _continuous_torchrec(sharded, reader, source, modules, arg["continuous"],
+                                                          interval, scratch)
+        result.update({
+            "torchrec_hook_s_per_step_continuous": round(hook_s, 6),
+            "torchrec_read_s_per_step_continuous": round(read_s, 6),
+            "torchrec_pct_of_step_continuous": round(100 * (hook_s + read_s) / med["none"], 3),
+            "torchrec_store_bytes": peak,
+            "torchrec_store_bytes_per_row": round(peak / tracker.local_rows, 5),
+            "torchrec_store_bytes_per_touched_row": round(peak / max(1, rows), 3),
+        })
+    ckpt.close()
+    return result
+
+
+def _torchrec_figures(source: Any, hook: Any, steps: int, step_s: float) -> Dict[str, Any]:
+    """The torchrec source's keys (None without it: --no-mdt) beside the block-mode figures."""
+    keys = ("torchrec_hook_s_per_step", "torchrec_hook_pct_of_step", "torchrec_hook_s_per_step_continuous",
+            "torchrec_read_s_per_step_continuous", "torchrec_pct_of_step_continuous", "torchrec_store_bytes",
+            "torchrec_store_bytes_per_row", "torchrec_store_bytes_per_touched_row")
+    out: Dict[str, Any] = dict.fromkeys(keys)
+    if source is not None and steps:
+        out["torchrec_hook_s_per_step"] = round(hook.seconds / steps, 6)
+        out["torchrec_hook_pct_of_step"] = round(100 * hook.seconds / steps / step_s, 3)
+    return out
 
 
 def run(argv: List[str]) -> Dict[str, Any]:

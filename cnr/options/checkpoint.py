@@ -24,7 +24,7 @@ from cnr.types import BitPolicy, CodecSpec, Compression, Policy, QuantMethod, Se
 class CheckpointOptions:
     """How checkpoints are taken, stored and kept, as six groups (cnr.options.groups, where every
     setting's default and meaning is written): ``schedule`` (ScheduleOptions: policy, bit_policy,
-    failures, expected_steps, max_chain_ratio), ``encoding`` (EncodingOptions: bits,
+    failures, expected_steps, max_chain_ratio, tracker), ``encoding`` (EncodingOptions: bits,
     quant_method, optimizer_bits, compression, compression_level, small_table_rows,
     small_table_bits, table_bits, table_plan_width, chunk_bytes, search_kernel), ``writer``
     (WriterOptions: upload_threads, encode_threads, restore_threads, on_overlap,

@@ -17,7 +17,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from cnr.options.fields import check_record, strict_init
 from cnr.options.naming import CHECKPOINT_OPTIONS, Naming
-from cnr.types import BitPolicy, Compaction, Compression, OnDamage, OnOverlap, Policy, QuantMethod, SearchKernel
+from cnr.types import (BitPolicy, Compaction, Compression, OnDamage, OnOverlap, Policy, QuantMethod, SearchKernel,
+                       TrackerSource)
 
 
 def _default_tolerated() -> Dict[int, int]:
@@ -90,6 +91,10 @@ class ScheduleOptions:
       expected failures over ``expected_steps`` steps within ``failures``: a FailureBudget or a
       dict of its fields).
     - ``expected_steps``: the job's length in steps (with ``bit_policy`` "failures", >= 1).
+    - ``tracker`` (cnr.types.TrackerSource): where an increment's touched rows come from: "cnr" (cnr's
+      bit vectors, set by its hook in each sharded module's post-lookup slot) or "torchrec" (torchrec's
+      ModelDeltaTracker in ID_ONLY mode, read as consumer "cnr" at each snapshot; the model must be a
+      DistributedModelParallel; refusals: cnr.track.torchrec_source).
     """
 
     policy: Policy = Policy.INTERMITTENT
@@ -97,6 +102,7 @@ class ScheduleOptions:
     failures: FailureBudget = field(default_factory=FailureBudget)
     expected_steps: int = 0
     max_chain_ratio: float = 0.0
+    tracker: TrackerSource = TrackerSource.CNR
 
 
 @_group
@@ -235,5 +241,5 @@ FIELD_ORDER: Tuple[str, ...] = (
     "small_table_bits", "table_bits", "table_plan_width", "bit_policy", "failures", "expected_steps", "keep_last",
     "merge_every", "compact_at_chain_ratio", "compaction", "max_chain_ratio", "chunk_bytes", "upload_threads",
     "encode_threads", "search_kernel", "restore_threads", "on_overlap", "commit_timeout_s", "lease_ttl_s",
-    "on_damage", "local_dir", "local_keep_last")
+    "on_damage", "local_dir", "local_keep_last", "tracker")
 assert sorted(FIELD_ORDER) == sorted(FIELD_GROUP), "every setting is in exactly one group and in FIELD_ORDER"

@@ -64,7 +64,8 @@ def refusal(name: str, fn: Callable[..., None]) -> str:
     return (f"the sharded module {name} already has a post-lookup hook that is not cnr's ({describe(fn)}); "
             "torchrec gives each module one such slot and cnr cannot share it with another hook (one of the "
             "two would miss rows). Remove that hook (e.g. do not build torchrec's ModelDeltaTracker on this "
-            "model), or checkpoint with CheckpointOptions(policy='full'), which needs no tracker")
+            "model, or let cnr read it: CheckpointOptions(tracker='torchrec')), or checkpoint with "
+            "CheckpointOptions(policy='full'), which needs no tracker")
 
 
 def attach(module: torch.nn.Module, name: str, tracker: Any) -> None:

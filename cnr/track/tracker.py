@@ -13,20 +13,23 @@ Named *views* ("checkpoint", "baseline", "publish", ...) accumulate ``current`` 
 called at a snapshot. A snapshot ``capture``s a view: the captured bits are removed from the view
 when ``clear`` is asked, and given back by ``release(committed=False)`` if that checkpoint never
 commits. So bits are cleared only by a snapshot that captured those rows and committed.
+With ``sources`` (``CheckpointOptions(tracker="torchrec")``, cnr.track.torchrec_source) cnr installs no
+hook: ``fold`` sets the bits of the rows each source reports, and the rest is the same.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cnr.track.collectives import all_reduce_host
 from cnr.track.app_state import app_tables
+from cnr.track.bits import Scratch, set_bits, set_bits_torch
+from cnr.track.collectives import all_reduce_host
 from cnr.track.hook_slot import TrackerHookError, attach, describe, detach, foreign, holds, occupant, refusal
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,16 @@ class TrackedTable:
     data_parallel: bool
 
 
+class RowSource(Protocol):
+    """Where ``fold`` takes touched rows from instead of cnr's hook (cnr.track.torchrec_source)."""
+
+    def collect(self, current: np.ndarray) -> None:
+        """Set in ``current`` the bits of the rows touched since the last call (a table's bit_start + local id)."""
+
+    def close(self) -> None:
+        """Stop the source (idempotent)."""
+
+
 @dataclass(frozen=True)
 class Captured:
     """Bits a snapshot took from a view: given back unless that checkpoint commits."""
@@ -55,81 +68,6 @@ class Captured:
     view: str
     bitmap: np.ndarray
     cleared: bool
-
-
-_BIT_TORCH = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-_BIT_NP = _BIT_TORCH.numpy()
-_SELECT_BLOCK = 4096  # ids per selection block in set_bits (its temporaries stay <= 32 KiB)
-
-
-class _Scratch:
-    """Reused work arrays for ``set_bits``: ~400 KB temporaries would otherwise be fresh
-    mmap'd pages (page faults) on every training step."""
-
-    def __init__(self) -> None:
-        self.size = 0
-
-    def ensure(self, n: int) -> "_Scratch":
-        if n > self.size:
-            self.size = max(n, 2 * self.size)
-            self.ids = np.empty(self.size, dtype=np.int64)
-            self.byte = np.empty(self.size, dtype=np.int64)
-            self.low = np.empty(self.size, dtype=np.int64)
-            self.val = np.empty(self.size, dtype=np.uint8)
-            self.old = np.empty(self.size, dtype=np.uint8)
-            self.fresh = np.empty(self.size, dtype=bool)
-        return self
-
-
-def set_bits(bits: np.ndarray, ids: np.ndarray, scratch: Optional[_Scratch] = None) -> None:
-    """OR the bits of ``ids`` into ``bits`` (uint8, little-endian bit order within a byte).
-
-    Ids whose bit is already set are dropped first (most of a skewed stream's lookups hit rows
-    already touched); ``np.bitwise_or.at`` then sets the rest, repeated bytes included.
-    Single-threaded numpy: no OpenMP region on the training hot path. Temporaries live in
-    ``scratch``, but for compress's small index lists: during training, allocations of a few
-    hundred KB here measured stalls of 3 to 5 ms (glibc's heap, shared with torch's tensors,
-    growing back with page faults), against about 0.4 ms for this whole call on 53 k ids.
-    """
-    n = ids.size
-    if not n:
-        return
-    w = (scratch or _Scratch()).ensure(n)
-    byte, low, val, old, fresh = w.byte[:n], w.low[:n], w.val[:n], w.old[:n], w.fresh[:n]
-    np.right_shift(ids, 3, out=byte)
-    if int(byte.max()) >= bits.size or int(ids.min()) < 0:
-        raise IndexError(f"row bit positions {int(ids.min())}..{int(ids.max())} fall outside the "
-                         f"tracker's {8 * bits.size} bits")
-    np.bitwise_and(ids, 7, out=low)
-    # mode="clip": positions were checked above, and take's default mode buffers its output
-    _BIT_NP.take(low, out=val, mode="clip")
-    bits.take(byte, out=old, mode="clip")
-    np.bitwise_and(old, val, out=old)
-    np.equal(old, 0, out=fresh)
-    # The fresh ids' bytes and bits, gathered into scratch that is free by now (low, old), a
-    # block at a time: compress allocates its index list, kept small enough to be reused
-    for lo in range(0, n, _SELECT_BLOCK):
-        hi = min(n, lo + _SELECT_BLOCK)
-        k = int(np.count_nonzero(fresh[lo:hi]))
-        if k:
-            np.bitwise_or.at(bits, np.compress(fresh[lo:hi], byte[lo:hi], out=low[lo:lo + k]),
-                             np.compress(fresh[lo:hi], val[lo:hi], out=old[lo:lo + k]))
-
-
-def set_bits_torch(bits: torch.Tensor, ids: torch.Tensor) -> None:
-    """``set_bits`` for a device bitmap (CUDA ids stay on the device).
-
-    A scatter with duplicate byte indices keeps one writer's value, so ids sharing a byte with a
-    different bit may lose; each pass re-checks and repeats for those (at most 8 passes).
-    """
-    byte = ids >> 3
-    val = _BIT_TORCH.to(ids.device)[ids & 7]
-    while byte.numel():
-        bits[byte] = bits[byte] | val
-        missing = (bits[byte] & val) == 0
-        if not bool(missing.any()):
-            return
-        byte, val = byte[missing], val[missing]
 
 
 def checked_row_ids(rows: Union[torch.Tensor, Sequence[int]], size: int, table: str) -> torch.Tensor:
@@ -164,6 +102,7 @@ class RowTracker:
     keyed by table id (cnr.track.app_state: the stored name of the weight), so any number of embedding
     modules may use the same table names. ``whole``: table ids whose rows can change without a
     lookup; they are left out of ``capture_row_ids`` (stored whole in every checkpoint).
+    ``sources``: set before ``install`` to take the rows from them (RowSource) instead of a hook.
     """
 
     def __init__(self, app: Union[torch.nn.Module, Mapping[str, Any]], views: Sequence[str] = DEFAULT_VIEWS,
@@ -193,14 +132,18 @@ class RowTracker:
         self.views: Dict[str, np.ndarray] = {v: np.zeros_like(self.current) for v in views}
         self._device_current: Optional[torch.Tensor] = None  # the bitmap on CUDA, when ids arrive there
         self._bases: Dict[Tuple[int, Tuple[str, ...], int], np.ndarray] = {}
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
+        self.sources: Tuple[RowSource, ...] = ()
 
     # ---- hot path ------------------------------------------------------------------------
 
     def install(self) -> None:
         """Join cnr's dispatcher in the post-lookup hook slot of every sharded embedding module
         (cnr.track.hook_slot): several cnr trackers share the slot. A slot held by a hook that is not
-        cnr's raises TrackerHookError naming the module, before any slot is touched."""
+        cnr's raises TrackerHookError naming the module, before any slot is touched. With ``sources``, nothing is
+        attached."""
+        if self.sources:
+            return
         self.check_slots()
         for key, module in self._modules.items():
             attach(module, self._names[key], self)
@@ -214,7 +157,9 @@ class RowTracker:
                 raise TrackerHookError(refusal(self._names[key], fn))
 
     def uninstall(self) -> None:
-        """Leave every module's slot; the last cnr tracker out empties it. Idempotent."""
+        """Leave every module's slot; the last cnr tracker out empties it. Sources are closed. Idempotent."""
+        for source in self.sources:
+            source.close()
         for module in self._modules.values():
             detach(module, self)
         self._installed = False
@@ -298,6 +243,8 @@ class RowTracker:
         if self._device_current is not None:
             self.current |= self._device_current.cpu().numpy()
             self._device_current.zero_()
+        for source in self.sources:  # before the OR-reduce: a source's data-parallel rows are this rank's
+            source.collect(self.current)
         self._reduce_data_parallel()
         for bits in self.views.values():
             bits |= self.current
