@@ -202,6 +202,14 @@ class PublishOptions:
       as in CheckpointOptions.
     - ``keep_bases``: after each commit keep the newest N bases and the publishes after the
       oldest of them (0: keep all).
+    - ``max_rows`` / ``max_bytes``: freshness ranking (cnr.publish.freshness). An increment holds
+      at most this many table rows / stored bytes of table rows (packed codes plus scale and bias,
+      before compression), over all ranks: the touched rows that moved most since the subscriber
+      last received them; the rest wait for a later publish. 0: no limit (every touched row).
+      Bases, tables kept whole (data-parallel ones) and a job's last publish (``wait=True``)
+      are not limited.
+    - ``max_delay``: with a limit, every touched row is sent within this many publishes (1..255):
+      a row deferred ``max_delay - 1`` times goes out with the next publish past the budget.
     """
 
     uri: str = ""
@@ -210,6 +218,14 @@ class PublishOptions:
     bits: int = 8
     quant_method: QuantMethod = QuantMethod.DEFAULT
     keep_bases: int = 2
+    max_rows: int = 0
+    max_bytes: int = 0
+    max_delay: int = 4
+
+    @property
+    def ranked(self) -> bool:
+        """Whether increments are freshness-ranked (a row or byte limit is set)."""
+        return bool(self.max_rows or self.max_bytes)
 
     def __post_init__(self) -> None:
         check_record(self, PUBLISH_OPTIONS, cls=PublishOptions)
