@@ -6,6 +6,7 @@ The public API (see docs/guide.md)::
     ckpt.restore(); pending = ckpt.save(step); pending.wait(); ckpt.publish(step); ckpt.close()
     cnr.load_state_dict(uri, "model")
     cnr.Subscriber(publish_uri, plain_model).poll()
+    cnr.Subscriber(publish_uri, cnr.ServingTarget(cnr.quantize_tables(plain_model, 4))).poll()
 """
 
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,8 @@ _EXPORTS = {
     "KeyNotFoundError": "cnr.errors", "CorruptChunkError": "cnr.errors", "NonFiniteStateError": "cnr.errors",
     "OptionsError": "cnr.options", "LeaseHeldError": "cnr.write.lease_record", "WriterDied": "cnr.write.writer",
     "TrackerHookError": "cnr.track.hook_slot", "UnguardedMainError": "cnr.write.mainguard",
-    "GapError": "cnr.publish.subscriber",
+    "GapError": "cnr.publish.subscriber", "ServingTarget": "cnr.publish.serving",
+    "quantize_tables": "cnr.publish.serving_tables",
     "CPURowWiseSharder": "cnr.track.sharders",
 }
 
@@ -56,6 +58,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from cnr.track.pipeline import PipelineFeed  # noqa: F401
     from cnr.publish.subscriber import Subscriber  # noqa: F401
+    from cnr.publish.serving import ServingTarget  # noqa: F401
+    from cnr.publish.serving_tables import quantize_tables  # noqa: F401
     from cnr.types import (  # noqa: F401
         BitPolicy, CheckpointInfo, CheckpointKind, Compaction, Compression, OnDamage, OnOverlap, Policy, QuantMethod,
         SearchKernel,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cnr.bench.publish import run, summarize
+from cnr.bench.publish import run, served_over_fp32, summarize
 from cnr.errors import ConfigError
 
 
@@ -56,3 +56,13 @@ def test_summarize_relates_bytes_freshness_and_stall():
 def test_bad_arguments_are_rejected(argv, message):
     with pytest.raises(ConfigError, match=message):
         run(argv)
+
+
+def test_served_int4_tables_take_a_quarter_of_fp32_at_dim_16():
+    from cli_helpers import TINY
+
+    from cnr.app.config import load_config
+
+    config = load_config(TINY, [])
+    # 8 code bytes and 4 parameter bytes per row, padded to fbgemm's 16, against 64 in fp32
+    assert served_over_fp32(config, "int4") == 0.25 and served_over_fp32(config, "int8") == 0.5

@@ -61,6 +61,23 @@ def test_quantized_and_log8_chunks_are_compressed_raw_ones_are_not(piece, codecs
     assert [spec.name for spec in ref.codecs] == codecs
 
 
+@pytest.mark.parametrize("serving,role,params", [
+    (True, Role.TABLE_ROWS, torch.float16),   # a publish for torchrec's quantized tables: fbgemm's parameters
+    (False, Role.TABLE_ROWS, torch.float32),  # a checkpoint: float32 at 8 bits, as always
+    (True, Role.TABLE_STATE, torch.float32),  # optimizer rows are no serving rows
+])
+def test_serving_params_are_float16_for_table_rows_only(serving, role, params):
+    from cnr.codec.chunk_format import decode_chunk
+
+    piece = _piece(role, 40, 8)
+    piece.data.copy_(torch.randn(piece.data.shape))
+    job = WriteJob("0000000001-x", 1, CheckpointKind.FULL, None, 0, 1, [],
+                   plan=CodecPlan(bits=8, optimizer_bits=8, serving_params=serving))
+    blob, ref = encode_block(job, piece, "k", 0, 40, 0, 0)
+    q = decode_chunk(blob, ref, dequantize=False).quantized
+    assert q.bits == 8 and q.scale.dtype == q.bias.dtype == params
+
+
 TABLES = [("model/ebc.embedding_bags.t0.weight", "t0"), ("model/ebc.embedding_bags.t1.weight", "t1"),
           ("tower/ebc.embedding_bags.t1.weight", "t1")]
 

@@ -168,3 +168,14 @@ def test_an_application_section_handed_to_the_checkpointer_is_refused_or_checked
     with pytest.raises(OptionsError, match="bits = 5 is not allowed"):
         Checkpointer(str(tmp_path / "store"), {}, Unchecked(bits=5))
     assert not (tmp_path / "store").exists()
+
+
+def test_newer_keys_are_recorded_only_when_set_away_from_their_default(tmp_path):
+    # a checkpoint records the job's config: a job that leaves publish.serving_params alone writes
+    # the manifests it wrote before the key existed
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+    assert "serving_params" not in load_config(tiny, []).to_dict()["publish"]
+    assert load_config(tiny, ["publish.serving_params=true"]).to_dict()["publish"].get("serving_params") is None
+    off = load_config(tiny, ["publish.serving_params=false"])
+    assert off.publish.serving_params is False and off.to_dict()["publish"]["serving_params"] is False
+    assert off.publish.options("u").serving_params is False

@@ -25,6 +25,7 @@ from cnr.codec.quant.quantize import (
     l2_per_row,
     quantize_rows,
     quantize_rows_with_dtypes,
+    quantize_serving_rows,
 )
 
 F16, F32 = torch.float16, torch.float32
@@ -250,6 +251,46 @@ def test_scale_falls_back_to_float32_outside_float16_normal_range(bits: int, val
     assert q.scale.dtype == F32
     err = (x - dequantize_rows(q)).abs()
     assert bool((err <= q.scale.unsqueeze(1) * (0.5 + 1e-5) + 1e-6 * x.abs()).all())
+
+
+def _fbgemm_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fbgemm's fused n-bit rows of ``x`` (torchrec's from_float): (codes, fp16 scale, fp16 bias)."""
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+    fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(x, bits)
+    params = fused[:, -4:].contiguous().view(torch.float16)
+    return fused[:, :-4], params[:, 0], params[:, 1]
+
+
+@pytest.mark.parametrize("kind", ("normal", "student_t", "small"))
+def test_serving_rows_at_8_bits_are_fbgemms_rows(kind: str) -> None:
+    # "small" rows (torchrec's initial values) have float16-subnormal scales, as fbgemm's do
+    x = _rows(kind)
+    q = quantize_serving_rows(x, 8, "naive")
+    codes, scale, bias = _fbgemm_rows(x, 8)
+    assert q.scale.dtype == q.bias.dtype == F16
+    assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale) and torch.equal(q.bias, bias)
+
+
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+def test_serving_rows_at_4_bits_are_no_worse_than_fbgemms_on_any_row(kind: str) -> None:
+    x = _rows(kind)
+    q = quantize_serving_rows(x, 4, "adaptive")
+    codes, scale, bias = _fbgemm_rows(x, 4)
+    theirs = l2_per_row(x, QuantizedRows(4, "naive", x.shape[0], x.shape[1], codes, scale=scale, bias=bias))
+    assert q.scale.dtype == q.bias.dtype == F16
+    assert bool((l2_per_row(x, q) <= theirs * (1 + 1e-6)).all())
+    if kind in ("normal", "student_t"):  # rows whose tails the search trims
+        assert float(l2_per_row(x, q).square().sum()) < float(theirs.square().sum())
+
+
+def test_serving_rows_float16_cannot_hold_keep_the_quantizers_params(caplog: pytest.LogCaptureFixture) -> None:
+    x = _rows("normal", n=10)
+    x[3, 5] = 1e5  # beyond float16's 65504
+    q = quantize_serving_rows(x, 8, "naive", name="table t")
+    assert q.scale.dtype == q.bias.dtype == F32
+    assert "table t: 1 of 10 rows hold values or ranges beyond float16's" in caplog.text
+    assert bool(((dequantize_rows(q) - x).abs() <= q.scale.unsqueeze(1) / 2 * 1.001).all())
 
 
 def test_dequantize_formula_on_hand_made_rows() -> None:

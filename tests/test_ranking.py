@@ -60,4 +60,5 @@ def test_the_job_threshold_is_the_stricter_budget_over_summed_parts():
 def test_row_bytes_are_codes_plus_fp16_scale_and_bias():
     assert ranking.row_bytes(32, 8) == 36 and ranking.row_bytes(32, 4) == 20 and ranking.row_bytes(3, 4) == 6
     assert ranking.row_bytes(32, 32) == 128
+    assert ranking.row_bytes(32, 8, serving_params=False) == 40 and ranking.row_bytes(32, 4, serving_params=False) == 20
     assert ranking.limits(0, 0) == (ranking.NO_LIMIT, ranking.NO_LIMIT) and ranking.limits(5, 0)[0] == 5.0

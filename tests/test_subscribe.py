@@ -1,5 +1,5 @@
 """Subscriber: exact fp32 application in sequence order, concurrent reading, gaps, reloads,
-broken chains, idempotency, resumable state, torchrec's int8 EBC, and the CLI.
+broken chains, idempotency, resumable state, serving from torchrec's quantized EBC (int8, int4), and the CLI.
 
 One deterministic publish history is made once per module: tiny.yaml trained in this process for
 60 steps with a real Publisher (its own writer process) publishing fp32 every 10 steps and waiting
@@ -231,21 +231,64 @@ def test_state_file_resumes_after_restart(history, tmp_path):
         other._load_state(path)
 
 
-def test_quantized_inference_ebc_tracks_the_published_tables(history):
-    model = InferenceModel(history["config"], quantized=True)
-    sub = Subscriber(history["store"], model)
+@pytest.mark.parametrize("quantized,bits", [(True, 8), ("int8", 8), ("int4", 4)])
+def test_quantized_inference_model_serves_fbgemm_rows_of_the_published_tables(history, quantized, bits):
+    """A quantized InferenceModel holds torchrec's quantized EBC only; 32-bit publishes are
+    converted once by fbgemm's quantizer (the one torchrec's from_float uses)."""
+    from cnr.codec.quant.bitpack import unpack
+
+    model, fp32 = InferenceModel(history["config"], quantized=quantized), InferenceModel(history["config"])
     ids = ids_by_seq(history["store"])
-    sub.apply(ids[1])
-    sub.poll()  # a full base, then increments: both paths re-quantize rows
-    assert sub.applied.seq == 6
-    for name in model.ebc.embedding_bags:
-        x = model.table(name)
-        bag = model.qebc.embedding_bags[name]
-        # fbgemm's int8 rows: error <= half a (fp16) step, plus fp16 rounding of the bias
-        bound = 0.5 * bag.weight_qscale.float() + 2e-3 * x.abs().amax(dim=1, keepdim=True) + 1e-7
-        assert bool(((model.dequantized_table(name) - x).abs() <= bound).all()), name
-    fp32, int8 = model.evaluate(), model.evaluate(quantized=True)
-    assert int8["logloss"] == pytest.approx(fp32["logloss"], rel=0.01)
+    for target in (model, fp32):
+        sub = Subscriber(history["store"], target)
+        sub.apply(ids[1])
+        sub.poll()  # a full base, then increments: both paths convert rows
+        assert sub.applied.seq == 6
+    assert model.bits == bits and fp32.bits == 32
+    assert model.served_table_bytes() <= fp32.fp32_table_bytes() * (0.3 if bits == 4 else 0.5)
+    for name in fp32.ebc.embedding_bags:
+        x = fp32.table(name)
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(x, bits)
+        width = fused.shape[1] - 4
+        params = fused[:, width:].contiguous().view(torch.float16).float()
+        expected = unpack(fused[:, :width], bits, x.shape[1]).float() * params[:, :1] + params[:, 1:]
+        assert torch.equal(model.table(name), expected), name
+        # fbgemm's rows: error <= half a (fp16) step, plus fp16 rounding of the bias
+        bound = 0.5 * params[:, :1] + 2e-3 * x.abs().amax(dim=1, keepdim=True) + 1e-7
+        assert bool(((model.table(name) - x).abs() <= bound).all()), name
+    served, exact = model.evaluate(), fp32.evaluate()
+    assert served["logloss"] == pytest.approx(exact["logloss"], rel=0.01 if bits == 8 else 0.05)
+
+
+def test_quantized_must_name_a_serving_width(history):
+    with pytest.raises(ValueError, match="quantized='int2' is not allowed; allowed: False, True \\(int8\\), 'int8', 'int4'"):
+        InferenceModel(history["config"], quantized="int2")
+
+
+def test_the_serving_snippet_of_the_docs_runs(history, tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "publishing.md").read_text()
+    section = text[text.index("## Serving from torchrec's quantized tables"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = code.replace('"./ck/publish"', repr(history["store"])).replace('"configs/tiny.yaml"', repr(TINY))
+    monkeypatch.chdir(tmp_path)
+    namespace: Dict = {}
+    exec(compile(code, "docs/publishing.md", "exec"), namespace)
+    assert namespace["subscriber"].applied.seq == 6 and namespace["subscriber"].stats.errors == []
+    assert namespace["pooled"]["f0"].shape == (1, 16) and bool(namespace["pooled"]["f0"].abs().sum() > 0)
+    assert (tmp_path / "serving.pt").exists()
+
+
+def test_cli_subscribe_serves_int4_tables(history, tmp_path):
+    rc, out, err = run_cnr(["subscribe", history["store"], "--config", TINY, *sum((["--set", s] for s in SETTINGS), []),
+                            "--once", "--eval", "--quantized", "int4"], str(tmp_path))
+    assert rc == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["applied"]["seq"] == 6 and summary["serving"]["bits"] == 4
+    assert summary["serving"]["table_bytes"] <= 0.3 * summary["serving"]["fp32_table_bytes"]
+    assert summary["eval"]["logloss"] == pytest.approx(history["eval"]["logloss"], rel=0.05)
 
 
 def test_cli_subscribe_once_with_eval(history, tmp_path):

@@ -179,7 +179,8 @@ def _subscribe(args: argparse.Namespace) -> int:
 
     _check_subscribe_args(args)
     config = load_config(args.config, args.set)
-    subscriber = Subscriber(open_storage(args.uri), InferenceModel(config, quantized=args.quantized), args.state)
+    model = InferenceModel(config, quantized=args.quantized or False)
+    subscriber = Subscriber(open_storage(args.uri), model, args.state)
     try:
         try:
             if args.once:
@@ -189,10 +190,10 @@ def _subscribe(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # a follower is stopped by hand: report where it stands
             pass
         out = subscriber.summary()
+        out["serving"] = {"bits": model.bits, "table_bytes": model.served_table_bytes(),
+                          "fp32_table_bytes": model.fp32_table_bytes()}
         if args.eval and subscriber.applied is not None:
-            out["eval"] = subscriber.model.evaluate()
-            if args.quantized:
-                out["eval_int8"] = subscriber.model.evaluate(quantized=True)
+            out["eval"] = model.evaluate()
     finally:
         subscriber.close()
     print(json.dumps(out, sort_keys=True), flush=True)
@@ -289,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--until-seq", type=int, default=None, help="stop once this sequence number is applied")
     s.add_argument("--timeout-s", type=float, default=0.0, help="stop following after this many seconds (0: never)")
     s.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls")
-    s.add_argument("--quantized", action="store_true", help="also keep torchrec's int8 quantized inference EBC")
-    s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the published model at the end")
+    s.add_argument("--quantized", nargs="?", const="int8", choices=("int8", "int4"), default=None,
+                   help="serve from torchrec's quantized inference EBC, int8 (alone) or int4, instead of fp32 tables")
+    s.add_argument("--eval", action="store_true", help="report eval logloss/AUC of the served model at the end")
     s.set_defaults(func=_subscribe)
     e = add_command(sub, "export", "write a committed checkpoint's modules in another format; last stdout line "
                     "is a JSON object")

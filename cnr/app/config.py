@@ -133,6 +133,9 @@ class PublishConfig(PublishOptions):
     """
 
     NOT_KEYS: ClassVar[Tuple[str, ...]] = ("uri",)
+    # keys newer than the configs checkpoints record: recorded only when set away from their
+    # default, so a job that leaves them alone writes the manifests it wrote before they existed
+    RECORDED_WHEN_SET: ClassVar[Tuple[str, ...]] = ("serving_params", "max_rows", "max_bytes", "max_delay")
 
     enabled: bool = False
     storage: str = ""
@@ -169,7 +172,8 @@ class Config:
         return [(f, t.rows) for t in self.model.tables for f in t.features]
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain nested dict (JSON/YAML-serialisable) of every value, keyed as the YAML is."""
+        """Plain nested dict (JSON/YAML-serialisable) of every value, keyed as the YAML is (a
+        section's RECORDED_WHEN_SET keys only when they differ from their defaults)."""
         return _keys_only(self)
 
 
@@ -180,7 +184,9 @@ def config_keys(cls: type) -> List[str]:
 
 def _keys_only(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {k: _keys_only(getattr(value, k)) for k in config_keys(type(value))}
+        defaults = {f.name: f.default for f in dataclasses.fields(value)}
+        quiet = {k for k in getattr(type(value), "RECORDED_WHEN_SET", ()) if getattr(value, k) == defaults[k]}
+        return {k: _keys_only(getattr(value, k)) for k in config_keys(type(value)) if k not in quiet}
     if isinstance(value, (list, tuple)):
         return [_keys_only(v) for v in value]
     if isinstance(value, dict):

@@ -4,7 +4,8 @@ One bench run trains the same config from the same seed several times: once with
 (the baseline), then publishing to each store of ``--stores``: a local directory, and S3 (a moto
 server on 127.0.0.1 in its own process, started by the bench). While a publishing run trains, a
 subscriber process (one torch thread, like a sidecar) follows the store, polling every
-``--poll-s`` seconds, and applies every publish to an InferenceModel. Checkpointing is off, so
+``--poll-s`` seconds, and applies every publish to an InferenceModel (fp32 tables, or with
+``--serving int8|int4`` torchrec's quantized inference EBC, cnr.publish.serving). Checkpointing is off, so
 publishing is the only background work; that is why it uses ``cnr train``'s publisher without a
 Checkpointer (cnr.app.train.make_publisher), as a publish-only ``cnr train`` job does.
 
@@ -20,7 +21,11 @@ Reported per store:
   of the run's training time; and the median step time (publish calls excluded) against the
   baseline run's, which shows what the writer and subscriber processes took from training on a
   shared CPU. The 1-minute load average at the start and end of each run says how busy the
-  machine was: other jobs move the wall-clock figures, not the bytes.
+  machine was: other jobs move the wall-clock figures, not the bytes;
+- ``serving``: the subscriber's table width and the bytes its tables take.
+
+And once: ``serving_int4_bytes_over_fp32_tables``, the bytes of the config's tables served at
+int4 (torchrec's quantized EBC, with fbgemm's row padding) over their fp32 bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from cnr.app.train import make_publisher
 from cnr.track.app_state import collect_state
 
 STORES = ("local", "s3")
+SERVING = ("fp32", "int8", "int4")  # --serving: the subscriber's tables
 MAX_POLL_S = 86400.0  # --poll-s: a day between polls at most, as cnr subscribe's
 DEFAULTS = ["checkpoint.enabled=false", "publish.interval=25", "publish.full_every=4", "publish.dense_interval=100"]
 
@@ -84,15 +90,17 @@ def _train(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _follow(uri: str, config: Config, ready, stop, target, out_path: str, poll_s: float) -> None:
-    """Subscriber process: poll ``uri`` until ``stop`` is set and sequence ``target`` is applied."""
+def _follow(uri: str, config: Config, ready, stop, target, out_path: str, poll_s: float, serving: str) -> None:
+    """Subscriber process: poll ``uri`` until ``stop`` is set and sequence ``target`` is applied,
+    into an InferenceModel serving ``serving`` tables ("fp32", "int8", "int4")."""
     from cnr.app.inference import InferenceModel
     from cnr.publish.subscriber import Subscriber
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s subscriber %(name)s: %(message)s")
     logging.getLogger("cnr").setLevel(logging.INFO)
-    subscriber = Subscriber(uri, InferenceModel(config))
+    model = InferenceModel(config, quantized=False if serving == "fp32" else serving)
+    subscriber = Subscriber(uri, model)
     ready.set()
     deadline = None
     while True:
@@ -104,16 +112,19 @@ def _follow(uri: str, config: Config, ready, stop, target, out_path: str, poll_s
                 break
         time.sleep(poll_s)
     with open(out_path, "w") as f:
-        json.dump({"records": subscriber.stats.records, "summary": subscriber.summary()}, f)
+        json.dump({"records": subscriber.stats.records, "summary": subscriber.summary(),
+                   "serving": {"bits": model.bits, "table_bytes": model.served_table_bytes(),
+                               "fp32_table_bytes": model.fp32_table_bytes()}}, f)
     subscriber.close()
 
 
-def _run_store(config: Config, uri: str, steps: int, poll_s: float, workdir: str) -> Dict[str, Any]:
+def _run_store(config: Config, uri: str, steps: int, poll_s: float, workdir: str, serving: str) -> Dict[str, Any]:
     """One training run publishing to ``uri`` with a subscriber process following it."""
     ctx = mp.get_context("spawn")
     ready, stop, target = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
     out_path = os.path.join(workdir, f"subscriber-{time.time_ns()}.json")
-    follower = ctx.Process(target=_follow, args=(uri, config, ready, stop, target, out_path, poll_s), daemon=True)
+    follower = ctx.Process(target=_follow, args=(uri, config, ready, stop, target, out_path, poll_s, serving),
+                           daemon=True)
     follower.start()
     try:
         if not ready.wait(timeout=600):
@@ -158,6 +169,14 @@ def _stall(run: Dict[str, Any], baseline: Dict[str, Any]) -> Dict[str, Any]:
             "load_avg_1m": run["load_avg_1m"], "baseline_load_avg_1m": baseline["load_avg_1m"]}
 
 
+def served_over_fp32(config: Config, width: str) -> float:
+    """Bytes of ``config``'s tables served at ``width`` ("int8", "int4") over their fp32 bytes."""
+    from cnr.app.inference import InferenceModel
+
+    model = InferenceModel(config, quantized=width)
+    return model.served_table_bytes() / model.fp32_table_bytes()
+
+
 def summarize(run: Dict[str, Any], baseline: Dict[str, Any]) -> Dict[str, Any]:
     """The figures of one store's run against the baseline run (pure; tested on its own)."""
     full = run["model_fp32_bytes"]
@@ -172,6 +191,7 @@ def summarize(run: Dict[str, Any], baseline: Dict[str, Any]) -> Dict[str, Any]:
         "freshness_s": {"base": _freshness(applied, "full"), "increment": _freshness(applied, "incremental")},
         "stall": _stall(run, baseline),
         "subscriber": {k: run["subscriber"]["summary"][k] for k in ("bases", "increments", "reloads", "errors")},
+        "serving": run["subscriber"].get("serving"),
         "publish_table": [{"seq": r["seq"], "step": r["step"], "kind": r["kind"][0].upper(), "dense": r["dense"],
                            "bytes": r["bytes"], "over_full": round(r["bytes"] / full, 5)} for r in records],
     }
@@ -183,6 +203,8 @@ def _parse(argv: List[str]):
     parser.add_argument("--stores", default=",".join(STORES), help="comma-separated: local, s3")
     parser.add_argument("--poll-s", type=number_arg("bench publish: --poll-s", 0.0, MAX_POLL_S), default=0.1,
                         help=f"subscriber poll period in seconds, in (0, {MAX_POLL_S:.0f}]")
+    parser.add_argument("--serving", choices=SERVING, default="fp32",
+                        help="the subscriber's tables: fp32, or torchrec's quantized inference EBC at int8 or int4")
     args = parser.parse_args(argv_list(argv))
     stores = [s for s in args.stores.split(",") if s]
     bad = [s for s in stores if s not in STORES]
@@ -213,7 +235,7 @@ def run(argv: List[str]) -> Dict[str, Any]:
                 uri = f"s3://{s3.new_bucket()}/bench/publish"
             else:
                 uri = os.path.join(workdir, "publish")
-            run_out = _run_store(config, uri, args.steps, args.poll_s, workdir)
+            run_out = _run_store(config, uri, args.steps, args.poll_s, workdir, args.serving)
             results[store] = summarize(run_out, baseline)
     finally:
         if s3 is not None:
@@ -224,5 +246,6 @@ def run(argv: List[str]) -> Dict[str, Any]:
     return {"bench": "publish", "config": os.path.basename(args.config), "steps": args.steps,
             "publish": {"interval": p.interval, "full_every": p.full_every, "dense_interval": p.dense_interval,
                         "bits": p.bits, "keep_bases": p.keep_bases},
-            "poll_s": args.poll_s, "full_model_fp32_bytes": baseline["model_fp32_bytes"],
+            "poll_s": args.poll_s, "full_model_fp32_bytes": baseline["model_fp32_bytes"], "serving": args.serving,
+            "serving_int4_bytes_over_fp32_tables": round(served_over_fp32(config, "int4"), 4),
             "baseline_train_s": round(baseline["train_seconds"], 3), **results}

@@ -87,13 +87,15 @@ class Target:
     ``bits`` per value (32: exact), the job's own ``job_bits`` and ``method`` (the width and
     quantization method it was configured with), ``search``: the adaptive range search's compiled
     kernels (cnr.codec.quant.range_search.Fused) or None for the eager ones, ``name``: the
-    tensor's, for messages."""
+    tensor's, for messages; ``serving_params``: quantized rows keep float16 scale and bias (the
+    job's CodecPlan.serving_params, for table rows)."""
 
     bits: int = 32
     job_bits: int = 32
     method: str = ""
     search: Optional[Any] = None
     name: str = ""
+    serving_params: bool = False
 
 
 @dataclass(frozen=True)

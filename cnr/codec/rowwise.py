@@ -3,7 +3,8 @@
 Value bytes: the bit-packed codes ``[rows, packed_bytes_per_row(cols, bits)]`` (cnr.codec.quant.bitpack),
 then the per-row scales, then the per-row biases, in the dtypes the spec names. Parameters:
 ``bits`` (2, 3, 4, 8), ``method`` (a stored uniform method), ``scale`` and ``bias`` ("float16"
-or "float32"). Only float32 rows of shape ``[cols]`` are quantized.
+or "float32"; float16 for every row of a target with ``serving_params``). Only float32 rows of
+shape ``[cols]`` are quantized.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from cnr.codec.base import (
 )
 from cnr.codec.spec import make_spec, require_params
 from cnr.errors import CorruptChunkError
-from cnr.codec.quant.quantize import quantize_rows, stored_method
+from cnr.codec.quant.quantize import quantize_rows, quantize_serving_rows, stored_method
 from cnr.codec.quant.rows import BITS, QuantizedRows
 from cnr.types import STORED_QUANT_METHODS, CodecSpec, Encoding
 
@@ -90,8 +91,8 @@ class RowwiseCodec(ArrayCodec):
         if not _quantizes(values, target):
             return None
         method = stored_method(target.bits, target.job_bits, target.method)
-        return _encode_quantized(quantize_rows(values, target.bits, method=method, name=target.name,
-                                               search=target.search))
+        quantize = quantize_serving_rows if target.serving_params else quantize_rows
+        return _encode_quantized(quantize(values, target.bits, method=method, name=target.name, search=target.search))
 
     def searched_rows(self, values: torch.Tensor, target: Target) -> int:
         if _quantizes(values, target) and stored_method(target.bits, target.job_bits, target.method) == "adaptive":

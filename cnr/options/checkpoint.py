@@ -202,6 +202,10 @@ class PublishOptions:
       as in CheckpointOptions.
     - ``keep_bases``: after each commit keep the newest N bases and the publishes after the
       oldest of them (0: keep all).
+    - ``serving_params``: quantized table rows carry a float16 scale and bias at every width,
+      as fbgemm's fused rows do, so a serving subscriber (cnr.publish.serving) copies them into
+      torchrec's quantized inference tables as stored; False: the quantizer's own precision
+      (float32 at 8 bits), which such a subscriber converts.
     - ``max_rows`` / ``max_bytes``: freshness ranking (cnr.publish.freshness). An increment holds
       at most this many table rows / stored bytes of table rows (packed codes plus scale and bias,
       before compression), over all ranks: the touched rows that moved most since the subscriber
@@ -218,6 +222,7 @@ class PublishOptions:
     bits: int = 8
     quant_method: QuantMethod = QuantMethod.DEFAULT
     keep_bases: int = 2
+    serving_params: bool = True
     max_rows: int = 0
     max_bytes: int = 0
     max_delay: int = 4

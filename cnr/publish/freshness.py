@@ -65,17 +65,19 @@ class FreshnessRanker:
     """Chooses, per publish, the rows a rank sends (see the module docstring).
 
     ``max_rows``/``max_bytes``: the job's budget per publish over all ranks (0: none);
-    ``max_delay``: publishes within which every touched row is sent (1..255); ``bits``: the
-    publish's width, for the bytes a row takes (ranking.row_bytes); ``view``: the tracker view
+    ``max_delay``: publishes within which every touched row is sent (1..255); ``bits`` and
+    ``serving_params``: the publish's width and parameter form, for the bytes a row takes
+    (ranking.row_bytes); ``view``: the tracker view
     that holds the rows touched since they were last sent.
     """
 
-    def __init__(self, tracker: RowTracker, view: str, max_rows: int, max_bytes: int, max_delay: int, bits: int) -> None:
+    def __init__(self, tracker: RowTracker, view: str, max_rows: int, max_bytes: int, max_delay: int, bits: int,
+                 serving_params: bool = True) -> None:
         if not 1 <= max_delay <= MAX_DELAY_LIMIT:
             raise ValueError(f"max_delay {max_delay} is not allowed; it must be 1..{MAX_DELAY_LIMIT}")
         self.tracker, self.view = tracker, view
         self.max_rows, self.max_bytes = ranking.limits(max_rows, max_bytes)
-        self.max_delay, self.bits = max_delay, bits
+        self.max_delay, self.bits, self.serving_params = max_delay, bits, serving_params
         self.mirror: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
         self.ages: Dict[str, np.ndarray] = {t: np.zeros(table.rows, dtype=np.uint8)
                                             for t, table in tracker.tables.items() if t not in tracker.whole}
@@ -177,8 +179,8 @@ class FreshnessRanker:
                 sq += diff.mul_(diff).sum(1, dtype=torch.float64)
                 now[t].append((_key(p), rows))
             touched[t], scores[t] = ids, sq
-            sizes[t] = sum(ranking.row_bytes(int(p.tensor.shape[1]) if p.tensor.dim() > 1 else 1, self.bits)
-                           for p in plist)
+            sizes[t] = sum(ranking.row_bytes(int(p.tensor.shape[1]) if p.tensor.dim() > 1 else 1, self.bits,
+                                             self.serving_params) for p in plist)
         return touched, scores, sizes, now
 
     def _threshold(self, bins: Dict[str, torch.Tensor], overdue: Dict[str, torch.Tensor],

@@ -9,7 +9,7 @@ publish is applied, so a reader in another thread never sees one half-applied.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -21,9 +21,13 @@ class ModuleTarget:
     """The published tensors of ``module`` (app_state key ``key`` on the trainer), live.
 
     ``tensors``: published name -> live tensor, every floating-point entry of the module's
-    ``state_dict()`` (a base must hold them all). Subclasses refresh derived state (a quantized
-    copy of the tables) in ``_written`` and ``_loaded``, under the lock.
+    ``state_dict()`` (a base must hold them all). Subclasses refresh derived state in
+    ``_written`` and ``_loaded``, under the lock. ``dequantize``: whether ``apply`` takes chunks
+    as values (quantized ones dequantized while staging); a target that takes stored rows as
+    they are (cnr.publish.serving) sets it False.
     """
+
+    dequantize: bool = True
 
     def __init__(self, module: torch.nn.Module, key: str = "model") -> None:
         if not isinstance(module, torch.nn.Module):
@@ -36,6 +40,10 @@ class ModuleTarget:
             f"{key}/{name}": t for name, t in module.state_dict(keep_vars=False).items()
             if isinstance(t, torch.Tensor) and t.is_floating_point()}
         self.lock = threading.RLock()
+
+    def published_names(self) -> Set[str]:
+        """Every published name this target holds (a full base must hold them all)."""
+        return set(self.tensors)
 
     def check_tensor(self, name: str, shape: tuple, dtype: str) -> None:
         """Raise CheckpointError unless the module has tensor ``name`` of ``shape`` (published float32)."""

@@ -11,7 +11,8 @@ publishes in order.
 A publish reuses the checkpoint machinery end to end: host buffers (its share of the stall), the
 rank's background ``Writer`` process (encode, quantize at ``publish.bits``, upload), the commit
 protocol (rank 0 writes ``manifest.json`` last, after every rank's index), and the checkpoint
-layout inside the publish store::
+layout inside the publish store (quantized rows with float16 scale and bias by default,
+``PublishOptions.serving_params``, so torchrec's quantized inference tables take them as stored)::
 
     <publish store>/checkpoints/<seq:010d>-<nonce>/rank-<r>/chunk-<n>.bin, rank-<r>.json, manifest.json
 
@@ -167,7 +168,7 @@ class Publisher:
         writer_options = dataclasses.replace(writer_options, local_dir="")
         self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank, "publish", "publish")
         self.ranker = FreshnessRanker(tracker, VIEW, options.max_rows, options.max_bytes, options.max_delay,
-                                      options.bits) if options.ranked else None
+                                      options.bits, options.serving_params) if options.ranked else None
         self._taken: Optional[Taken] = None  # what the ranker took for the publish in flight
 
     @classmethod
@@ -290,7 +291,8 @@ class Publisher:
 
         def make_job(host) -> WriteJob:
             return WriteJob(plan.pub_id, plan.seq, plan.kind, plan.base, self.rank, self.world_size, host, fields,
-                            CodecPlan(p.bits, p.quant_method, compression=(zstd_spec(),)), lease=self.lease,
+                            CodecPlan(p.bits, p.quant_method, compression=(zstd_spec(),),
+                                      serving_params=p.serving_params), lease=self.lease,
                             lease_uri=self.lease_uri if self.lease is not None else "")
 
         chosen = pieces_to_write(published_pieces(pieces, plan.dense), self.rank, self.world_size)

@@ -100,12 +100,14 @@ def chosen(scores: torch.Tensor, bins: torch.Tensor, overdue: torch.Tensor, at: 
     return send
 
 
-def row_bytes(dim: int, bits: int) -> int:
+def row_bytes(dim: int, bits: int, serving_params: bool = True) -> int:
     """Stored bytes of one published row of ``dim`` values at ``bits`` before compression: packed
-    codes plus a 2-byte scale and bias each (the serving form) below 32 bits, else float32 values."""
+    codes plus a scale and a bias below 32 bits (2 bytes each in the serving form,
+    ``PublishOptions.serving_params``; else the quantizer's: 4 each at 8 bits), else float32 values."""
     if bits >= 32:
         return 4 * dim
-    return (dim * bits + 7) // 8 + 4
+    params = 4 if serving_params or bits < 8 else 8
+    return (dim * bits + 7) // 8 + params
 
 
 def limits(max_rows: int, max_bytes: int) -> Tuple[float, float]:

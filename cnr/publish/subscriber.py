@@ -102,7 +102,8 @@ class Subscriber:
     """Applies publishes from ``storage`` (a URI or an open Storage) to ``model``.
 
     ``model``: any unsharded module whose ``state_dict()`` keys are those of app_state[``key``]
-    on the trainer (the same architecture built without DMP), or a ModuleTarget such as cnr's
+    on the trainer (the same architecture built without DMP), or a ModuleTarget such as a
+    cnr.publish.serving.ServingTarget (torchrec's quantized inference tables) or cnr's
     InferenceModel. Its tensors are written in place; hold ``subscriber.model.lock`` to read
     them while another thread polls.
     """
@@ -246,9 +247,9 @@ class Subscriber:
 
     def _stage(self, manifest: Manifest) -> List[DecodedChunk]:
         """Check ``manifest`` against the model and fetch every chunk, verified (all the I/O)."""
-        names = set(manifest.tensors)
-        if manifest.kind == CheckpointKind.FULL and not set(self.model.tensors) <= names:
-            missing = sorted(set(self.model.tensors) - names)
+        names, needed = set(manifest.tensors), self.model.published_names()
+        if manifest.kind == CheckpointKind.FULL and not needed <= names:
+            missing = sorted(needed - names)
             raise CheckpointError(f"base {manifest.id} lacks tensors the subscribed module needs: {missing[:5]}")
         for name, entry in manifest.tensors.items():
             self.model.check_tensor(name, entry.shape, entry.dtype)
@@ -256,7 +257,8 @@ class Subscriber:
         chunks = []
         for entry in manifest.tensors.values():
             for ref in entry.chunks:
-                chunks.append(fetch_chunk(self.storage, ref, tensor_rows=entry.shape[0] if entry.shape else None))
+                chunks.append(fetch_chunk(self.storage, ref, dequantize=self.model.dequantize,
+                                          tensor_rows=entry.shape[0] if entry.shape else None))
                 self.stats.bytes_read += ref.nbytes
         return chunks
 

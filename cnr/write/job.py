@@ -23,6 +23,9 @@ class CodecPlan:
     one, cnr.codec.zstd) of the chunks of compressible codecs, quantized and log8 ones (raw chunks
     are stored as they are); ``small_table_rows``/``small_table_bits``: wider rows for tables of
     at most that many rows; ``table_bits``: table id -> its rows' width, over both.
+    ``serving_params``: table rows below 32 bits keep a float16 scale and bias whatever their width,
+    the parameters of fbgemm's fused rows (a publish that torchrec's quantized inference tables
+    take as stored, cnr.codec.quant.quantize.quantize_serving_rows); checkpoints leave it False.
     """
 
     bits: int = 32
@@ -32,6 +35,7 @@ class CodecPlan:
     small_table_rows: int = 0
     small_table_bits: int = 8
     table_bits: Dict[str, int] = field(default_factory=dict)
+    serving_params: bool = False
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def check_finite(piece: HostPiece, block: torch.Tensor, first_row: int) -> None:
 
 def _target(job: WriteJob, piece: HostPiece, search: Optional[Any]) -> Target:
     return Target(bits=quantized_bits(job, piece), job_bits=job.plan.bits, method=job.plan.method, search=search,
-                  name=piece.name)
+                  name=piece.name, serving_params=job.plan.serving_params and piece.role == Role.TABLE_ROWS)
 
 
 def searched_rows(job: WriteJob) -> int:

@@ -191,6 +191,19 @@ def _bias_dtype(bits: int, xmin: torch.Tensor, xmax: torch.Tensor) -> torch.dtyp
     return torch.float16 if bool(ok.all()) else BIAS_DTYPE
 
 
+def _serving_dtypes(bits: int, xmin: torch.Tensor, xmax: torch.Tensor, name: str) -> Tuple[torch.dtype, torch.dtype]:
+    """(float16, float16) when float16 holds every row's values and full-range scale (within
+    +-65504), else the default choice (_scale_dtype, _bias_dtype), logged: such rows are not
+    squeezed into float16 parameters."""
+    limit = _FP16_NORMAL[1]
+    fits = (xmin >= -limit) & (xmax <= limit) & ((xmax - xmin) / float((1 << bits) - 1) <= limit)
+    if bool(fits.all()):
+        return torch.float16, torch.float16
+    logger.warning("%s: %d of %d rows hold values or ranges beyond float16's +-%g; stored with the quantizer's own "
+                   "scale and bias precision, not the serving form", name, int((~fits).sum()), fits.numel(), limit)
+    return _scale_dtype(bits, xmin, xmax), _bias_dtype(bits, xmin, xmax)
+
+
 def _params(lo: torch.Tensor, hi: torch.Tensor, qmax: float, scale_dtype: torch.dtype,
             bias_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stored (rounded) scale and bias for ranges ``[lo, hi]``, plus the inverse scale.
@@ -285,11 +298,12 @@ def _block_params(x: torch.Tensor, bounds: Tuple[torch.Tensor, torch.Tensor], bi
 def quantize_rows_with_dtypes(
     x: torch.Tensor, bits: int, method: str = "adaptive", num_bins: Optional[int] = None,
     ratio: Optional[float] = None, *, name: str = "tensor", scale_dtype: Optional[torch.dtype] = None,
-    bias_dtype: Optional[torch.dtype] = None, search: Optional[Fused] = None,
+    bias_dtype: Optional[torch.dtype] = None, search: Optional[Fused] = None, serving: bool = False,
 ) -> QuantizedRows:
     """:func:`quantize_rows` with a chosen per-row parameter precision (float16 or float32;
-    None: the default choice). For measurements (cnr.bench.quantize) and torch comparisons;
-    the checkpoint path uses :func:`quantize_rows`. When the scale is float16 and every value
+    None: the default choice, or with ``serving`` float16 where it fits, _serving_dtypes). For
+    measurements (cnr.bench.quantize), torch comparisons and :func:`quantize_serving_rows`; the
+    checkpoint path uses :func:`quantize_rows`. When the scale is float16 and every value
     fits float16, the adaptive search scores candidates with torch's float16 scale and bias
     (see _adaptive_params); otherwise with the parameters rounded to these dtypes.
     """
@@ -300,6 +314,8 @@ def quantize_rows_with_dtypes(
         if dtype not in (None, torch.float16, torch.float32):
             raise ConfigError(f"{label}={dtype!r} is not allowed; allowed: torch.float16, torch.float32")
     x, xmin, xmax = checked_input(x, name)
+    if serving and scale_dtype is None and bias_dtype is None:
+        scale_dtype, bias_dtype = _serving_dtypes(bits, xmin, xmax, name)
     scale_dtype = scale_dtype or _scale_dtype(bits, xmin, xmax)
     bias_dtype = bias_dtype or _bias_dtype(bits, xmin, xmax)
     # torch's fp16 scoring only where its fp16 scale and bias are meaningful for every row.
@@ -340,6 +356,28 @@ def quantize_rows(
     search's compiled kernels (cnr.codec.quant.range_search.CompiledSearch.get()), or None for the eager ones.
     """
     return quantize_rows_with_dtypes(x, bits, method, num_bins, ratio, name=name, search=search)
+
+
+def quantize_serving_rows(
+    x: torch.Tensor, bits: int, method: str = "adaptive", *, name: str = "tensor", search: Optional[Fused] = None,
+) -> QuantizedRows:
+    """:func:`quantize_rows` with a float16 scale and bias on every row at every width: the form of
+    fbgemm's fused n-bit rows, which torchrec's quantized inference tables hold, so a subscriber
+    copies the rows in as stored (cnr.publish.serving).
+
+    Codes are computed from the rounded parameters, as always, so float16 costs accuracy only
+    through the grid it stores: a bias rounded above a row's minimum clamps the values below it
+    (by at most half a float16 ulp of the bias), and a scale below float16's normal range (6.1e-5:
+    8-bit rows spanning less than 0.016, such as torchrec's initial values of ~1e-4) is subnormal,
+    with an absolute spacing of 6e-8 that adds up to ``qmax * 3e-8`` per value (7.6e-6 at 8
+    bits); a scale that rounds to 0 stores the row as its bias. fbgemm's own quantizer
+    (FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf) rounds its parameters the same way: at 8 bits
+    with the naive method the rows are its rows, and the adaptive method's are at most its error
+    per row. A call holding a row float16 cannot represent (a value or a full-range scale
+    beyond +-65504) keeps quantize_rows's parameters, logged: those chunks are converted by a
+    serving subscriber rather than silently rounded here.
+    """
+    return quantize_rows_with_dtypes(x, bits, method, name=name, search=search, serving=True)
 
 
 def l2_per_row(x: torch.Tensor, q: StoredRows) -> torch.Tensor:
