@@ -88,12 +88,12 @@ def compare(runs: Dict[str, List[Dict[str, float]]]) -> Dict[str, Any]:
     return {
         "ranked_bytes_reduction": round(full / mean("ranked", "bytes"), 2),
         "all_rows_bytes_reduction": round(full / mean("all_rows", "bytes"), 2),
-        "ranked_logloss_delta": round(mean("ranked", "served_logloss") - mean("all_rows", "served_logloss"), 5),
-        "seed_spread_logloss": round(max(all_loss) - min(all_loss), 5),
-        "ranked_auc_delta": round(mean("ranked", "served_auc") - mean("all_rows", "served_auc"), 5),
-        "ranked_logloss_over_fresh": round(mean("ranked", "served_logloss") - mean("ranked", "fresh_logloss"), 5),
-        "all_rows_logloss_over_fresh": round(mean("all_rows", "served_logloss") - mean("all_rows", "fresh_logloss"), 5),
-        "per_seed": {mode: [{k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()} for r in rs]
+        "ranked_logloss_delta": round(mean("ranked", "served_logloss") - mean("all_rows", "served_logloss"), 7),
+        "seed_spread_logloss": round(max(all_loss) - min(all_loss), 7),
+        "ranked_auc_delta": round(mean("ranked", "served_auc") - mean("all_rows", "served_auc"), 7),
+        "ranked_logloss_over_fresh": round(mean("ranked", "served_logloss") - mean("ranked", "fresh_logloss"), 7),
+        "all_rows_logloss_over_fresh": round(mean("all_rows", "served_logloss") - mean("all_rows", "fresh_logloss"), 7),
+        "per_seed": {mode: [{k: round(v, 7) if isinstance(v, float) else v for k, v in r.items()} for r in rs]
                      for mode, rs in runs.items()},
     }
 
