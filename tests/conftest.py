@@ -163,6 +163,8 @@ SLOW_TESTS = {
     "tests/test_bench_accuracy.py::test_bench_accuracy_tiny_control_is_exact",
     "tests/test_bench_policies.py::test_bench_policies_runs_real_training",
     "tests/test_bench_restore_ranks.py::test_two_ranks_one_round",  # test_bench_restore's tiny run at world size 1
+    # bench publish's ranked/all-rows comparison: its compare() stays in, and test_api_publish_ranked
+    "tests/test_bench_publish.py::test_the_comparison_runs_both_publishers_on_the_same_training",
     # conformance: test_conformance's other cells and test_managed_collision[one_shot-1]
     "tests/test_managed_collision.py::test_managed_collision_modules_resume_exactly[consecutive-2]",
     "tests/test_conformance.py::test_column_split_tables_resume_exactly_and_restore_at_one_rank",

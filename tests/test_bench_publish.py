@@ -66,3 +66,55 @@ def test_served_int4_tables_take_a_quarter_of_fp32_at_dim_16():
     config = load_config(TINY, [])
     # 8 code bytes and 4 parameter bytes per row, padded to fbgemm's 16, against 64 in fp32
     assert served_over_fp32(config, "int4") == 0.25 and served_over_fp32(config, "int8") == 0.5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seeds", "a,b"], "--seeds 'a,b' is not allowed"),
+    (["--max-delay", "0"], "--max-delay 0 is not allowed"),
+    (["--max-bytes", "-1"], "--max-bytes -1 is not allowed"),
+])
+def test_bad_comparison_arguments_are_rejected(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        run(argv)
+
+
+def test_the_headline_carries_the_issue_figures():
+    from cnr.bench.publish import headline
+
+    baseline = {"train_seconds": 10.0, "step_ms_median": 40.0, "load_avg_1m": [0.5, 0.5]}
+    local = summarize(_run_record(), baseline)
+    out = headline({"local": local, "ranked": {"ranked_bytes_reduction": 14.2, "ranked_logloss_delta": 0.0001,
+                                               "seed_spread_logloss": 0.002}})
+    assert out == {"ranked_bytes_reduction": 14.2, "ranked_logloss_delta": 0.0001, "seed_spread_logloss": 0.002,
+                   "applied_median_s_local": 0.45, "applied_median_s_s3": None,
+                   "stall_over_train": round(local["stall"]["pct_of_train"] / 100, 5)}
+
+
+def test_compare_relates_the_ranked_publisher_to_all_rows_over_seeds():
+    from cnr.bench.publish_ranked import compare
+
+    def steady(nbytes, served, fresh):
+        return {"bytes": nbytes, "served_logloss": served, "served_auc": 0.7, "fresh_logloss": fresh,
+                "fresh_auc": 0.71, "publishes": 31, "full_fp32_bytes": 1300}
+
+    out = compare({"all_rows": [steady(200, 0.50, 0.49), steady(200, 0.52, 0.51)],
+                   "ranked": [steady(100, 0.505, 0.49), steady(100, 0.525, 0.51)]})
+    assert out["ranked_bytes_reduction"] == 13.0 and out["all_rows_bytes_reduction"] == 6.5
+    assert out["ranked_logloss_delta"] == 0.005 and out["seed_spread_logloss"] == 0.02
+    assert out["ranked_logloss_over_fresh"] == 0.015 and out["all_rows_logloss_over_fresh"] == 0.01
+
+
+def test_the_comparison_runs_both_publishers_on_the_same_training(tmp_path):
+    """A short real run: both subscribers follow the same training; the ranked one stores fewer
+    bytes per publish, and its subscriber evaluates within reach of the all-rows one."""
+    from cnr.app.config import load_config
+    from cnr.bench.publish_ranked import run_comparison
+
+    config = load_config("configs/tiny.yaml", ["checkpoint.enabled=false", "publish.full_every=1000",
+                                               "publish.interval=5", "publish.dense_interval=5", "train.steps=20"])
+    out = run_comparison(config, [0], 0, 2, str(tmp_path))
+    all_rows, ranked = out["per_seed"]["all_rows"][0], out["per_seed"]["ranked"][0]
+    assert all_rows["publishes"] == ranked["publishes"] == 4
+    assert ranked["bytes"] < all_rows["bytes"] and out["ranked_bytes_reduction"] > out["all_rows_bytes_reduction"]
+    assert all_rows["fresh_logloss"] == ranked["fresh_logloss"]  # one training, measured once
+    assert abs(out["ranked_logloss_delta"]) < 0.05

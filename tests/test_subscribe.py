@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from typing import Dict
 
 import pytest
@@ -32,6 +33,8 @@ from cnr.format.layout import manifest_key
 from cnr.format.catalog import read_manifest
 from cnr.app.parallel import build_sharded_model
 from cnr.app.train import make_publisher
+from cnr.storage import open_storage
+from cnr.storage.wrapper import WrapperStorage
 from cnr.track.app_state import collect_state
 from cnr.track.state import gather_global
 from cnr.storage.local import LocalStorage
@@ -327,3 +330,41 @@ def test_a_store_that_went_back_is_reloaded_not_skipped_behind_the_stale_seq(his
     assert sub.poll() == [] and sub.applied.id == ids[3]
     assert "holds no committed publish" in sub.stats.errors[-1]
     assert digest(model.snapshot()) == history["expected"][3]
+
+
+class _SlowChunkReads(WrapperStorage):
+    """Each ranged read (a chunk) takes 50 ms, as an object store's first byte does; counts how
+    many are in flight at once."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def get(self, key, byte_range=None, *, limit=None):
+        if byte_range is None:
+            return self.inner.get(key, byte_range, limit=limit)
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.05)
+            return self.inner.get(key, byte_range, limit=limit)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_chunks_are_fetched_several_at_once_and_applied_in_order(history):
+    slow = _SlowChunkReads(open_storage(history["store"]))
+    model = InferenceModel(history["config"])
+    sub = Subscriber(slow, model, fetch_threads=4)
+    ids = ids_by_seq(history["store"])
+    for seq in sorted(ids):
+        assert sub.apply(ids[seq])
+        assert digest(model.snapshot()) == history["expected"][seq]
+    assert slow.most > 1  # one fetch at a time would wait out every object's latency in turn
+    serial = _SlowChunkReads(open_storage(history["store"]))
+    Subscriber(serial, InferenceModel(history["config"]), fetch_threads=1).poll()
+    assert serial.most == 1
+    with pytest.raises(ValueError, match="fetch_threads=0 is not allowed; it must be an integer from 1 to 64"):
+        Subscriber(history["store"], model, fetch_threads=0)

@@ -138,7 +138,7 @@ class PublishConfig(PublishOptions):
     NOT_KEYS: ClassVar[Tuple[str, ...]] = ("uri",)
     # keys newer than the configs checkpoints record: recorded only when set away from their
     # default, so a job that leaves them alone writes the manifests it wrote before they existed
-    RECORDED_IF_SET: ClassVar[Tuple[str, ...]] = ("serving_params",)
+    RECORDED_IF_SET: ClassVar[Tuple[str, ...]] = ("serving_params", "max_rows", "max_bytes", "max_delay")
 
     enabled: bool = False
     storage: str = ""

@@ -50,6 +50,7 @@ from cnr.errors import ConfigError
 from cnr.app.launch import launch
 from cnr.app.parallel import build_sharded_model
 from cnr.app.train import make_publisher
+from cnr.bench.publish_ranked import run_comparison
 from cnr.track.app_state import collect_state
 
 STORES = ("local", "s3")
@@ -197,6 +198,21 @@ def summarize(run: Dict[str, Any], baseline: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def headline(results: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """The issue's figures from the per-store and comparison results (None where not run): the
+    ranked comparison's, each store's median trigger -> applied of an increment, and the worst
+    store's publishing stall over its training time."""
+    ranked = results.get("ranked") or {}
+    applied = {store: results[store]["freshness_s"]["increment"]["applied"]["median"]
+               for store in STORES if store in results}
+    stalls = [results[store]["stall"]["pct_of_train"] / 100 for store in STORES if store in results]
+    return {"ranked_bytes_reduction": ranked.get("ranked_bytes_reduction"),
+            "ranked_logloss_delta": ranked.get("ranked_logloss_delta"),
+            "seed_spread_logloss": ranked.get("seed_spread_logloss"),
+            "applied_median_s_local": applied.get("local"), "applied_median_s_s3": applied.get("s3"),
+            "stall_over_train": round(max(stalls), 5) if stalls else None}
+
+
 def _parse(argv: List[str]):
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps per run")
@@ -205,7 +221,24 @@ def _parse(argv: List[str]):
                         help=f"subscriber poll period in seconds, in (0, {MAX_POLL_S:.0f}]")
     parser.add_argument("--serving", choices=SERVING, default="fp32",
                         help="the subscriber's tables: fp32, or torchrec's quantized inference EBC at int8 or int4")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="seeds of the ranked/all-rows accuracy comparison (cnr.bench.publish_ranked); '' skips it")
+    parser.add_argument("--compare-config", default="configs/accuracy.yaml",
+                        help="the config the accuracy comparison trains (its publish interval: --compare-interval)")
+    parser.add_argument("--compare-interval", type=int, default=12, help="steps between the comparison's publishes")
+    parser.add_argument("--max-bytes", type=int, default=0,
+                        help="the ranked publisher's budget in bytes (0: a 16th of a full fp32 publish)")
+    parser.add_argument("--max-delay", type=int, default=8, help="the ranked publisher's bound, in publishes (1..255)")
     args = parser.parse_args(argv_list(argv))
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"bench publish: --seeds {args.seeds!r} is not allowed; give comma-separated integers") from None
+    for flag, value, ok, allowed in (("--compare-interval", args.compare_interval, args.compare_interval >= 1, ">= 1"),
+                                     ("--max-bytes", args.max_bytes, args.max_bytes >= 0, ">= 0"),
+                                     ("--max-delay", args.max_delay, 1 <= args.max_delay <= 255, "1..255")):
+        if not ok:
+            raise ConfigError(f"bench publish: {flag} {value} is not allowed; it must be {allowed}")
     stores = [s for s in args.stores.split(",") if s]
     bad = [s for s in stores if s not in STORES]
     if bad or not stores:
@@ -237,6 +270,12 @@ def run(argv: List[str]) -> Dict[str, Any]:
                 uri = os.path.join(workdir, "publish")
             run_out = _run_store(config, uri, args.steps, args.poll_s, workdir, args.serving)
             results[store] = summarize(run_out, baseline)
+        if args.seed_list:
+            compare_config = load_config(args.compare_config, ["checkpoint.enabled=false", "publish.full_every=1000",
+                                                               f"publish.interval={args.compare_interval}",
+                                                               f"publish.dense_interval={args.compare_interval}"])
+            results["ranked"] = run_comparison(compare_config, args.seed_list, args.max_bytes, args.max_delay,
+                                               os.path.join(workdir, "compare"))
     finally:
         if s3 is not None:
             s3.stop()
@@ -248,4 +287,4 @@ def run(argv: List[str]) -> Dict[str, Any]:
                         "bits": p.bits, "keep_bases": p.keep_bases},
             "poll_s": args.poll_s, "full_model_fp32_bytes": baseline["model_fp32_bytes"], "serving": args.serving,
             "serving_int4_bytes_over_fp32_tables": round(served_over_fp32(config, "int4"), 4),
-            "baseline_train_s": round(baseline["train_seconds"], 3), **results}
+            "baseline_train_s": round(baseline["train_seconds"], 3), **headline(results), **results}

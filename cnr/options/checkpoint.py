@@ -206,6 +206,14 @@ class PublishOptions:
       as fbgemm's fused rows do, so a serving subscriber (cnr.publish.serving) copies them into
       torchrec's quantized inference tables as stored; False: the quantizer's own precision
       (float32 at 8 bits), which such a subscriber converts.
+    - ``max_rows`` / ``max_bytes``: freshness ranking (cnr.publish.freshness). An increment holds
+      at most this many table rows / stored bytes of table rows (packed codes plus scale and bias,
+      before compression), over all ranks: the touched rows that moved most since the subscriber
+      last received them; the rest wait for a later publish. 0: no limit (every touched row).
+      Bases, tables kept whole (data-parallel ones) and a job's last publish (``wait=True``)
+      are not limited.
+    - ``max_delay``: with a limit, every touched row is sent within this many publishes (1..255):
+      a row deferred ``max_delay - 1`` times goes out with the next publish past the budget.
     """
 
     uri: str = ""
@@ -215,6 +223,14 @@ class PublishOptions:
     quant_method: QuantMethod = QuantMethod.DEFAULT
     keep_bases: int = 2
     serving_params: bool = True
+    max_rows: int = 0
+    max_bytes: int = 0
+    max_delay: int = 4
+
+    @property
+    def ranked(self) -> bool:
+        """Whether increments are freshness-ranked (a row or byte limit is set)."""
+        return bool(self.max_rows or self.max_bytes)
 
     def __post_init__(self) -> None:
         check_record(self, PUBLISH_OPTIONS, cls=PublishOptions)

@@ -146,3 +146,8 @@ def check_publish(p: Any, names: Naming, interval: Optional[int] = None) -> None
                   + ", ".join(str(b) for b in PUBLISH_BITS))
     names.require(p.keep_bases >= 0, f"{names.subject('keep_bases')} = {p.keep_bases} is not allowed; "
                   "it must be >= 0 (0 keeps everything)")
+    for limit in ("max_rows", "max_bytes"):
+        value = getattr(p, limit)
+        names.require(value >= 0, f"{names.subject(limit)} = {value} is not allowed; it must be >= 0 (0: no limit)")
+    names.require(1 <= p.max_delay <= 255, f"{names.subject('max_delay')} = {p.max_delay} is not allowed; "
+                  "it must be 1..255 (publishes within which every touched row is sent)")

@@ -48,6 +48,7 @@ from cnr.track import agreement
 from cnr.write.handoff import RUNNING, HandOff, SettleMode, Settled
 from cnr.track.app_state import AppState, whole_tables
 from cnr.options import CheckpointOptions, PublishOptions
+from cnr.publish.freshness import FreshnessRanker, Taken
 from cnr.format.layout import make_id
 from cnr.format.catalog import newest_committed
 from cnr.policy.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
@@ -95,13 +96,16 @@ class PublishStats(WriteTotals):
     """This process's publishing totals (WriteTotals).
 
     ``records`` (rank 0): one dict per settled publish (id, seq, step, kind, dense, status, bytes,
-    background seconds, trigger_unix_us).
+    background seconds, trigger_unix_us; for a freshness-ranked increment also rank 0's
+    rows_sent, rows_deferred and rows_overdue).
     """
 
     published: int = 0
     failed: int = 0
     skipped: int = 0
     records: List[Dict[str, Any]] = field(default_factory=list)
+    taken: List[Taken] = field(default_factory=list)
+    """This rank's rows of each settled freshness-ranked increment (cnr.publish.freshness.Taken)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,9 @@ class Publisher:
         # its own retention; publishes go straight to their store (the local tier is the checkpoints')
         writer_options = dataclasses.replace(writer_options, local_dir="")
         self.handoff = HandOff(Writer(uri, writer_options, retain=retain), tracker, rank, "publish", "publish")
+        self.ranker = FreshnessRanker(tracker, VIEW, options.max_rows, options.max_bytes, options.max_delay,
+                                      options.bits, options.serving_params) if options.ranked else None
+        self._taken: Optional[Taken] = None  # what the ranker took for the publish in flight
 
     @classmethod
     def for_model(cls, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
@@ -213,7 +220,7 @@ class Publisher:
         plan = agreement.rank0_decides(f"publish: what the last publish lacks at step {step}",
                                        lambda: self._decide(step, force_dense=True) if lacks else None)
         if plan is not None:
-            self._submit(pieces, plan)
+            self._submit(pieces, plan, limited=False)  # a job's last word: every touched row
             self.wait()
         self.stats.drain_seconds += time.perf_counter() - start
         return plan.pub_id if plan is not None else None
@@ -263,10 +270,18 @@ class Publisher:
         return _Plan(make_id(seq, uuid.uuid4().hex[:8]), seq, step, kind, None if full else c.last_id, dense,
                      int(time.time() * 1e6))
 
-    def _submit(self, pieces: List[StatePiece], plan: _Plan) -> None:
-        """The snapshot (this publish's share of the stall) and the hand-off to the writer."""
+    def _submit(self, pieces: List[StatePiece], plan: _Plan, limited: bool = True) -> None:
+        """The snapshot (this publish's share of the stall) and the hand-off to the writer. With
+        freshness ranking an increment holds the rows the ranker takes (collective; ``limited``:
+        within the budget), and a base resets the ranker."""
         self.tracker.fold()
-        captured = self.tracker.capture(VIEW, clear=True)
+        self._taken = None
+        if self.ranker is not None and plan.kind == CheckpointKind.INCREMENTAL:
+            captured, self._taken = self.ranker.take(pieces, limited)
+        else:
+            captured = self.tracker.capture(VIEW, clear=True)
+            if self.ranker is not None:
+                self.ranker.reset(pieces)
         row_ids = self.tracker.capture_row_ids(captured.bitmap) if plan.kind == CheckpointKind.INCREMENTAL else None
         fields = None
         if self.rank == 0:
@@ -293,6 +308,10 @@ class Publisher:
         plan, result = settled.token, settled.result
         if result is not None:
             self.stats.bytes_written += result.bytes_written
+        if self.ranker is not None:
+            self.ranker.settle(settled.committed)
+            if self._taken is not None:
+                self.stats.taken.append(self._taken)
         c = self.chain
         if settled.committed:
             self.stats.published += 1
@@ -309,7 +328,14 @@ class Publisher:
                 "id": plan.pub_id, "seq": plan.seq, "step": plan.step, "kind": plan.kind.value, "dense": plan.dense,
                 "status": settled.status.value, "bytes": result.bytes_written if result is not None else 0,
                 "background_seconds": round(result.seconds, 6) if result is not None else None,
-                "trigger_unix_us": plan.trigger_unix_us})
+                "trigger_unix_us": plan.trigger_unix_us, **_taken_record(self._taken)})
+
+
+def _taken_record(taken: Optional[Taken]) -> Dict[str, int]:
+    """A ranked increment's counts on rank 0 (none for other publishes)."""
+    if taken is None:
+        return {}
+    return {"rows_sent": taken.sent, "rows_deferred": taken.deferred, "rows_overdue": taken.overdue}
 
 
 def _newest_seq(uri: str) -> int:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -43,14 +44,15 @@ from cnr.format.catalog import read_manifest, resolve_chain
 from cnr.format.chunks import fetch_chunk
 from cnr.storage import open_storage
 from cnr.storage.base import Storage
-from cnr.types import CheckpointKind, Role
+from cnr.types import CheckpointKind, ChunkRef, Role
 
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "cnr.subscriber-state"
 STATE_VERSION = 1
 _RELOAD_TRIES = 3  # a reload races retention at most a few times before a newer base is stable
-_KEPT = 10000  # records and errors kept, so a subscriber that runs for months stays small
+_KEPT = 10000
+MAX_FETCH_THREADS = 64  # records and errors kept, so a subscriber that runs for months stays small
 
 
 class GapError(CheckpointError):
@@ -105,11 +107,19 @@ class Subscriber:
     on the trainer (the same architecture built without DMP), or a ModuleTarget such as a
     cnr.publish.serving.ServingTarget (torchrec's quantized inference tables) or cnr's
     InferenceModel. Its tensors are written in place; hold ``subscriber.model.lock`` to read
-    them while another thread polls.
+    them while another thread polls. ``fetch_threads``: chunks fetched and verified at once while
+    staging (1 to MAX_FETCH_THREADS; an object store's latency, not its bandwidth, bounds one
+    fetch at a time).
     """
 
     def __init__(self, storage: Union[str, Storage], model: Union[ModuleTarget, torch.nn.Module],
-                 state_path: Optional[str] = None, key: str = "model") -> None:
+                 state_path: Optional[str] = None, key: str = "model", fetch_threads: int = 8) -> None:
+        if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) \
+                or not 1 <= fetch_threads <= MAX_FETCH_THREADS:
+            raise ValueError(f"fetch_threads={fetch_threads!r} is not allowed; it must be an integer from 1 to "
+                             f"{MAX_FETCH_THREADS}")
+        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="cnr-subscriber-fetch") \
+            if fetch_threads > 1 else None
         self.model = model if isinstance(model, ModuleTarget) else ModuleTarget(model, key)
         self.storage = open_storage(storage) if isinstance(storage, str) else storage
         self.state_path = state_path
@@ -179,6 +189,8 @@ class Subscriber:
                 "skipped": s.skipped, "bytes_read": s.bytes_read, "errors": list(s.errors)}
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.storage.close()
 
     # ---- ordering ----------------------------------------------------------------------------
@@ -254,12 +266,16 @@ class Subscriber:
         for name, entry in manifest.tensors.items():
             self.model.check_tensor(name, entry.shape, entry.dtype)
         check_coverage(manifest.tensors, manifest.kind)
-        chunks = []
-        for entry in manifest.tensors.values():
-            for ref in entry.chunks:
-                chunks.append(fetch_chunk(self.storage, ref, dequantize=self.model.dequantize,
-                                          tensor_rows=entry.shape[0] if entry.shape else None))
-                self.stats.bytes_read += ref.nbytes
+        refs = [(ref, entry.shape[0] if entry.shape else None) for entry in manifest.tensors.values()
+                for ref in entry.chunks]
+
+        def fetch(item: Tuple[ChunkRef, Optional[int]]) -> DecodedChunk:
+            return fetch_chunk(self.storage, item[0], dequantize=self.model.dequantize, tensor_rows=item[1])
+
+        # in the manifest's order whatever order they arrive in; the first error is raised
+        chunks = list(self._pool.map(fetch, refs)) if self._pool is not None and len(refs) > 1 else \
+            [fetch(item) for item in refs]
+        self.stats.bytes_read += sum(ref.nbytes for ref, _rows in refs)
         return chunks
 
     def _apply_chain(self, chain: List[Manifest], reload: bool) -> None:
