@@ -95,13 +95,14 @@ def test_compare_relates_the_ranked_publisher_to_all_rows_over_seeds():
 
     def steady(nbytes, served, fresh):
         return {"bytes": nbytes, "served_logloss": served, "served_auc": 0.7, "fresh_logloss": fresh,
-                "fresh_auc": 0.71, "publishes": 31, "full_fp32_bytes": 1300}
+                "fresh_auc": 0.71, "publishes": 31, "full_fp32_bytes": 1300, "table_gap": nbytes / 1e4}
 
     out = compare({"all_rows": [steady(200, 0.50, 0.49), steady(200, 0.52, 0.51)],
                    "ranked": [steady(100, 0.505, 0.49), steady(100, 0.525, 0.51)]})
     assert out["ranked_bytes_reduction"] == 13.0 and out["all_rows_bytes_reduction"] == 6.5
     assert out["ranked_logloss_delta"] == 0.005 and out["seed_spread_logloss"] == 0.02
     assert out["ranked_logloss_over_fresh"] == 0.015 and out["all_rows_logloss_over_fresh"] == 0.01
+    assert out["ranked_table_gap"] == 0.01 and out["all_rows_table_gap"] == 0.02
 
 
 def test_the_comparison_runs_both_publishers_on_the_same_training(tmp_path):
@@ -118,3 +119,6 @@ def test_the_comparison_runs_both_publishers_on_the_same_training(tmp_path):
     assert ranked["bytes"] < all_rows["bytes"] and out["ranked_bytes_reduction"] > out["all_rows_bytes_reduction"]
     assert all_rows["fresh_logloss"] == ranked["fresh_logloss"]  # one training, measured once
     assert abs(out["ranked_logloss_delta"]) < 0.05
+    # the budget defers the rows that moved least: the subscriber stays as close to the trainer as
+    # with every row (sending the rows that moved most last instead: a gap over 100x larger)
+    assert ranked["table_gap"] <= 1.05 * all_rows["table_gap"]

@@ -13,7 +13,9 @@ Figures (means over the publishes after the first base, then over seeds):
   same for all rows);
 - ``ranked_logloss_delta``: the ranked subscriber's eval logloss minus the all-rows one's;
 - ``seed_spread_logloss``: max minus min over seeds of the all-rows subscriber's logloss;
-- ``*_logloss_over_fresh``: a subscriber's logloss minus the fully fresh model's, at the same step.
+- ``*_logloss_over_fresh``: a subscriber's logloss minus the fully fresh model's, at the same step;
+- ``*_table_gap``: ``||served - trained|| / ||trained||`` over every table row, right after each
+  publish was applied (what the budget leaves behind, and the quantization error).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from cnr.app.launch import launch
 from cnr.app.parallel import build_sharded_model, train_step
 from cnr.app.train import make_publisher
 from cnr.track.app_state import collect_state
+from cnr.track.state import StatePiece
+from cnr.types import Role
 
 MODES = ("all_rows", "ranked")
 
@@ -58,17 +62,32 @@ def _publishing_run(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str
                 publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
                 publisher.wait()
                 subscriber.poll()
+                gap = _table_gap(subscriber.model.tensors, collect_state(sharded.model, sharded.dense_optimizer))
                 served = subscriber.model.evaluate()
                 # training does not depend on publishing: the fresh model is the same in both modes
                 fresh = evaluate(config, sharded.model, rank, world_size, device) if arg["fresh"] else served
-                evals.append({"step": step, "served_logloss": served["logloss"], "served_auc": served["auc"],
+                evals.append({"step": step, "table_gap": gap, "served_logloss": served["logloss"], "served_auc": served["auc"],
                               "fresh_logloss": fresh["logloss"], "fresh_auc": fresh["auc"]})
     finally:
         publisher.close()
         subscriber.close()
     records = [r for r in publisher.stats.records if r["status"] == "committed"]
     return {"evals": evals, "bytes": [r["bytes"] for r in records], "kinds": [r["kind"] for r in records],
-            "full_fp32_bytes": full_fp32}
+            "full_fp32_bytes": full_fp32, "rows": [(t.sent, t.deferred, t.overdue) for t in publisher.stats.taken]}
+
+
+def _table_gap(served: Dict[str, torch.Tensor], pieces: List[StatePiece]) -> float:
+    """How far the subscriber's tables are from the trainer's: ``||served - trained|| / ||trained||``
+    over every table row (L2, float64)."""
+    diff = norm = 0.0
+    for p in pieces:
+        if p.role != Role.TABLE_ROWS:
+            continue
+        (r0, c0), (rows, cols) = p.region.offsets[:2], p.region.sizes[:2]
+        trained = p.tensor.detach().double()
+        diff += float((served[p.name][r0:r0 + rows, c0:c0 + cols].double() - trained).square().sum())
+        norm += float(trained.square().sum())
+    return (diff / norm) ** 0.5 if norm else 0.0
 
 
 def _steady(run: Dict[str, Any]) -> Dict[str, float]:
@@ -77,6 +96,7 @@ def _steady(run: Dict[str, Any]) -> Dict[str, float]:
     mean = lambda key: statistics.fmean(e[key] for e in evals)  # noqa: E731
     return {"bytes": statistics.fmean(run["bytes"][1:]), "served_logloss": mean("served_logloss"),
             "served_auc": mean("served_auc"), "fresh_logloss": mean("fresh_logloss"), "fresh_auc": mean("fresh_auc"),
+            "table_gap": mean("table_gap"),
             "publishes": len(run["bytes"]), "full_fp32_bytes": run["full_fp32_bytes"]}
 
 
@@ -93,6 +113,8 @@ def compare(runs: Dict[str, List[Dict[str, float]]]) -> Dict[str, Any]:
         "ranked_auc_delta": round(mean("ranked", "served_auc") - mean("all_rows", "served_auc"), 7),
         "ranked_logloss_over_fresh": round(mean("ranked", "served_logloss") - mean("ranked", "fresh_logloss"), 7),
         "all_rows_logloss_over_fresh": round(mean("all_rows", "served_logloss") - mean("all_rows", "fresh_logloss"), 7),
+        "ranked_table_gap": round(mean("ranked", "table_gap"), 7),
+        "all_rows_table_gap": round(mean("all_rows", "table_gap"), 7),
         "per_seed": {mode: [{k: round(v, 7) if isinstance(v, float) else v for k, v in r.items()} for r in rs]
                      for mode, rs in runs.items()},
     }
