@@ -187,7 +187,8 @@ class Checkpointer:
 
     def _start_background(self) -> None:
         """Once per Checkpointer: start the writer process (unless started) and allocate the
-        snapshot's host buffers in the background, so that no save() allocates them."""
+        host buffers of the snapshots and publishes in the background, so that no save() and no
+        first publish allocates them."""
         if self._background_started:
             return
         self._background_started = True
@@ -195,7 +196,10 @@ class Checkpointer:
         if start is not None:
             start()
         try:
-            self.engine.prepare(self.app.pieces())
+            pieces = self.app.pieces()
+            self.engine.prepare(pieces)
+            if self.publisher is not None:
+                self.publisher.prepare(pieces)
         except Exception as e:  # noqa: BLE001 - an optimisation only; save() reports unstorable state
             logger.debug("host buffers not prepared ahead: %s", e)
 

@@ -102,3 +102,33 @@ def test_a_job_that_lost_its_lease_publishes_nothing_more(tmp_path, caplog):
     out = launch(_publish_after_losing_the_lease, 1, {"uri": uri})
     assert out["first"] and out["published"] == 1 and out["failed"] == 1
     assert [pub_id for _seq, pub_id in committed_publishes(open_storage(uri + "/publish"))] == [out["first"]]
+
+
+def _first_publish(rank, world_size, arg):
+    from cnr.publish.publisher import Publisher, published_pieces
+    from cnr.write.engine import pieces_to_write
+
+    dmp, adam, sched = build(world_size)
+    app_state = {"model": dmp, "optim": adam, "sched": sched}
+    out = {}
+    with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(), publish=cnr.PublishOptions()) as ckpt:
+        buffers = ckpt.publisher.handoff.buffers
+        buffers.wait_prepared()
+        pieces = pieces_to_write(published_pieces(ckpt.app.pieces(), True), rank, world_size)
+        out["missing"] = [p.name for p in pieces if not buffers.holds(p)]
+        ckpt.publish(1, wait=True)  # the first publish is a base of every published piece
+        out["allocations"] = buffers.allocations
+    alone = Publisher.for_model(arg["uri"] + "/alone", cnr.PublishOptions(), cnr.CheckpointOptions(), rank,
+                                world_size, dmp)
+    alone.handoff.buffers.wait_prepared()
+    out["alone_missing"] = [p.name for p in pieces if not alone.handoff.buffers.holds(p)]
+    alone.close()
+    return out
+
+
+def test_the_first_publish_finds_its_host_buffers_allocated(tmp_path):
+    """A base's host buffers are allocated (pages touched) in the background when the publisher is
+    built, by a Checkpointer and by Publisher.for_model: the first publish, a base of every table,
+    allocates none inside the training stall."""
+    out = launch(_first_publish, 2, {"uri": str(tmp_path / "ck")})
+    assert out == {"missing": [], "allocations": 0, "alone_missing": []}

@@ -95,7 +95,8 @@ def test_compare_relates_the_ranked_publisher_to_all_rows_over_seeds():
 
     def steady(nbytes, served, fresh):
         return {"bytes": nbytes, "served_logloss": served, "served_auc": 0.7, "fresh_logloss": fresh,
-                "fresh_auc": 0.71, "publishes": 31, "full_fp32_bytes": 1300, "table_gap": nbytes / 1e4}
+                "fresh_auc": 0.71, "publishes": 31, "full_fp32_bytes": 1300, "table_gap": nbytes / 1e4,
+                "stall_over_train": nbytes / 1e5}
 
     out = compare({"all_rows": [steady(200, 0.50, 0.49), steady(200, 0.52, 0.51)],
                    "ranked": [steady(100, 0.505, 0.49), steady(100, 0.525, 0.51)]})
@@ -103,6 +104,7 @@ def test_compare_relates_the_ranked_publisher_to_all_rows_over_seeds():
     assert out["ranked_logloss_delta"] == 0.005 and out["seed_spread_logloss"] == 0.02
     assert out["ranked_logloss_over_fresh"] == 0.015 and out["all_rows_logloss_over_fresh"] == 0.01
     assert out["ranked_table_gap"] == 0.01 and out["all_rows_table_gap"] == 0.02
+    assert out["ranked_stall_over_train"] == 0.001 and out["all_rows_stall_over_train"] == 0.002
 
 
 def test_the_comparison_runs_both_publishers_on_the_same_training(tmp_path):

@@ -14,6 +14,8 @@ Figures (means over the publishes after the first base, then over seeds):
 - ``ranked_logloss_delta``: the ranked subscriber's eval logloss minus the all-rows one's;
 - ``seed_spread_logloss``: max minus min over seeds of the all-rows subscriber's logloss;
 - ``*_logloss_over_fresh``: a subscriber's logloss minus the fully fresh model's, at the same step;
+- ``*_stall_over_train``: the seconds ``publish()`` blocked training over the seconds of the
+  training steps plus those (the scoring of the ranked publisher's rows included);
 - ``*_table_gap``: ``||served - trained|| / ||trained||`` over every table row, right after each
   publish was applied (what the budget leaves behind, and the quantization error).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import time
 from typing import Any, Dict, List
 
 import torch
@@ -55,11 +58,16 @@ def _publishing_run(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str
     subscriber = Subscriber(publisher.uri, InferenceModel(config))
     reader = make_reader(config, rank, world_size, None, split="train")
     evals: List[Dict[str, float]] = []
+    train_s = stall_s = 0.0  # seconds in training steps, and in publish() calls (the stall)
     try:
         for step in range(1, config.train.steps + 1):
+            start = time.perf_counter()
             train_step(sharded, reader.next_batch())
+            train_s += time.perf_counter() - start
             if publisher.due(step):
+                start = time.perf_counter()
                 publisher.publish(step, collect_state(sharded.model, sharded.dense_optimizer))
+                stall_s += time.perf_counter() - start
                 publisher.wait()
                 subscriber.poll()
                 gap = _table_gap(subscriber.model.tensors, collect_state(sharded.model, sharded.dense_optimizer))
@@ -73,7 +81,8 @@ def _publishing_run(rank: int, world_size: int, arg: Dict[str, Any]) -> Dict[str
         subscriber.close()
     records = [r for r in publisher.stats.records if r["status"] == "committed"]
     return {"evals": evals, "bytes": [r["bytes"] for r in records], "kinds": [r["kind"] for r in records],
-            "full_fp32_bytes": full_fp32, "rows": [(t.sent, t.deferred, t.overdue) for t in publisher.stats.taken]}
+            "full_fp32_bytes": full_fp32, "rows": [(t.sent, t.deferred, t.overdue) for t in publisher.stats.taken],
+            "stall_over_train": stall_s / (train_s + stall_s)}
 
 
 def _table_gap(served: Dict[str, torch.Tensor], pieces: List[StatePiece]) -> float:
@@ -96,7 +105,7 @@ def _steady(run: Dict[str, Any]) -> Dict[str, float]:
     mean = lambda key: statistics.fmean(e[key] for e in evals)  # noqa: E731
     return {"bytes": statistics.fmean(run["bytes"][1:]), "served_logloss": mean("served_logloss"),
             "served_auc": mean("served_auc"), "fresh_logloss": mean("fresh_logloss"), "fresh_auc": mean("fresh_auc"),
-            "table_gap": mean("table_gap"),
+            "table_gap": mean("table_gap"), "stall_over_train": run["stall_over_train"],
             "publishes": len(run["bytes"]), "full_fp32_bytes": run["full_fp32_bytes"]}
 
 
@@ -115,6 +124,8 @@ def compare(runs: Dict[str, List[Dict[str, float]]]) -> Dict[str, Any]:
         "all_rows_logloss_over_fresh": round(mean("all_rows", "served_logloss") - mean("all_rows", "fresh_logloss"), 7),
         "ranked_table_gap": round(mean("ranked", "table_gap"), 7),
         "all_rows_table_gap": round(mean("all_rows", "table_gap"), 7),
+        "ranked_stall_over_train": round(mean("ranked", "stall_over_train"), 5),
+        "all_rows_stall_over_train": round(mean("all_rows", "stall_over_train"), 5),
         "per_seed": {mode: [{k: round(v, 7) if isinstance(v, float) else v for k, v in r.items()} for r in rs]
                      for mode, rs in runs.items()},
     }

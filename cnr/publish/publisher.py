@@ -177,9 +177,19 @@ class Publisher:
         """A Publisher of ``model``'s rows with a row tracker of its own (installed here), for a job
         that publishes without a Checkpointer."""
         # no optimizer is known here: data-parallel tables are published whole (cnr.track.app_state.whole_tables)
-        tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(AppState({"model": model})))
+        app = AppState({"model": model})
+        tracker = RowTracker(model, views=(VIEW,), whole=whole_tables(app))
         tracker.install()
-        return cls(uri, options, writer_options, rank, world_size, tracker, interval=interval)
+        publisher = cls(uri, options, writer_options, rank, world_size, tracker, interval=interval)
+        publisher.prepare(app.pieces())
+        return publisher
+
+    def prepare(self, pieces: Sequence[StatePiece]) -> None:
+        """Allocate the host buffers of a base of ``pieces`` (this rank's published share) on a
+        background thread, so that the first publish, a base, does not stall training for them
+        (cnr.track.snapshot.HostBuffers.prepare); returns at once."""
+        self.handoff.buffers.prepare(pieces_to_write(published_pieces(pieces, with_dense=True), self.rank,
+                                                     self.world_size))
 
     @property
     def writer(self) -> Writer:
