@@ -26,7 +26,6 @@ import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from cnr.restore.into_app import RestoredChain, table_spec
 from cnr.track.app_state import AppState
@@ -43,7 +42,6 @@ from cnr.write.plan import resolve_table_bits
 from cnr.options import CheckpointOptions, OptionsError, PublishOptions
 from cnr.options.checkpoint import as_library_options
 from cnr.publish.publisher import VIEW as PUBLISH_VIEW, Publisher
-from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.policy.kinds import BitDecision, failure_rate
 from cnr.write.local_tier import tier_for
 from cnr.write.peer_exchange import host_exchange
@@ -61,13 +59,6 @@ import cnr.write.at_exit as at_exit
 from cnr.write.mainguard import check_main_guard
 
 logger = logging.getLogger(__name__)
-
-
-def _rank_and_world() -> tuple:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cnr.Checkpointer needs torch.distributed's default process group "
-                           "(dist.init_process_group), as torchrec's DistributedModelParallel does")
-    return dist.get_rank(), dist.get_world_size()
 
 
 class PendingCheckpoint:
@@ -117,7 +108,7 @@ class Checkpointer:
             publish = as_library_options(publish, PublishOptions, "publish")
         if publish is not None and PUBLISH_VIEW not in views:
             views = tuple(views) + (PUBLISH_VIEW,)
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size = agreement.rank_and_world("cnr.Checkpointer")
         self.app = AppState(app_state, self.rank)
         # state cnr cannot give back exactly: refused before training
         agreement.barrier("open: app_state holds only state cnr restores exactly", lambda: check_supported(self.app))
@@ -155,12 +146,8 @@ class Checkpointer:
         self._recorded_bits: Optional[Dict[str, Any]] = None
         self._start_step = 0
         self._planner: Optional[BitWidthPlanner] = None
-        self.publisher: Optional[Publisher] = None
-        if publish is not None:
-            publish_uri = publish.uri or default_publish_uri(self.uri)
-            check_publish_storage(publish_uri, self.uri)
-            self.publisher = Publisher(publish_uri, publish, self.options, self.rank, self.world_size, self.tracker,
-                                       lease=self.location.lease_ref, lease_uri=self.uri)
+        self.publisher: Optional[Publisher] = None if publish is None else Publisher.beside(
+            self.uri, publish, self.options, self.rank, self.world_size, self.tracker, self.location.lease_ref)
         rows_per_rank = sum(t.rows for t in self.tables) // self.world_size  # AUTO's search kernel
         # the writers count themselves in for rank 0's commit there, and with a local tier per node
         # hand each other indexes and manifests (collective; cnr.write.peer_exchange)

@@ -49,6 +49,7 @@ from cnr.write.handoff import RUNNING, HandOff, SettleMode, Settled
 from cnr.track.app_state import AppState, whole_tables
 from cnr.options import CheckpointOptions, PublishOptions
 from cnr.publish.freshness import FreshnessRanker, Taken
+from cnr.publish.location import check_publish_storage, default_publish_uri
 from cnr.format.layout import make_id
 from cnr.format.catalog import newest_committed
 from cnr.policy.retention import NOTHING_DELETED, RetentionPlan, plan_retention, retain_after_commit
@@ -170,6 +171,16 @@ class Publisher:
         self.ranker = FreshnessRanker(tracker, VIEW, options.max_rows, options.max_bytes, options.max_delay,
                                       options.bits, options.serving_params) if options.ranked else None
         self._taken: Optional[Taken] = None  # what the ranker took for the publish in flight
+
+    @classmethod
+    def beside(cls, checkpoint_uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,
+               world_size: int, tracker: RowTracker, lease: Optional[LeaseRef]) -> "Publisher":
+        """The Publisher of a Checkpointer at ``checkpoint_uri``, sharing its tracker and committing
+        under its ``lease``: the store is ``options.uri`` or ``<checkpoint uri>/publish``, refused
+        where it overlaps the checkpoints (cnr.publish.location)."""
+        uri = options.uri or default_publish_uri(checkpoint_uri)
+        check_publish_storage(uri, checkpoint_uri)
+        return cls(uri, options, writer_options, rank, world_size, tracker, lease=lease, lease_uri=checkpoint_uri)
 
     @classmethod
     def for_model(cls, uri: str, options: PublishOptions, writer_options: CheckpointOptions, rank: int,

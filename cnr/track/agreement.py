@@ -48,6 +48,15 @@ def world() -> Tuple[int, int]:
     return 0, 1
 
 
+def rank_and_world(who: str) -> Tuple[int, int]:
+    """(this rank, world size) of the default process group, which ``who`` needs: RuntimeError
+    naming it when there is none."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{who} needs torch.distributed's default process group "
+                           "(dist.init_process_group), as torchrec's DistributedModelParallel does")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def portable(error: BaseException) -> BaseException:
     """``error`` itself when it survives pickling, else a RankError naming its type and message."""
     try:
