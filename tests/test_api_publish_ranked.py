@@ -10,7 +10,7 @@ import torch
 
 import cnr
 from cnr.app.launch import launch
-from examples.two_tower import TwoTower, build, make_loader
+from examples.two_tower import TwoTower, build, make_loader, train_step
 
 MAX_ROWS = 40
 
@@ -23,11 +23,7 @@ def _train(rank, world_size, arg):
     with cnr.Checkpointer(arg["uri"], app_state, cnr.CheckpointOptions(policy="consecutive"), publish=publish) as ckpt:
         batches = iter(loader)
         for step in range(1, arg["steps"] + 1):
-            loss = dmp(next(batches))
-            adam.zero_grad()
-            loss.backward()
-            adam.step()
-            sched.step()
+            train_step(dmp, adam, sched, next(batches))
             if step < arg["steps"]:
                 assert ckpt.publish(step) is not None
                 ckpt.publisher.wait()
